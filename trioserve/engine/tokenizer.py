@@ -1,0 +1,191 @@
+"""The tokenizer of a Hugging Face model directory, on ``tokenizer.json``.
+
+One encoding for everything (protocol section 3.2): no BOS is added, and
+special-token strings in the text become their ids. Decoding writes special
+tokens as their text, so that ``decode(encode(text)) == text`` for ordinary text.
+
+Token healing needs each token's raw bytes (a byte-level token may be part of a
+UTF-8 character, so its decoded text is not enough) and the ids whose bytes
+start with a given prefix; both are computed once at load.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections.abc import Iterable, Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import attrs
+from tokenizers import Tokenizer as HfTokenizer
+
+from trioserve.errors import ModelError
+
+__all__ = ["Tokenizer"]
+
+
+@lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-to-printable-character table, inverted: each byte is written
+    as one printable character in byte-level BPE vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+def _is_byte_level(decoder: Any) -> bool:
+    if not isinstance(decoder, dict):
+        return False
+    if decoder.get("type") == "ByteLevel":
+        return True
+    return any(_is_byte_level(d) for d in decoder.get("decoders", ()))
+
+
+def _piece_bytes(piece: str, byte_level: bool) -> bytes:
+    if byte_level:
+        table = _byte_level_alphabet()
+        if all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return piece.encode("utf-8")
+    # SentencePiece-style vocabularies: byte-fallback pieces and "▁" for space.
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    return piece.replace("\u2581", " ").encode("utf-8")
+
+
+def _ids_from(value: Any) -> set[int]:
+    if isinstance(value, bool):
+        return set()
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, list):
+        return {v for v in value if isinstance(v, int) and not isinstance(v, bool)}
+    return set()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot read {str(path)!r}: {exc}") from exc
+    return value if isinstance(value, dict) else {}
+
+
+def _token_name(value: Any) -> str | None:
+    # tokenizer_config.json writes a token either as a string or as an
+    # AddedToken dict with a "content" key.
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+@attrs.define(eq=False)
+class Tokenizer:
+    """A model's tokenizer. Thread-safe: the Rust tokenizer is only read, and
+    the tables built at load never change."""
+
+    _tok: HfTokenizer
+    bos_token_id: int | None
+    #: Every end-of-sequence id: config.json, generation_config.json and the
+    #: tokenizer's own EOS token.
+    eos_token_ids: frozenset[int]
+    #: Ids the tokenizer knows (added tokens included).
+    vocab_size: int
+    special_ids: frozenset[int]
+    _token_bytes: tuple[bytes, ...]
+    # Ids sorted by their bytes, for prefix lookups by bisection.
+    _sorted_bytes: list[bytes]
+    _sorted_ids: list[int]
+
+    @classmethod
+    def from_dir(cls, path: Path) -> Tokenizer:
+        """Load ``tokenizer.json`` and the special ids of the model directory ``path``.
+
+        Raises:
+            ModelError: there is no readable ``tokenizer.json``.
+        """
+        path = Path(path)
+        file = path / "tokenizer.json"
+        try:
+            tok = HfTokenizer.from_file(str(file))
+            raw = json.loads(file.read_text(encoding="utf-8"))
+        except Exception as exc:  # the Rust side raises plain Exception
+            raise ModelError(f"cannot load tokenizer {str(file)!r}: {exc}") from exc
+        config = _read_json(path / "config.json")
+        generation = _read_json(path / "generation_config.json")
+        token_config = _read_json(path / "tokenizer_config.json")
+
+        eos = _ids_from(config.get("eos_token_id")) | _ids_from(generation.get("eos_token_id"))
+        bos_ids = _ids_from(generation.get("bos_token_id")) or _ids_from(config.get("bos_token_id"))
+        if (name := _token_name(token_config.get("eos_token"))) is not None:
+            eos_id = tok.token_to_id(name)
+            if eos_id is not None:
+                eos.add(eos_id)
+        if not bos_ids and (name := _token_name(token_config.get("bos_token"))) is not None:
+            bos_id = tok.token_to_id(name)
+            if bos_id is not None:
+                bos_ids = {bos_id}
+
+        size = tok.get_vocab_size(with_added_tokens=True)
+        byte_level = _is_byte_level(raw.get("decoder"))
+        added = tok.get_added_tokens_decoder()
+        special = frozenset(i for i, t in added.items() if t.special)
+        pieces: list[bytes] = []
+        for i in range(size):
+            piece = tok.id_to_token(i)
+            if piece is None:
+                pieces.append(b"")
+            elif i in added:
+                pieces.append(added[i].content.encode("utf-8"))
+            else:
+                pieces.append(_piece_bytes(piece, byte_level))
+        order = sorted(range(size), key=pieces.__getitem__)
+        return cls(
+            tok=tok,
+            bos_token_id=min(bos_ids) if bos_ids else None,
+            eos_token_ids=frozenset(eos),
+            vocab_size=size,
+            special_ids=special,
+            token_bytes=tuple(pieces),
+            sorted_bytes=[pieces[i] for i in order],
+            sorted_ids=order,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Protocol section 3.2: no BOS added; special-token strings become their ids."""
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int] | Iterable[int]) -> str:
+        """Decode ``ids``, writing special tokens as their text."""
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes token ``token_id`` stands for (its text for special tokens)."""
+        return self._token_bytes[token_id]
+
+    def ids_with_prefix(self, prefix: bytes) -> list[int]:
+        """Ordinary (non-special) ids whose bytes start with ``prefix``, which
+        token healing allows as the first generated token."""
+        lo = bisect.bisect_left(self._sorted_bytes, prefix)
+        found: list[int] = []
+        for i in range(lo, len(self._sorted_bytes)):
+            if not self._sorted_bytes[i].startswith(prefix):
+                break
+            if self._sorted_ids[i] not in self.special_ids:
+                found.append(self._sorted_ids[i])
+        return found
