@@ -1,0 +1,146 @@
+"""Engines: the Engine protocol, its backends, and a loader by name.
+
+Backends are imported lazily: ``cpu`` pulls in torch, ``exllamav2`` pulls in
+ExLlamaV2 (which needs CUDA), and neither is needed to use the other.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Literal
+
+import attrs
+
+from ..errors import ConfigError, EngineError
+from .base import (
+    Engine,
+    EngineInfo,
+    Failed,
+    Finished,
+    FinishReason,
+    GenerationSpec,
+    SamplingSettings,
+    TextUpdate,
+    Update,
+)
+
+__all__ = [
+    "ENGINE_NAMES",
+    "Engine",
+    "EngineInfo",
+    "EngineOptions",
+    "Failed",
+    "FinishReason",
+    "Finished",
+    "GenerationSpec",
+    "SamplingSettings",
+    "TextUpdate",
+    "Update",
+    "load_engine",
+]
+
+log = logging.getLogger("trioserve.engine")
+
+EngineName = Literal["auto", "cpu", "exllamav2"]
+ENGINE_NAMES: tuple[EngineName, ...] = ("auto", "cpu", "exllamav2")
+CACHE_TYPES = ("fp16", "q4", "q6", "q8")
+
+
+@attrs.frozen(kw_only=True)
+class EngineOptions:
+    """How to build an engine; the command line maps onto this one to one."""
+
+    engine: EngineName = "auto"
+    #: A Hugging Face model directory; None serves the embedded SmolLM2.
+    model: Path | None = None
+    #: CPU engine: torch dtype name and device.
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    #: Lowers the model's context length (None keeps the model's).
+    context_length: int | None = None
+    #: Jobs generated together; None picks the backend's default.
+    max_batch: int | None = None
+    #: Never download the embedded model; fail with instructions instead.
+    offline: bool = False
+    #: CPU engine: torch threads (None keeps torch's default).
+    threads: int | None = None
+    #: ExLlamaV2 engine: cache type and size (tokens, a multiple of 256),
+    #: GPU split in GB per device (None = autosplit), tensor parallel.
+    cache_type: str = "fp16"
+    cache_size: int | None = None
+    gpu_split: tuple[float, ...] | None = None
+    tensor_parallel: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.engine not in ENGINE_NAMES:
+            raise ConfigError(f"engine must be one of {ENGINE_NAMES}, got {self.engine!r}")
+        if self.cache_type not in CACHE_TYPES:
+            raise ConfigError(f"cache type must be one of {CACHE_TYPES}, got {self.cache_type!r}")
+        if self.context_length is not None and self.context_length < 2:
+            raise ConfigError(f"context length must be >= 2, got {self.context_length!r}")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ConfigError(f"max batch must be >= 1, got {self.max_batch!r}")
+        if self.cache_size is not None and (self.cache_size <= 0 or self.cache_size % 256):
+            raise ConfigError(
+                f"cache size must be a positive multiple of 256, got {self.cache_size!r}"
+            )
+
+
+def choose_engine(name: EngineName) -> tuple[Literal["cpu", "exllamav2"], str]:
+    """Resolve ``auto``: ExLlamaV2 when it imports and CUDA is present, else CPU.
+
+    Returns the backend and the reason, for the log.
+    """
+    if name == "cpu":
+        return "cpu", "asked for"
+    if name == "exllamav2":
+        return "exllamav2", "asked for"
+    from .exllamav2 import probe_exllamav2
+
+    usable, reason = probe_exllamav2()
+    if usable:
+        return "exllamav2", reason
+    return "cpu", f"exllamav2 is not usable: {reason}"
+
+
+def load_engine(options: EngineOptions) -> Engine:
+    """Build the engine that ``options`` describe (blocking: loads a model).
+
+    Raises :class:`~trioserve.errors.ModelError` when the model cannot be had,
+    :class:`~trioserve.errors.EngineError` when the backend cannot run.
+    """
+    backend, reason = choose_engine(options.engine)
+    log.info("engine: %s (%s)", backend, reason)
+    if backend == "cpu":
+        from .cpu import CpuEngine
+
+        return CpuEngine.load(
+            options.model,
+            dtype=options.dtype,
+            device=options.device,
+            context_length=options.context_length,
+            max_batch=options.max_batch or 8,
+            offline=options.offline,
+            threads=options.threads,
+        )
+    from .exllamav2 import ExLlamaV2Engine, probe_exllamav2
+
+    if options.engine == "exllamav2":
+        usable, why = probe_exllamav2()
+        if not usable:
+            raise EngineError(f"the exllamav2 engine cannot run here: {why}")
+    model = options.model
+    if model is None:
+        from .models import default_model_dir
+
+        model = default_model_dir(offline=options.offline)
+    return ExLlamaV2Engine.load(
+        model,
+        cache_type=options.cache_type,
+        cache_size=options.cache_size,
+        max_batch=options.max_batch or 32,
+        context_length=options.context_length,
+        gpu_split=options.gpu_split,
+        tensor_parallel=options.tensor_parallel,
+    )
