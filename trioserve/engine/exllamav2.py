@@ -1,0 +1,786 @@
+"""The ExLlamaV2 engine: trioserve's Engine protocol over ExLlamaV2's dynamic generator.
+
+ExLlamaV2 (0.3.2, ``turboderp-org/exllamav2``) runs EXL2, GPTQ and FP16/BF16
+safetensors models on NVIDIA GPUs. Its :class:`ExLlamaV2DynamicGenerator` does
+continuous batching over a paged KV cache, stop tokens and strings, held-back
+text and token healing itself; this module only translates:
+
+* each :class:`~trioserve.engine.base.GenerationSpec` becomes one
+  ``ExLlamaV2DynamicJob`` with a fresh ``ExLlamaV2Sampler.Settings``
+  (:func:`sampler_fields`, :func:`stop_conditions`), after the checks ExLlamaV2
+  does not make (:func:`refusal`);
+* the untyped result dicts of ``generator.iterate()`` become typed updates at
+  once (:func:`updates_from_result`), with the held-text rules of the protocol.
+
+The generator is not thread-safe and its asyncio wrapper blocks the event
+loop, so neither is used from trio: ``enqueue``, ``cancel`` and ``iterate`` are
+called only from :meth:`ExLlamaV2Engine.step`, which the generation task runs
+in one worker thread at a time.
+
+``exllamav2`` is imported only by :func:`probe_exllamav2` and
+:meth:`ExLlamaV2Engine.load`, never when this module is imported: on a machine
+without CUDA the import fails (its C++/CUDA extension cannot be built), and
+where it works it compiles that extension on first use, which takes minutes.
+Everything above the two is pure and tested on a CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final, Literal, TypeAlias
+
+import attrs
+
+from trioserve.engine.base import (
+    EngineInfo,
+    Failed,
+    Finished,
+    GenerationSpec,
+    SamplingSettings,
+    TextUpdate,
+    Update,
+)
+from trioserve.engine.tokenizer import Tokenizer
+from trioserve.errors import ConfigError, EngineError, ModelError
+
+__all__ = [
+    "CACHE_TYPES",
+    "PAGE_SIZE",
+    "CacheType",
+    "ExLlamaV2Engine",
+    "JobState",
+    "LoadPlan",
+    "plan_load",
+    "probe_exllamav2",
+    "refusal",
+    "sampler_fields",
+    "stop_conditions",
+    "updates_from_result",
+]
+
+log = logging.getLogger("trioserve.engine")
+
+#: The dynamic generator's page size in tokens (``PAGED_PAGE_SIZE`` in
+#: exllamav2/generator/dynamic.py). The cache, and in paged mode the prefill
+#: chunk, must be multiples of it.
+PAGE_SIZE: Final = 256
+
+CacheType: TypeAlias = Literal["fp16", "q4", "q6", "q8"]
+#: Cache element types, each an ExLlamaV2 cache class. The FP8 cache
+#: (``ExLlamaV2Cache_8bit``) is left out: the dynamic generator rejects it.
+CACHE_TYPES: Final[tuple[CacheType, ...]] = ("fp16", "q4", "q6", "q8")
+
+# The first ExLlamaV2 release with every call this module makes (eos_reason in
+# the result dicts, ExLlamaV2Cache_Q6/_Q8, load_tp with expect_cache_base).
+_MIN_VERSION: Final = (0, 3, 2)
+
+
+# -- probing -------------------------------------------------------------------------
+
+
+def probe_exllamav2() -> tuple[bool, str]:
+    """Whether the ExLlamaV2 engine can run here, and why (or why not).
+
+    True only when torch sees a CUDA device and ``import exllamav2`` works. The
+    import is not even tried without CUDA: it would try to build the C++/CUDA
+    extension and fail (an OSError on CPU-only torch). Whatever the import
+    raises is caught and reported, since a broken optional backend must not
+    stop the server from starting on the CPU engine.
+
+    ExLlamaV2's model module calls ``torch.set_num_threads(1)`` when imported;
+    the thread count is put back, because the CPU engine and tokenization in
+    the same process need the cores.
+    """
+    try:
+        import torch
+    except Exception as exc:
+        return False, f"torch cannot be imported ({type(exc).__name__}: {exc})"
+    if not torch.cuda.is_available():
+        return False, f"torch {torch.__version__} sees no CUDA device"
+    threads = torch.get_num_threads()
+    try:
+        import exllamav2
+
+        # The dynamic generator's module loads more of the extension.
+        import exllamav2.generator
+    except Exception as exc:
+        return False, f"exllamav2 cannot be imported ({type(exc).__name__}: {exc})"
+    finally:
+        torch.set_num_threads(threads)
+    version = str(getattr(exllamav2, "__version__", "unknown"))
+    if _version_tuple(version) < _MIN_VERSION:
+        wanted = ".".join(map(str, _MIN_VERSION))
+        return False, f"exllamav2 {version} is too old: trioserve needs >= {wanted}"
+    return True, f"exllamav2 {version} on {torch.cuda.get_device_name(0)}"
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts: list[int] = []
+    for part in version.split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+# -- load options --------------------------------------------------------------------
+
+
+@attrs.frozen
+class LoadPlan:
+    """The validated numbers an engine is built with."""
+
+    cache_type: CacheType
+    #: Tokens the cache holds for all jobs together; a multiple of PAGE_SIZE.
+    cache_tokens: int
+    #: Tokens one job may hold (prompt plus generated).
+    context_length: int
+    #: Prompt tokens prefilled per job and step; a multiple of PAGE_SIZE.
+    max_chunk_size: int
+    #: Jobs running at once: 1 without paged attention.
+    max_batch: int
+    paged: bool
+    gpu_split: tuple[float, ...] | None
+    tensor_parallel: bool
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def plan_load(
+    model_context: int,
+    *,
+    paged: bool,
+    cache_type: str = "fp16",
+    cache_size: int | None = None,
+    max_batch: int = 32,
+    context_length: int | None = None,
+    gpu_split: Sequence[float] | None = None,
+    tensor_parallel: bool = False,
+    max_chunk_size: int = 2048,
+) -> LoadPlan:
+    """Check the engine options against the model's context length
+    ``model_context`` (its config.json) and settle the derived numbers.
+
+    The dynamic generator asserts rather than explains (dynamic.py checks the
+    cache size and chunk size with ``assert``), so every option it would
+    reject is rejected here first, with a message that says what is allowed.
+
+    Raises:
+        ConfigError: an option is out of range or options conflict.
+    """
+    if cache_type not in CACHE_TYPES:
+        raise ConfigError(f"cache_type must be one of {', '.join(CACHE_TYPES)}, not {cache_type!r}")
+    if max_batch < 1:
+        raise ConfigError(f"max_batch must be at least 1, not {max_batch!r}")
+    if model_context < PAGE_SIZE:
+        raise ConfigError(
+            f"the model's context length must be at least {PAGE_SIZE} for ExLlamaV2's "
+            f"dynamic generator, not {model_context!r}"
+        )
+    if context_length is None:
+        context = model_context
+    elif not PAGE_SIZE <= context_length <= model_context:
+        # Longer than the model's own length would run RoPE past what it was
+        # trained on; ExLlamaV2 sizes its tables to config.max_seq_len.
+        raise ConfigError(
+            f"context_length must be between {PAGE_SIZE} and the model's {model_context}, "
+            f"not {context_length!r}"
+        )
+    else:
+        context = context_length
+    min_cache = _round_up(context, PAGE_SIZE)
+    if cache_size is None:
+        cache_tokens = min_cache
+    elif cache_size % PAGE_SIZE != 0 or cache_size < min_cache:
+        raise ConfigError(
+            f"cache_size must be a multiple of {PAGE_SIZE} and at least the context length "
+            f"rounded up ({min_cache}), not {cache_size!r}"
+        )
+    else:
+        cache_tokens = cache_size
+    if max_chunk_size < PAGE_SIZE or max_chunk_size % PAGE_SIZE != 0:
+        raise ConfigError(
+            f"max_chunk_size must be a positive multiple of {PAGE_SIZE}, not {max_chunk_size!r}"
+        )
+    # The model's forward pass takes at most config.max_input_len (2048, capped
+    # at max_seq_len) tokens; the chunk must fit in it and stay page-aligned.
+    chunk = min(max_chunk_size, (min(2048, context) // PAGE_SIZE) * PAGE_SIZE)
+    # The generator's batch times max_q_size (8) must fit in max_input_len
+    # (dynamic.py, ExLlamaV2DynamicGenerator.__init__).
+    batch_limit = min(2048, context) // 8
+    if max_batch > batch_limit:
+        raise ConfigError(
+            f"max_batch must be at most {batch_limit} for a context length of {context}, "
+            f"not {max_batch!r}"
+        )
+    split: tuple[float, ...] | None = None
+    if gpu_split is not None:
+        split = tuple(float(x) for x in gpu_split)
+        if not split or any(not math.isfinite(x) or x <= 0 for x in split):
+            raise ConfigError(f"gpu_split must be positive GiB per GPU, not {list(gpu_split)!r}")
+    return LoadPlan(
+        cache_type=cache_type,  # narrowed by the check against CACHE_TYPES
+        cache_tokens=cache_tokens,
+        context_length=context,
+        max_chunk_size=chunk,
+        max_batch=max_batch if paged else 1,
+        paged=paged,
+        gpu_split=split,
+        tensor_parallel=tensor_parallel,
+    )
+
+
+# -- per-job translation -------------------------------------------------------------
+
+
+def sampler_fields(settings: SamplingSettings) -> dict[str, Any]:
+    """The ``ExLlamaV2Sampler.Settings`` attributes for ``settings``.
+
+    Every field the sampler reads is set, also those the protocol cannot
+    change, so that a later ExLlamaV2 release that changes a default does not
+    change what trioserve computes. Greedy (temperature 0) is asked for
+    explicitly as top_k 1 at temperature 1: the C++ sampler would also treat
+    a temperature below 0.01 as greedy, but only as a side rule.
+    The token bias (banned ids) and the seed are set elsewhere: the bias needs
+    the tokenizer, the seed belongs to the job.
+    """
+    greedy = settings.greedy
+    return {
+        "token_repetition_penalty": settings.rep_pen,
+        # -1: the penalties look at the whole context, prompt included, as the
+        # seed server did.
+        "token_repetition_range": -1,
+        "token_repetition_decay": 0,
+        "token_frequency_penalty": settings.freq_pen,
+        "token_presence_penalty": settings.pres_pen,
+        "temperature": 1.0 if greedy else settings.temperature,
+        "top_k": 1 if greedy else settings.top_k,
+        "top_p": settings.top_p,
+        "top_a": settings.top_a,
+        "min_p": settings.min_p,
+        "typical": settings.typical,
+        "skew": settings.skew,
+        "tfs": 0.0,
+        "smoothing_factor": 0.0,
+        "min_temp": 0.0,
+        "max_temp": 0.0,
+        "temp_exponent": 1.0,
+        "temperature_last": False,
+        "mirostat": False,
+        "dry_multiplier": 0.0,
+        "xtc_probability": 0.0,
+        "cfg_scale": None,
+    }
+
+
+def stop_conditions(spec: GenerationSpec, eos_token_ids: frozenset[int]) -> list[int | str]:
+    """The job's ``stop_conditions``: every EOS id of the model, the request's
+    stop ids, then its stop strings.
+
+    ExLlamaV2's job adds no EOS id itself (dynamic.py, ExLlamaV2DynamicJob
+    takes only what it is given), and its config keeps just the first of a
+    list of EOS ids, which is why Llama 3 instruct models never stop there
+    (exllamav2 issue #803); the engine passes them all.
+    """
+    ids: list[int | str] = sorted(spec.stop_token_ids | eos_token_ids)
+    return ids + list(dict.fromkeys(spec.stop_strings))
+
+
+def refusal(
+    spec: GenerationSpec,
+    *,
+    context_length: int,
+    vocab_size: int,
+    page_size: int,
+    max_pages: int,
+) -> str | None:
+    """Why ``spec`` cannot be run, or None when it can.
+
+    ExLlamaV2 checks only that a job fits in the cache pages (with an
+    ``assert`` at enqueue, dynamic.py ``prepare_for_queue``); nothing checks a
+    job against the model's context length, past which RoPE tables run out.
+    """
+    n = len(spec.prompt_ids)
+    if n == 0:
+        return "the prompt is empty: it must have at least one token"
+    if spec.max_new_tokens < 1:
+        return f"max_new_tokens must be at least 1, not {spec.max_new_tokens!r}"
+    if n + spec.max_new_tokens > context_length:
+        return (
+            f"the prompt ({n} tokens) plus max_new_tokens ({spec.max_new_tokens}) exceeds "
+            f"the context length ({context_length})"
+        )
+    # The job reserves pages for its whole length up front (prepare_for_queue:
+    # len(sequence_ids) + max_new_tokens, plus one when healing dropped a token).
+    pages = -(-(n + spec.max_new_tokens) // page_size)
+    if pages > max_pages:
+        return (
+            f"the job needs {pages * page_size} cache tokens but the cache holds "
+            f"{max_pages * page_size}; use a larger cache_size"
+        )
+    bad = sorted(i for i in spec.banned_ids if not 0 <= i < vocab_size)
+    if bad:
+        return f"banned ids must be between 0 and {vocab_size - 1}, not {bad!r}"
+    bad_stop = sorted(i for i in spec.stop_token_ids if i < 0)
+    if bad_stop:
+        return f"stop token ids must not be negative, not {bad_stop!r}"
+    if any(s == "" for s in spec.stop_strings):
+        return "stop strings must not be empty"
+    if any(not 0 <= i < vocab_size for i in spec.prompt_ids):
+        return f"prompt ids must be between 0 and {vocab_size - 1}"
+    return None
+
+
+@attrs.define(eq=False)
+class JobState:
+    """What the engine remembers about one running job between steps."""
+
+    job_id: int
+    #: Prompt tokens prefilled (token healing takes the last one off).
+    prompt_tokens: int
+    #: Token healing is active: the first sampled token replaces the prompt's
+    #: last one, and ExLlamaV2 does not count it (``new_tokens`` starts at -1).
+    healing: bool
+    #: The job's stop strings, in the request's order.
+    stop_strings: tuple[str, ...] = ()
+    #: Tokens sampled so far, the healed token included.
+    sampled: int = 0
+    #: The job's held text after its last sampled token.
+    held: str = ""
+
+    @classmethod
+    def for_spec(cls, spec: GenerationSpec) -> JobState:
+        # ExLlamaV2DynamicJob heals only when the input has more than one token.
+        healing = spec.token_healing and len(spec.prompt_ids) > 1
+        return cls(
+            job_id=spec.job_id,
+            prompt_tokens=len(spec.prompt_ids) - (1 if healing else 0),
+            healing=healing,
+            stop_strings=spec.stop_strings,
+        )
+
+    @property
+    def generated(self) -> int:
+        return self.sampled - (1 if self.healing else 0)
+
+
+def updates_from_result(result: Mapping[str, Any], state: JobState, held_now: str) -> Update | None:
+    """The typed update for one of ``generator.iterate()``'s result dicts.
+
+    ``held_now`` is the job's ``held_text`` after the step (the dicts of
+    tokens that end nothing do not carry it). Returns None for the ``started``
+    and ``prefill`` stages, which the protocol does not report.
+
+    The held-text rules (dynamic.py, ``receive_sample`` and its ``emit``):
+
+    * at ``max_new_tokens`` the generator flushes the held text into ``text``,
+      even when the last token completed a stop string: it tests the length
+      limit before the stop strings. The protocol lets the stop string win, so
+      the flushed text is searched for one here;
+    * at a stop string it emits the text before the match as ``text``, and
+      keeps the stop string and what follows in ``held``: that is dropped;
+    * at a stop token it emits nothing: the held text, with the stop token's
+      piece already appended, is left in ``held``. The protocol releases the
+      held text without that piece, which is exactly the held text after the
+      previous token, so it is taken from ``state`` rather than by cutting a
+      piece off a string.
+    """
+    if result.get("stage") != "streaming":
+        return None
+    state.sampled += 1
+    if not result.get("eos", False):
+        state.held = held_now
+        return TextUpdate(
+            job_id=state.job_id,
+            text=str(result.get("text", "")),
+            held=held_now,
+            generated_tokens=state.generated,
+        )
+    reason = result.get("eos_reason")
+    # new_tokens is ExLlamaV2's own count; it agrees with state.generated.
+    generated = int(result.get("new_tokens", state.generated))
+    if reason == "stop_token":
+        return Finished(
+            job_id=state.job_id,
+            text=state.held,
+            reason="stop_token",
+            stop_string=None,
+            stop_token=int(result["eos_triggering_token_id"]),
+            prompt_tokens=state.prompt_tokens,
+            generated_tokens=generated,
+        )
+    if reason == "stop_string":
+        return Finished(
+            job_id=state.job_id,
+            text=str(result.get("text", "")),
+            reason="stop_string",
+            stop_string=str(result["eos_triggering_string"]),
+            stop_token=None,
+            prompt_tokens=state.prompt_tokens,
+            generated_tokens=generated,
+        )
+    if reason == "max_new_tokens":
+        text = str(result.get("text", ""))
+        match = _first_stop_string(text, state.stop_strings)
+        if match is not None:
+            index, stop = match
+            return Finished(
+                job_id=state.job_id,
+                text=text[:index],
+                reason="stop_string",
+                stop_string=stop,
+                stop_token=None,
+                prompt_tokens=state.prompt_tokens,
+                generated_tokens=generated,
+            )
+        return Finished(
+            job_id=state.job_id,
+            text=text,
+            reason="max_new_tokens",
+            stop_string=None,
+            stop_token=None,
+            prompt_tokens=state.prompt_tokens,
+            generated_tokens=generated,
+        )
+    # "end_filter" needs a grammar filter, which trioserve never sets.
+    return Failed(job_id=state.job_id, message=f"exllamav2 ended the job for {reason!r}")
+
+
+def _first_stop_string(text: str, stop_strings: Sequence[str]) -> tuple[int, str] | None:
+    """The earliest stop string in ``text`` and where it starts; at one
+    position the one listed first wins."""
+    best: tuple[int, str] | None = None
+    for stop in stop_strings:
+        index = text.find(stop) if stop else -1
+        if index >= 0 and (best is None or index < best[0]):
+            best = (index, stop)
+    return best
+
+
+# -- the engine ----------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class _Running:
+    job: Any  # ExLlamaV2DynamicJob
+    state: JobState
+
+
+@attrs.define(eq=False)
+class ExLlamaV2Engine:
+    """An Engine over one ``ExLlamaV2DynamicGenerator``; see the module docstring.
+
+    Build it with :meth:`load`. Not thread-safe beyond what the Engine
+    protocol promises: :meth:`step` from one thread at a time, :meth:`encode`
+    and :meth:`decode` from any.
+    """
+
+    _info: EngineInfo
+    _plan: LoadPlan
+    _tokenizer: Tokenizer
+    # ExLlamaV2 objects (untyped): model, cache, ExLlamaV2Tokenizer, generator,
+    # and the classes a job needs.
+    _model: Any
+    _cache: Any
+    _xtokenizer: Any
+    _generator: Any
+    _job_class: Any
+    _settings_class: Any
+    _jobs: dict[int, _Running] = attrs.Factory(dict)
+    _closed: bool = False
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: Path,
+        *,
+        cache_type: str = "fp16",
+        cache_size: int | None = None,
+        max_batch: int = 32,
+        context_length: int | None = None,
+        gpu_split: Sequence[float] | None = None,
+        tensor_parallel: bool = False,
+        max_chunk_size: int = 2048,
+    ) -> ExLlamaV2Engine:
+        """Load the model directory ``model_dir`` (EXL2, GPTQ, or FP16/BF16/FP32
+        safetensors with ``config.json`` and ``tokenizer.json``) onto the GPUs.
+
+        Placement: ``tensor_parallel`` splits every layer over all GPUs
+        (``load_tp`` with the TP cache), ``gpu_split`` (GiB per GPU) places
+        whole layers by that split (``load``), and otherwise layers and cache
+        fill the GPUs in turn (``load_autosplit``).
+
+        Blocking (seconds to minutes: the first import of exllamav2 compiles
+        its extension); run it in a worker thread from async code.
+
+        Raises:
+            EngineError: exllamav2 cannot be used here (no CUDA, import fails).
+            ModelError: the directory is not a model ExLlamaV2 can load.
+            ConfigError: an option is invalid (see :func:`plan_load`).
+        """
+        usable, reason = probe_exllamav2()
+        if not usable:
+            raise EngineError(f"the exllamav2 engine cannot run: {reason}")
+        import torch
+        from exllamav2 import (
+            ExLlamaV2,
+            ExLlamaV2Cache,
+            ExLlamaV2Cache_Q4,
+            ExLlamaV2Cache_Q6,
+            ExLlamaV2Cache_Q8,
+            ExLlamaV2Cache_TP,
+            ExLlamaV2Config,
+            ExLlamaV2Tokenizer,
+        )
+        from exllamav2.attn import has_flash_attn_with_paged
+        from exllamav2.generator import (
+            ExLlamaV2DynamicGenerator,
+            ExLlamaV2DynamicJob,
+            ExLlamaV2Sampler,
+        )
+
+        model_dir = Path(model_dir)
+        try:
+            config = ExLlamaV2Config(str(model_dir))
+        except (AssertionError, ValueError, KeyError, OSError, TypeError) as exc:
+            raise ModelError(f"exllamav2 cannot read the model {str(model_dir)!r}: {exc}") from exc
+        # Architectures with softcapping or sliding windows need some attention
+        # backends off; ExLlamaV2 prints its reasons.
+        config.arch_compat_overrides(quiet=True)
+        paged = bool(has_flash_attn_with_paged) and not config.no_flash_attn
+        plan = plan_load(
+            int(config.max_seq_len),
+            paged=paged,
+            cache_type=cache_type,
+            cache_size=cache_size,
+            max_batch=max_batch,
+            context_length=context_length,
+            gpu_split=gpu_split,
+            tensor_parallel=tensor_parallel,
+            max_chunk_size=max_chunk_size,
+        )
+        if tensor_parallel and not config.arch.lm.supports_tp:
+            raise ConfigError(
+                f"tensor_parallel is not supported by ExLlamaV2 for {config.architecture!r}"
+            )
+        config.max_seq_len = plan.context_length
+        config.max_input_len = min(int(config.max_input_len), plan.context_length)
+        tokenizer = Tokenizer.from_dir(model_dir)
+
+        cache_class = {
+            "fp16": ExLlamaV2Cache,
+            "q4": ExLlamaV2Cache_Q4,
+            "q6": ExLlamaV2Cache_Q6,
+            "q8": ExLlamaV2Cache_Q8,
+        }[plan.cache_type]
+        started = time.monotonic()
+        model = ExLlamaV2(config)
+        try:
+            if plan.tensor_parallel:
+                model.load_tp(
+                    gpu_split=list(plan.gpu_split) if plan.gpu_split else None,
+                    expect_cache_tokens=plan.cache_tokens,
+                    expect_cache_base=cache_class,
+                )
+                cache = ExLlamaV2Cache_TP(model, base=cache_class, max_seq_len=plan.cache_tokens)
+            elif plan.gpu_split is not None:
+                model.load(gpu_split=list(plan.gpu_split))
+                cache = cache_class(model, max_seq_len=plan.cache_tokens)
+            else:
+                cache = cache_class(model, max_seq_len=plan.cache_tokens, lazy=True)
+                model.load_autosplit(cache)
+            xtokenizer = ExLlamaV2Tokenizer(config)
+            generator = ExLlamaV2DynamicGenerator(
+                model=model,
+                cache=cache,
+                tokenizer=xtokenizer,
+                max_batch_size=plan.max_batch,
+                max_chunk_size=plan.max_chunk_size,
+                paged=plan.paged,
+            )
+        except torch.cuda.OutOfMemoryError as exc:
+            model.unload()
+            raise ModelError(
+                f"the model {str(model_dir)!r} with a {plan.cache_tokens}-token "
+                f"{plan.cache_type} cache does not fit on the GPUs: {exc}"
+            ) from exc
+        except (AssertionError, ValueError, KeyError, OSError) as exc:
+            model.unload()
+            raise ModelError(f"exllamav2 cannot load the model {str(model_dir)!r}: {exc}") from exc
+        # These tables are built lazily on first use, possibly from the
+        # generator's sampling threads at once; build them here instead.
+        xtokenizer.get_id_to_piece_list(True)
+        xtokenizer.get_id_to_piece_list(False)
+        xtokenizer.get_prefix_id_to_ids_dict()
+
+        eos = set(tokenizer.eos_token_ids)
+        if config.eos_token_id is not None:
+            eos.add(int(config.eos_token_id))
+        generation_config = getattr(config, "generation_config", None) or {}
+        eos.update(int(i) for i in generation_config.get("eos_token_id") or ())
+        bos = tokenizer.bos_token_id
+        if bos is None and config.bos_token_id is not None:
+            bos = int(config.bos_token_id)
+        info = EngineInfo(
+            engine="exllamav2",
+            model_name=model_dir.name,
+            context_length=plan.context_length,
+            vocab_size=int(config.vocab_size),
+            bos_token_id=bos,
+            eos_token_ids=frozenset(eos),
+            max_batch=plan.max_batch,
+            batching=plan.paged,
+        )
+        engine = cls(
+            info=info,
+            plan=plan,
+            tokenizer=tokenizer,
+            model=model,
+            cache=cache,
+            xtokenizer=xtokenizer,
+            generator=generator,
+            job_class=ExLlamaV2DynamicJob,
+            settings_class=ExLlamaV2Sampler.Settings,
+        )
+        log.info(
+            "exllamav2 loaded %s in %.1f s: context %d, %s cache of %d tokens, %s, "
+            "max batch %d, placement %s",
+            model_dir,
+            time.monotonic() - started,
+            plan.context_length,
+            plan.cache_type,
+            plan.cache_tokens,
+            "paged attention"
+            if plan.paged
+            else "no paged attention (flash-attn >= 2.5.7 missing): one job at a time",
+            plan.max_batch,
+            "tensor parallel"
+            if plan.tensor_parallel
+            else ("gpu split " + repr(plan.gpu_split) if plan.gpu_split else "autosplit"),
+        )
+        return engine
+
+    # -- Engine protocol -----------------------------------------------------------
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def plan(self) -> LoadPlan:
+        """The options the engine was built with, after validation."""
+        return self._plan
+
+    def encode(self, text: str) -> list[int]:
+        # trioserve's own tokenizer over the same tokenizer.json: the CPU and
+        # ExLlamaV2 engines count and trim prompts identically.
+        return self._tokenizer.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        # Not ExLlamaV2Tokenizer.decode: with decode_special_tokens=True it
+        # still drops the pad id (tokenizer.py, decode_), which for many models
+        # is the EOS id, and the protocol writes every special token as text.
+        return self._tokenizer.decode(ids)
+
+    def step(self, submit: Sequence[GenerationSpec], cancel: Sequence[int]) -> list[Update]:
+        if self._closed:
+            raise EngineError("the exllamav2 engine is closed")
+        import torch
+
+        updates: list[Update] = []
+        generator = self._generator
+        for job_id in cancel:
+            running = self._jobs.pop(job_id, None)
+            if running is not None:
+                # Pending or active, the generator forgets it and frees its
+                # pages; it reports nothing (dynamic.py, cancel).
+                generator.cancel(running.job)
+        for spec in submit:
+            failure = self._enqueue(spec)
+            if failure is not None:
+                updates.append(failure)
+        if not generator.num_remaining_jobs():
+            return updates
+        try:
+            with torch.inference_mode():
+                results = generator.iterate()
+        except Exception as exc:
+            # A failed forward pass leaves every job's cache pages in an
+            # unknown state: drop them all and let the caller fail them.
+            self._jobs.clear()
+            generator.clear_queue()
+            raise EngineError(f"exllamav2 failed during a step: {exc}") from exc
+        for result in results:
+            running = self._jobs.get(result.get("identifier", -1))
+            if running is None:
+                continue
+            update = updates_from_result(result, running.state, str(running.job.held_text))
+            if update is None:
+                continue
+            if not isinstance(update, TextUpdate):
+                del self._jobs[running.state.job_id]
+            updates.append(update)
+        return updates
+
+    def _enqueue(self, spec: GenerationSpec) -> Failed | None:
+        if spec.job_id in self._jobs:
+            return Failed(job_id=spec.job_id, message=f"job id {spec.job_id!r} is already running")
+        generator = self._generator
+        reason = refusal(
+            spec,
+            context_length=self._info.context_length,
+            vocab_size=self._info.vocab_size,
+            page_size=int(generator.page_size),
+            max_pages=int(generator.max_pages),
+        )
+        if reason is not None:
+            return Failed(job_id=spec.job_id, message=reason)
+        import torch
+
+        settings = self._settings_class()
+        for name, value in sampler_fields(spec.sampling).items():
+            setattr(settings, name, value)
+        if spec.banned_ids:
+            settings.disallow_tokens(self._xtokenizer, sorted(spec.banned_ids))
+        try:
+            job = self._job_class(
+                input_ids=torch.tensor([spec.prompt_ids], dtype=torch.long),
+                max_new_tokens=spec.max_new_tokens,
+                gen_settings=settings,
+                seed=spec.sampling.seed,
+                stop_conditions=stop_conditions(spec, self._info.eos_token_ids),
+                decode_special_tokens=True,
+                token_healing=spec.token_healing,
+                identifier=spec.job_id,
+            )
+            generator.enqueue(job)
+        except (AssertionError, ValueError) as exc:
+            return Failed(job_id=spec.job_id, message=f"exllamav2 refused the job: {exc}")
+        self._jobs[spec.job_id] = _Running(job=job, state=JobState.for_spec(spec))
+        return None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.clear()
+        generator = self._generator
+        try:
+            generator.clear_queue()
+        finally:
+            for pool in ("sampling_pool", "filter_pool"):
+                executor = getattr(generator, pool, None)
+                if executor is not None:
+                    executor.shutdown(wait=True)
+            self._model.unload()
+            self._generator = self._cache = self._model = None
+            import torch
+
+            torch.cuda.empty_cache()
