@@ -495,7 +495,16 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a json value")
 
 
-_DECODER: Final = json.JSONDecoder(parse_constant=_reject_constant)
+def _finite_float(text: str) -> float:
+    # "1e999" is valid JSON syntax but reads as infinity, which no frame
+    # may carry back (an echoed id would come out as the non-JSON "Infinity").
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"number {_show(text)} is too large")
+    return number
+
+
+_DECODER: Final = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
 
 
 def _has_lone_surrogate(obj: Any) -> bool:
@@ -540,7 +549,7 @@ def _parse_frame(frame: str | bytes) -> Any:
             f"frame is not valid json: {exc.msg[:1].lower()}{exc.msg[1:]}"
             f" at line {exc.lineno} column {exc.colno}",
         ) from None
-    except ValueError as exc:  # NaN / Infinity, or an integer too long to read
+    except ValueError as exc:  # NaN, Infinity, 1e999, or an integer too long to read
         raise ProtocolError("invalid_json", f"frame is not valid json: {exc}") from None
     except RecursionError:
         raise ProtocolError("invalid_json", "frame is not valid json: nested too deeply") from None
