@@ -1,0 +1,158 @@
+"""The generation task, on the scripted engine (the real model is in test_e2e.py)."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from trioserve.engine.base import Failed, Finished, GenerationSpec, SamplingSettings, TextUpdate
+from trioserve.scheduler import Job, QueueFull, Scheduler
+
+from .helpers import EOS, ScriptedEngine
+
+
+def make_spec(
+    scheduler: Scheduler, engine: ScriptedEngine, prompt: str, n: int = 8
+) -> GenerationSpec:
+    return GenerationSpec(
+        job_id=scheduler.new_job_id(),
+        prompt_ids=tuple(engine.encode(prompt)),
+        max_new_tokens=n,
+        sampling=SamplingSettings(temperature=0),
+        stop_token_ids=frozenset({EOS}),
+    )
+
+
+async def collect(job: Job) -> tuple[str, Finished | Failed]:
+    text = ""
+    async for update in job.updates:
+        if isinstance(update, TextUpdate):
+            text += update.text
+        else:
+            if isinstance(update, Finished):
+                text += update.text
+            return text, update
+    raise AssertionError("the job's channel closed without a result")
+
+
+async def test_jobs_finish_with_their_text() -> None:
+    engine = ScriptedEngine()
+    scheduler = Scheduler(engine)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        job = scheduler.open_job(make_spec(scheduler, engine, "say:abc", n=10))
+        text, end = await collect(job)
+        assert text == "abc"
+        assert isinstance(end, Finished)
+        assert end.reason == "stop_token" and end.stop_token == EOS
+        assert end.generated_tokens == 4
+        nursery.cancel_scope.cancel()
+    stats = scheduler.statistics()
+    assert (stats.served, stats.running, stats.waiting, stats.failed) == (1, 0, 0, 0)
+
+
+async def test_more_jobs_than_slots_wait_in_arrival_order() -> None:
+    engine = ScriptedEngine(max_batch=2)
+    scheduler = Scheduler(engine)
+    async with trio.open_nursery() as nursery:
+        jobs = [scheduler.open_job(make_spec(scheduler, engine, f"say:{i}" * 3)) for i in range(6)]
+        assert scheduler.statistics().waiting == 6
+        await nursery.start(scheduler.run)
+        results = []
+        for job in jobs:
+            results.append(await collect(job))
+        nursery.cancel_scope.cancel()
+    assert [text for text, _ in results] == [f"{i}" * 3 for i in range(6)]
+    starts = [job.started_at for job in jobs]
+    assert all(s is not None for s in starts)
+    assert starts == sorted(starts)  # type: ignore[type-var]
+    # Never more than two at once: the third job started only after a step
+    # in which the first ones finished.
+    assert starts[0] == starts[1] < starts[2]
+
+
+async def test_full_queue_is_refused_at_once() -> None:
+    engine = ScriptedEngine()
+    scheduler = Scheduler(engine, max_waiting=3)
+    for _ in range(3):
+        scheduler.open_job(make_spec(scheduler, engine, "x"))
+    with pytest.raises(QueueFull, match="3 jobs are already waiting"):
+        scheduler.open_job(make_spec(scheduler, engine, "x"))
+
+
+async def test_cancelled_queued_job_never_reaches_the_engine() -> None:
+    engine = ScriptedEngine(max_batch=1)
+    scheduler = Scheduler(engine)
+    first = scheduler.open_job(make_spec(scheduler, engine, "say:one"))
+    second = scheduler.open_job(make_spec(scheduler, engine, "FAIL if run"))
+    scheduler.cancel(second)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        text, _end = await collect(first)
+        assert text == "one"
+        await scheduler.wait_idle()
+        nursery.cancel_scope.cancel()
+    # The cancelled job produced no update at all and was never run.
+    with pytest.raises(trio.EndOfChannel):
+        second.updates.receive_nowait()
+    stats = scheduler.statistics()
+    assert (stats.served, stats.failed, stats.cancelled) == (1, 0, 1)
+
+
+async def test_cancelling_a_running_job_frees_its_slot() -> None:
+    engine = ScriptedEngine(max_batch=1, step_delay=0.01)
+    scheduler = Scheduler(engine)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        endless = scheduler.open_job(make_spec(scheduler, engine, "no script", n=200))
+        await endless.updates.receive()  # it runs
+        waiting = scheduler.open_job(make_spec(scheduler, engine, "say:next"))
+        scheduler.cancel(endless)
+        text, end = await collect(waiting)
+        assert text == "next" and isinstance(end, Finished)
+        await scheduler.wait_idle()
+        nursery.cancel_scope.cancel()
+    assert engine.running_jobs == 0
+
+
+async def test_a_failing_job_fails_alone() -> None:
+    engine = ScriptedEngine()
+    scheduler = Scheduler(engine)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        bad = scheduler.open_job(make_spec(scheduler, engine, "FAIL"))
+        good = scheduler.open_job(make_spec(scheduler, engine, "say:fine"))
+        _, bad_end = await collect(bad)
+        text, good_end = await collect(good)
+        nursery.cancel_scope.cancel()
+    assert isinstance(bad_end, Failed) and bad_end.message == "scripted failure"
+    assert text == "fine" and isinstance(good_end, Finished)
+
+
+async def test_an_engine_crash_fails_its_jobs_and_the_task_goes_on() -> None:
+    engine = ScriptedEngine()
+    scheduler = Scheduler(engine)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        crashing = scheduler.open_job(make_spec(scheduler, engine, "CRASH"))
+        _, end = await collect(crashing)
+        assert isinstance(end, Failed) and "scripted engine crash" in end.message
+        later = scheduler.open_job(make_spec(scheduler, engine, "say:still here"))
+        text, later_end = await collect(later)
+        nursery.cancel_scope.cancel()
+    assert text == "still here" and isinstance(later_end, Finished)
+    assert engine.running_jobs == 0
+
+
+async def test_stopping_the_task_fails_what_is_left() -> None:
+    engine = ScriptedEngine(max_batch=1, step_delay=0.01)
+    scheduler = Scheduler(engine)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        running = scheduler.open_job(make_spec(scheduler, engine, "endless", n=500))
+        queued = scheduler.open_job(make_spec(scheduler, engine, "endless", n=500))
+        await running.updates.receive()
+        nursery.cancel_scope.cancel()
+    for job in (running, queued):
+        _, end = await collect(job)
+        assert isinstance(end, Failed) and "shutting down" in end.message

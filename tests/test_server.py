@@ -1,0 +1,514 @@
+"""The server over real loopback sockets, on the scripted engine.
+
+These pin protocol.md's rules quickly and deterministically; test_e2e.py runs
+the same features against the real embedded model.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import trio
+import trio_websocket
+
+from trioserve.server import ServerConfig
+
+from .helpers import (
+    DEFAULT_SCRIPT,
+    EOS,
+    ScriptedEngine,
+    chunks_of,
+    raw_client,
+    running_server,
+    wait_until,
+)
+
+
+def assert_error(frame: dict[str, Any], error_type: str, field: str | None = None) -> None:
+    assert frame["response_type"] == "error", frame
+    assert frame["error"]["type"] == error_type, frame
+    assert isinstance(frame["error"]["message"], str) and frame["error"]["message"]
+    if field is None:
+        assert "field" not in frame["error"], frame
+    else:
+        assert frame["error"]["field"] == field, frame
+
+
+async def test_echo_copies_ids_unchanged() -> None:
+    async with running_server(ScriptedEngine()) as server, raw_client(server.url) as ws:
+        ids = {"request_id": {"a": [1, None]}, "response_id": None}
+        assert await ws.request({"action": "echo", **ids}) == {"action": "echo", **ids}
+        assert await ws.request({"action": "echo"}) == {"action": "echo"}
+
+
+async def test_token_actions_share_one_encoding() -> None:
+    engine = ScriptedEngine()
+    async with running_server(engine) as server, raw_client(server.url) as ws:
+        reply = await ws.request({"action": "estimate_token", "text": "ab<|bos|>日"})
+        assert reply == {"action": "estimate_token", "num_tokens": 2 + 1 + 3}
+        trim = {"action": "lefttrim_token", "text": "hello world"}
+        assert (await ws.request({**trim, "trimmed_length": 5}))["trimmed_text"] == "world"
+        assert (await ws.request({**trim, "trimmed_length": 0}))["trimmed_text"] == ""
+        assert (await ws.request({**trim, "trimmed_length": 11}))["trimmed_text"] == "hello world"
+        special = await ws.request({**trim, "text": "x<|eos|>", "trimmed_length": 1})
+        assert special["trimmed_text"] == "<|eos|>"
+        bad = await ws.request({**trim, "trimmed_length": -1})
+        assert_error(bad, "invalid_request", "$.trimmed_length")
+
+
+async def test_infer_without_streaming_sends_one_final_frame() -> None:
+    async with running_server(ScriptedEngine()) as server, raw_client(server.url) as ws:
+        await ws.send(
+            {
+                "action": "infer",
+                "text": "say:Hi 🙂",
+                "max_new_tokens": 50,
+                "tag": {"t": 1},
+                "request_id": 7,
+            }
+        )
+        (final,) = await ws.recv_until_final(request_id=7)
+    assert final["action"] == "infer" and final["response_type"] == "full"
+    assert final["response"] == "Hi 🙂"
+    assert final["tag"] == {"t": 1}
+    assert final["util_text"] == "say:Hi 🙂"
+    assert (final["stop_reason"], final["eos_reason"]) == ("eos", "stop_token")
+    assert final["stop_token"] == EOS and final["stop_string"] is None
+    assert final["usage"] == {
+        "prompt_tokens": len(b"say:Hi ") + 4,
+        "trimmed_tokens": 0,
+        "generated_tokens": len("Hi 🙂".encode()) + 1,
+    }
+    timing = final["timing"]
+    assert 0 <= timing["queued_s"] <= timing["total_s"]
+    assert 0 < timing["first_token_s"] <= timing["total_s"]
+
+
+@pytest.mark.parametrize("stream_full", [False, True])
+async def test_streamed_chunks_join_to_the_response(stream_full: bool) -> None:
+    async with running_server(ScriptedEngine()) as server, raw_client(server.url) as ws:
+        await ws.send(
+            {
+                "action": "infer",
+                "text": "go",
+                "max_new_tokens": 40,
+                "stream": True,
+                "stream_full": stream_full,
+            }
+        )
+        frames = await ws.recv_until_final()
+    final = frames[-1]
+    chunks = chunks_of(frames)
+    assert len(chunks) == len(frames) - 1 > 1
+    assert all(chunks), "chunk frames are never empty"
+    assert "".join(chunks) == final["response"]
+    assert final["stop_reason"] == "num_tokens" and final["eos_reason"] is None
+    # 40 bytes of the script, cut inside no character here.
+    assert final["response"] == DEFAULT_SCRIPT.encode()[:40].decode("utf-8", "replace")
+    so_far = ""
+    for frame in frames[:-1]:
+        so_far += frame["chunk"]
+        assert ("response" in frame) is stream_full
+        if stream_full:
+            assert frame["response"] == so_far
+    assert "\ufffd" not in "".join(chunks)
+
+
+async def test_held_text_is_flushed_at_max_new_tokens() -> None:
+    async with running_server(ScriptedEngine()) as server, raw_client(server.url) as ws:
+        # Stop strings hold back "wor" (could become "world!!"), and the last
+        # token cuts the multi-byte "é" in half: both are flushed, not lost.
+        await ws.send(
+            {
+                "action": "infer",
+                "text": "say:hello wor",
+                "max_new_tokens": 9,
+                "stream": True,
+                "stop_conditions": ["world!!"],
+            }
+        )
+        frames = await ws.recv_until_final()
+    assert frames[-1]["response"] == "hello wor"
+    assert "".join(chunks_of(frames)) == "hello wor"
+    assert frames[-1]["stop_reason"] == "num_tokens"
+
+
+async def test_stop_string_spanning_tokens_cuts_the_text_there() -> None:
+    async with running_server(ScriptedEngine()) as server, raw_client(server.url) as ws:
+        await ws.send(
+            {
+                "action": "infer",
+                "text": "say:one, two; three",
+                "max_new_tokens": 50,
+                "stream": True,
+                "stop_conditions": ["; th", 9999 % 258],
+            }
+        )
+        frames = await ws.recv_until_final()
+    final = frames[-1]
+    assert final["response"] == "one, two"
+    assert "".join(chunks_of(frames)) == "one, two"
+    assert (final["stop_reason"], final["eos_reason"], final["stop_string"]) == (
+        "eos",
+        "stop_string",
+        "; th",
+    )
+    assert final["stop_token"] is None
+
+
+async def test_stop_token_from_the_request() -> None:
+    async with running_server(ScriptedEngine()) as server, raw_client(server.url) as ws:
+        await ws.send(
+            {
+                "action": "infer",
+                "text": "say:abc;def",
+                "max_new_tokens": 50,
+                "stop_conditions": ord(";"),
+            }
+        )
+        (final,) = await ws.recv_until_final()
+    assert final["response"] == "abc"
+    assert (final["eos_reason"], final["stop_token"]) == ("stop_token", ord(";"))
+
+
+async def test_trimming_keeps_the_prompt_tail_and_the_custom_bos_token() -> None:
+    engine = ScriptedEngine(context_length=32)
+    async with running_server(engine) as server, raw_client(server.url) as ws:
+        text = "0123456789" * 4 + "say:ok"
+        await ws.send({"action": "infer", "text": text, "max_new_tokens": 12})
+        (plain,) = await ws.recv_until_final()
+        await ws.send(
+            {"action": "infer", "text": text, "max_new_tokens": 12, "customBos": "<|bos|>"}
+        )
+        (custom,) = await ws.recv_until_final()
+    assert plain["util_text"] == text[-20:]
+    assert plain["usage"]["trimmed_tokens"] == len(text) - 20
+    assert plain["usage"]["prompt_tokens"] == 20
+    assert plain["response"] == "ok"
+    assert custom["util_text"] == "<|bos|>" + text[-19:]
+    assert custom["usage"]["prompt_tokens"] == 20
+    assert custom["usage"]["trimmed_tokens"] == len(text) + 1 - 20
+
+
+async def test_max_new_tokens_beyond_the_context_is_refused() -> None:
+    async with running_server(ScriptedEngine(context_length=64)) as server:
+        async with raw_client(server.url) as ws:
+            reply = await ws.request(
+                {"action": "infer", "text": "x", "max_new_tokens": 64, "request_id": "r"}
+            )
+            assert_error(reply, "invalid_request", "$.max_new_tokens")
+            assert reply["request_id"] == "r" and reply["action"] == "infer"
+            assert "at most 63" in reply["error"]["message"]
+            ok = await ws.request({"action": "infer", "text": "say:y", "max_new_tokens": 63})
+            assert ok["response"] == "y"
+
+
+async def test_bad_input_gets_one_error_and_the_connection_stays_open() -> None:
+    async with running_server(ScriptedEngine()) as server, raw_client(server.url) as ws:
+        assert_error(await ws.request("{not json"), "invalid_json")  # type: ignore[arg-type]
+        await ws.send(b'{"action": "echo"}')
+        assert_error(await ws.recv(), "invalid_json")
+        assert_error(await ws.request([1, 2]), "invalid_json")  # type: ignore[arg-type]
+        reply = await ws.request({"action": "dance", "request_id": 3})
+        assert_error(reply, "unknown_action")
+        assert reply["request_id"] == 3
+        reply = await ws.request({"action": "infer", "text": "x", "max_new_tokens": 5, "top_q": 1})
+        assert_error(reply, "invalid_request", "$.top_q")
+        reply = await ws.request(
+            {"action": "infer", "text": "x", "max_new_tokens": 5, "bann_bann": [1, 300]}
+        )
+        assert_error(reply, "invalid_request", "$.bann_bann[1]")
+        reply = await ws.request({"action": "infer", "text": "", "max_new_tokens": 5})
+        assert_error(reply, "invalid_request", "$.text")
+        assert await ws.request({"action": "echo"}) == {"action": "echo"}
+
+
+async def test_a_failing_job_answers_internal_and_others_go_on() -> None:
+    async with running_server(ScriptedEngine()) as server, raw_client(server.url) as ws:
+        await ws.send({"action": "infer", "text": "FAIL", "max_new_tokens": 5, "request_id": 1})
+        await ws.send({"action": "infer", "text": "say:ok", "max_new_tokens": 5, "request_id": 2})
+        frames = [await ws.recv(), await ws.recv()]
+    by_id = {f["request_id"]: f for f in frames}
+    assert_error(by_id[1], "internal")
+    assert by_id[2]["response"] == "ok"
+
+
+async def test_stop_interrupts_this_connection_only_and_replies_last() -> None:
+    engine = ScriptedEngine(step_delay=0.005, max_batch=8)
+    async with running_server(engine) as server:
+        async with raw_client(server.url) as a, raw_client(server.url) as b:
+            await b.send(
+                {
+                    "action": "infer",
+                    "text": "say:" + "b" * 60,
+                    "max_new_tokens": 60,
+                    "request_id": "b1",
+                }
+            )
+            for rid in ("a1", "a2"):
+                await a.send(
+                    {
+                        "action": "infer",
+                        "text": "long",
+                        "max_new_tokens": 2000,
+                        "stream": True,
+                        "request_id": rid,
+                    }
+                )
+            # Wait until both stream.
+            seen: set[str] = set()
+            while seen != {"a1", "a2"}:
+                seen.add((await a.recv())["request_id"])
+            await a.send({"action": "stop", "request_id": "s"})
+            finals = []
+            while True:
+                frame = await a.recv()
+                if frame["action"] == "stop":
+                    break
+                if frame["response_type"] == "full":
+                    finals.append(frame)
+            assert frame == {"action": "stop", "request_id": "s", "stopped": 2}
+            assert sorted(f["request_id"] for f in finals) == ["a1", "a2"]
+            assert all(f["stop_reason"] == "interrupted" for f in finals)
+            assert all(f["response"].startswith(DEFAULT_SCRIPT[:3]) for f in finals)
+            # b was not touched.
+            (b_final,) = await b.recv_until_final()
+            assert b_final["stop_reason"] == "eos" and b_final["response"] == "b" * 60
+            # Stopping nothing is fine.
+            assert await a.request({"action": "stop"}) == {"action": "stop", "stopped": 0}
+
+
+async def test_stop_with_target_stops_only_that_request() -> None:
+    engine = ScriptedEngine(step_delay=0.005)
+    async with running_server(engine) as server, raw_client(server.url) as ws:
+        for rid in (1, True, "x"):
+            await ws.send(
+                {
+                    "action": "infer",
+                    "text": "long",
+                    "max_new_tokens": 2000,
+                    "stream": True,
+                    "request_id": rid,
+                }
+            )
+        seen: list[Any] = []
+        while len({json.dumps(r) for r in seen}) < 3:
+            seen.append((await ws.recv())["request_id"])
+        await ws.send({"action": "stop", "target": 1})
+        chunks: list[str] = []
+        while True:
+            frame = await ws.recv()
+            if frame["action"] == "stop":
+                break
+            # true must not be mistaken for 1
+            if frame["request_id"] == 1 and frame["request_id"] is not True:
+                if frame["response_type"] == "chunk":
+                    chunks.append(frame["chunk"])
+                else:
+                    final = frame
+        assert frame["stopped"] == 1
+        assert final["stop_reason"] == "interrupted"
+        assert await ws.request({"action": "stop", "target": "nobody"}) == {
+            "action": "stop",
+            "stopped": 0,
+        }
+        await ws.send({"action": "stop"})
+        stopped_ids = []
+        while True:
+            frame = await ws.recv()
+            if frame["action"] == "stop":
+                break
+            if frame["response_type"] == "full":
+                stopped_ids.append(frame["request_id"])
+        assert frame["stopped"] == 2
+        assert sorted(map(json.dumps, stopped_ids)) == ['"x"', "true"]
+
+
+async def test_interrupted_streams_still_join_to_the_response() -> None:
+    engine = ScriptedEngine(step_delay=0.002)
+    async with running_server(engine) as server, raw_client(server.url) as ws:
+        await ws.send(
+            {
+                "action": "infer",
+                "text": "go",
+                "max_new_tokens": 3000,
+                "stream": True,
+                "stop_conditions": ["日本語 works 🙂 and so on. Hello, world! Ü"],
+            }
+        )
+        frames = [await ws.recv() for _ in range(5)]
+        await ws.send({"action": "stop"})
+        while frames[-1]["action"] != "stop":
+            frames.append(await ws.recv())
+    infer_frames = frames[:-1]
+    final = infer_frames[-1]
+    assert final["stop_reason"] == "interrupted"
+    assert "".join(chunks_of(infer_frames)) == final["response"]
+    assert final["usage"]["generated_tokens"] >= len(final["response"].encode()) - 4
+
+
+async def test_disconnect_frees_the_engine() -> None:
+    engine = ScriptedEngine(step_delay=0.005)
+    async with running_server(engine) as server:
+        async with raw_client(server.url) as ws:
+            await ws.send(
+                {"action": "infer", "text": "long", "max_new_tokens": 5000, "stream": True}
+            )
+            await ws.recv()
+            assert engine.running_jobs == 1
+        await wait_until(lambda: engine.running_jobs == 0)
+        async with raw_client(server.url) as ws:
+            assert (await ws.request({"action": "infer", "text": "say:ok", "max_new_tokens": 5}))[
+                "response"
+            ] == "ok"
+
+
+async def test_echo_is_answered_while_a_slow_step_runs() -> None:
+    engine = ScriptedEngine(step_delay=0.5)
+    async with running_server(engine) as server:
+        async with raw_client(server.url) as a, raw_client(server.url) as b:
+            await a.send({"action": "infer", "text": "long", "max_new_tokens": 4, "stream": True})
+            await wait_until(lambda: engine.steps > 0)
+            start = trio.current_time()
+            assert await b.request({"action": "echo"}) == {"action": "echo"}
+            assert await a.request({"action": "echo"}) == {"action": "echo"}
+            # Both answered while the first step (0.5 s) was still running.
+            assert engine.steps <= 1 or trio.current_time() - start < 0.5
+
+
+async def test_per_connection_limit_answers_overloaded() -> None:
+    engine = ScriptedEngine(step_delay=0.01)
+    async with running_server(engine, max_requests_per_connection=2) as server:
+        async with raw_client(server.url) as ws:
+            for i in range(3):
+                await ws.send(
+                    {"action": "infer", "text": "long", "max_new_tokens": 1000, "request_id": i}
+                )
+            reply = await ws.recv()
+            assert_error(reply, "overloaded")
+            assert reply["request_id"] == 2
+            # The refusal lost nothing: the two accepted requests are in flight.
+            await ws.send({"action": "stop"})
+            frames = [await ws.recv() for _ in range(3)]
+            assert frames[-1] == {"action": "stop", "stopped": 2}
+            assert sorted(f["request_id"] for f in frames[:2]) == [0, 1]
+
+
+async def test_full_queue_answers_overloaded() -> None:
+    engine = ScriptedEngine(step_delay=0.01, max_batch=1)
+    async with running_server(engine, max_waiting_jobs=1) as server:
+        async with raw_client(server.url) as ws:
+            await ws.send(
+                {"action": "infer", "text": "long", "max_new_tokens": 1000, "request_id": "running"}
+            )
+            await wait_until(lambda: engine.running_jobs > 0)
+            await ws.send(
+                {"action": "infer", "text": "say:q", "max_new_tokens": 10, "request_id": "queued"}
+            )
+            await ws.send(
+                {"action": "infer", "text": "say:q", "max_new_tokens": 10, "request_id": "refused"}
+            )
+            reply = await ws.recv()
+            assert_error(reply, "overloaded")
+            assert reply["request_id"] == "refused"
+
+
+async def test_info_reports_model_and_limits() -> None:
+    engine = ScriptedEngine(context_length=100)
+    async with running_server(engine, max_waiting_jobs=9) as server:
+        async with raw_client(server.url) as ws:
+            reply = await ws.request({"action": "info"})
+    assert reply["server"]["name"] == "trioserve"
+    assert reply["model"]["context_length"] == 100
+    assert reply["model"]["eos_token_ids"] == [EOS]
+    assert reply["limits"]["max_waiting_jobs"] == 9
+    assert reply["limits"]["max_new_tokens"] == 99
+
+
+async def test_oversized_frame_closes_with_1009() -> None:
+    async with running_server(ScriptedEngine(), max_message_bytes=1000) as server:
+        async with raw_client(server.url) as ws:
+            await ws.send({"action": "estimate_token", "text": "x" * 2000})
+            with pytest.raises(trio_websocket.ConnectionClosed) as closed:
+                await ws.recv()
+            assert closed.value.reason is not None
+            assert closed.value.reason.code == 1009
+
+
+async def test_api_key_by_header_or_query_parameter() -> None:
+    async with running_server(ScriptedEngine(), api_key="sesame") as server:
+        for url, headers in [
+            (server.url, [(b"Authorization", b"Bearer sesame")]),
+            (server.url + "?api_key=sesame", []),
+        ]:
+            async with raw_client(url, extra_headers=headers) as ws:
+                assert await ws.request({"action": "echo"}) == {"action": "echo"}
+        for url, headers in [
+            (server.url, []),
+            (server.url, [(b"Authorization", b"Bearer wrong")]),
+            (server.url + "?api_key=sesam", []),
+        ]:
+            with pytest.raises(trio_websocket.ConnectionRejected) as rejected:
+                async with raw_client(url, extra_headers=headers):
+                    pass
+            assert rejected.value.status_code == 401
+
+
+async def test_origin_check() -> None:
+    async with running_server(ScriptedEngine()) as server:
+        for origin in (b"http://localhost:3000", b"http://127.0.0.1", b"http://[::1]:8080"):
+            async with raw_client(server.url, extra_headers=[(b"Origin", origin)]) as ws:
+                assert await ws.request({"action": "echo"}) == {"action": "echo"}
+        for origin in (b"https://evil.example", b"http://localhost.evil.example"):
+            with pytest.raises(trio_websocket.ConnectionRejected) as rejected:
+                async with raw_client(server.url, extra_headers=[(b"Origin", origin)]):
+                    pass
+            assert rejected.value.status_code == 403
+    config = ServerConfig(host="127.0.0.1", port=0, allowed_origins=("https://app.example",))
+    async with running_server(ScriptedEngine(), config) as server:
+        headers = [(b"Origin", b"https://app.example")]
+        async with raw_client(server.url, extra_headers=headers) as ws:
+            assert await ws.request({"action": "echo"}) == {"action": "echo"}
+        with pytest.raises(trio_websocket.ConnectionRejected):
+            async with raw_client(server.url, extra_headers=[(b"Origin", b"http://localhost")]):
+                pass
+
+
+async def test_shutdown_lets_jobs_finish_within_the_grace_period() -> None:
+    engine = ScriptedEngine(step_delay=0.005)
+    async with trio.open_nursery() as nursery:
+        from trioserve.server import serve
+
+        config = ServerConfig(host="127.0.0.1", port=0, shutdown_grace=5)
+        listening = await nursery.start(serve, engine, config)
+        async with raw_client(listening.url) as ws:
+            await ws.send({"action": "infer", "text": "say:" + "z" * 30, "max_new_tokens": 50})
+            await wait_until(lambda: engine.steps > 0)
+            nursery.cancel_scope.cancel()
+            (final,) = await ws.recv_until_final()
+            assert final["response"] == "z" * 30 and final["stop_reason"] == "eos"
+            with pytest.raises(trio_websocket.ConnectionClosed) as closed:
+                await ws.recv()
+            assert closed.value.reason is not None and closed.value.reason.code == 1001
+
+
+async def test_shutdown_interrupts_what_outlives_the_grace_period() -> None:
+    engine = ScriptedEngine(step_delay=0.005)
+    async with trio.open_nursery() as nursery:
+        from trioserve.server import serve
+
+        config = ServerConfig(host="127.0.0.1", port=0, shutdown_grace=0.2)
+        listening = await nursery.start(serve, engine, config)
+        async with raw_client(listening.url) as ws:
+            await ws.send(
+                {"action": "infer", "text": "long", "max_new_tokens": 100000, "stream": True}
+            )
+            frames = [await ws.recv()]
+            nursery.cancel_scope.cancel()
+            frames += await ws.recv_until_final()
+            assert frames[-1]["stop_reason"] == "interrupted"
+            assert "".join(chunks_of(frames)) == frames[-1]["response"]
+            assert frames[-1]["response"].startswith(DEFAULT_SCRIPT[:5])
+    assert engine.running_jobs == 0
