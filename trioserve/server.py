@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import json
 import logging
 import re
 from collections.abc import Mapping
@@ -111,14 +110,6 @@ class ServerStatistics:
     connections: int
     requests_in_flight: int
     scheduler: SchedulerStatistics
-
-
-def _json_key(value: Any) -> str:
-    """A canonical form for comparing JSON values (``stop``'s ``target``).
-
-    Unlike ``==`` it keeps ``true`` and ``1`` apart, as JSON does.
-    """
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 async def serve(
@@ -502,17 +493,7 @@ class Connection:
         self._nursery.start_soon(self._run_infer, entry)
 
     async def _stop(self, request: p.StopRequest) -> int:
-        if request.has_target:
-            key = _json_key(request.target)
-            targets = [
-                e
-                for e in self.requests
-                if "request_id" in e.request.echoed
-                and _json_key(e.request.echoed["request_id"]) == key
-            ]
-        else:
-            targets = list(self.requests)
-        targets = [e for e in targets if not e.decided]
+        targets = [e for e in self.requests if e.request.matches_stop(request) and not e.decided]
         for entry in targets:
             entry.scope.cancel()
         # Their final frames go out before this stop's reply.
