@@ -1,0 +1,474 @@
+"""The token sampler of the CPU engine, in torch and vectorised over the batch.
+
+One call samples one token for every running job. The protocol's fields are
+applied in ExLlamaV2's order, with the standard definition of each filter
+(``docs/sampling.md`` lists every difference from ExLlamaV2):
+
+1. repetition, frequency and presence penalties over the job's whole context;
+2. banned ids, then the ``allowed`` mask (token healing's constraint);
+3. ``temperature == 0``: the argmax, with no randomness and no filters;
+   otherwise temperature, softmax, then top_k, top_p, top_a, min_p and
+   typical, renormalising after each;
+4. one uniform number per job from the job's own generator, skewed as
+   ExLlamaV2 skews it, and an inverse-CDF draw over the filtered candidates in
+   descending order of probability.
+
+Ties between equal logits (common with bf16 logits) are broken towards the
+lower token id everywhere -- in the argmax, at the top_k boundary and in the
+order of the draw -- so a job's result does not depend on which other jobs
+share its batch (up to floating-point summation order).
+
+Cost: every step touches the whole vocabulary a few times (penalties, masks,
+one ``topk``), but sorts only the top ``max(top_k)`` candidates. A full sort
+of the vocabulary (about 4 ms per row on one CPU core) happens only for rows
+with ``top_k == 0`` whose other filters do not bound the candidates.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Sequence
+from typing import Literal, TypeAlias
+
+import torch
+
+from trioserve.engine.base import SamplingSettings
+from trioserve.errors import EngineError, TrioserveError
+
+__all__ = ["SamplingError", "make_generator", "sample", "settings_problem"]
+
+#: Candidate counts tried, in turn, for rows with ``top_k == 0`` whose top_p,
+#: top_a or min_p bound the kept set, before a full sort of the vocabulary
+#: (a full sort of 49152 logits costs about 15 times a top-512).
+_UNBOUNDED_TRIES = (512, 4096)
+
+#: How a row is sampled: its top_k bounds the candidates; it needs them in
+#: descending order (filters or skew) without a bound; or neither.
+_Kind: TypeAlias = Literal["top_k", "ordered", "plain"]
+_KINDS: tuple[_Kind, ...] = ("top_k", "ordered", "plain")
+
+_NEG_INF = float("-inf")
+_NEUTRAL = SamplingSettings(temperature=0.0, rep_pen=1.0)
+
+
+class SamplingError(TrioserveError):
+    """Some rows of a batch could not be sampled (their logits are all masked,
+    NaN or infinite, or their settings are invalid).
+
+    The other rows *were* sampled, and their generators advanced exactly as in
+    a call without the bad rows: :attr:`ids` holds their tokens (``-1`` at the
+    failed rows), so an engine can fail just the jobs in :attr:`rows` and keep
+    the step's other tokens.
+    """
+
+    def __init__(self, reasons: dict[int, str], ids: torch.Tensor) -> None:
+        self.reasons = dict(sorted(reasons.items()))
+        self.rows = tuple(self.reasons)
+        self.ids = ids
+        detail = "; ".join(f"row {row}: {why}" for row, why in self.reasons.items())
+        super().__init__(f"cannot sample rows {list(self.rows)!r}: {detail}")
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A job's own random generator, so that a seed reproduces its draws
+    whatever the other jobs do.
+
+    ``None`` draws a fresh 64-bit seed from the operating system. An int seed
+    is reduced modulo 2**64 (torch's seed range), so every int is accepted.
+    """
+    generator = torch.Generator(device=device)
+    generator.manual_seed(secrets.randbits(64) if seed is None else seed % 2**64)
+    return generator
+
+
+def settings_problem(settings: SamplingSettings) -> str | None:
+    """What is wrong with ``settings`` (one lowercase sentence), or None.
+
+    The protocol layer validates requests; this is the sampler's own guard, so
+    that a bad value fails one job instead of producing NaNs.
+    """
+    s = settings
+
+    def finite(x: float) -> bool:
+        return isinstance(x, int | float) and math.isfinite(x)
+
+    if not finite(s.temperature) or s.temperature < 0:
+        return f"temperature must be a finite number >= 0, got {s.temperature!r}"
+    if not isinstance(s.top_k, int) or isinstance(s.top_k, bool) or s.top_k < 0:
+        return f"top_k must be an int >= 0, got {s.top_k!r}"
+    if not finite(s.top_p) or not 0 <= s.top_p <= 1:
+        return f"top_p must be a number in [0, 1], got {s.top_p!r}"
+    if not finite(s.top_a) or s.top_a < 0:
+        return f"top_a must be a finite number >= 0, got {s.top_a!r}"
+    if not finite(s.min_p) or not 0 <= s.min_p <= 1:
+        return f"min_p must be a number in [0, 1], got {s.min_p!r}"
+    if not finite(s.typical) or not 0 <= s.typical <= 1:
+        return f"typical must be a number in [0, 1], got {s.typical!r}"
+    if not finite(s.skew):
+        return f"skew must be a finite number, got {s.skew!r}"
+    if not finite(s.rep_pen) or s.rep_pen <= 0:
+        return f"rep_pen must be a finite number > 0, got {s.rep_pen!r}"
+    if not finite(s.freq_pen):
+        return f"freq_pen must be a finite number, got {s.freq_pen!r}"
+    if not finite(s.pres_pen):
+        return f"pres_pen must be a finite number, got {s.pres_pen!r}"
+    return None
+
+
+def sample(
+    logits: torch.Tensor,
+    settings: Sequence[SamplingSettings],
+    generators: Sequence[torch.Generator],
+    *,
+    counts: torch.Tensor | None = None,
+    banned: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Sample one token id per row.
+
+    ``logits`` is ``[B, V]`` of any float dtype (computed in float32);
+    ``settings`` and ``generators`` have one entry per row. ``counts`` (``[B,
+    V]`` int) says how often each id occurs in the row's context so far, for
+    the penalties; ``banned`` (``[B, V]`` bool) ids are never sampled; where
+    ``allowed`` (``[B, V]`` bool) is given, only its ids may be sampled (a row
+    of all True is no constraint). Returns ``[B]`` int64 ids on the logits'
+    device.
+
+    Every non-greedy row draws exactly one float64 uniform from its
+    generator; greedy rows draw nothing.
+
+    Raises :class:`SamplingError` when some rows cannot be sampled (it carries
+    the others' ids), and :class:`~trioserve.errors.EngineError` when the
+    arguments do not fit together (a bug in the caller).
+    """
+    _check_shapes(logits, settings, generators, counts, banned, allowed)
+    batch = logits.shape[0]
+    device = logits.device
+    # A copy, always: the caller's logits stay untouched.
+    x = logits.to(torch.float32, copy=True)
+
+    reasons: dict[int, str] = {}
+    for row, s in enumerate(settings):
+        problem = settings_problem(s)
+        if problem is not None:
+            reasons[row] = problem
+    # Rows with bad settings are skipped below; a neutral stand-in keeps the
+    # per-row parameter tensors well defined.
+    usable = [s if row not in reasons else _NEUTRAL for row, s in enumerate(settings)]
+
+    if counts is not None and any(
+        s.rep_pen != 1 or s.freq_pen != 0 or s.pres_pen != 0 for s in usable
+    ):
+        x = _apply_penalties(x, counts, usable)
+    if banned is not None:
+        x.masked_fill_(banned, _NEG_INF)
+    if allowed is not None:
+        x.masked_fill_(~allowed, _NEG_INF)
+
+    # amax propagates NaN and +inf, so one reduction finds every bad row.
+    row_max = x.amax(dim=1)
+    finite_max = torch.isfinite(row_max).tolist()
+    for row, ok in enumerate(finite_max):
+        if not ok and row not in reasons:
+            value = float(row_max[row])
+            if math.isnan(value):
+                reasons[row] = "the logits contain nan"
+            elif value > 0:
+                reasons[row] = "the logits contain +inf"
+            else:
+                reasons[row] = "every token is banned or outside the allowed mask"
+
+    out = torch.full((batch,), -1, dtype=torch.int64, device=device)
+    greedy = [r for r in range(batch) if r not in reasons and usable[r].temperature == 0]
+    if greedy:
+        index = torch.tensor(greedy, device=device)
+        sub = x if len(greedy) == batch else x.index_select(0, index)
+        # argmax returns the first maximum: ties go to the lower id.
+        out[index] = sub.argmax(dim=1)
+
+    # Rows whose top_k bounds the candidates never pay for a full sort, even
+    # when other rows of the batch have top_k == 0.
+    kinds = {r: _kind(usable[r]) for r in range(batch) if r not in reasons}
+    for kind in _KINDS:
+        rows = [r for r, k in kinds.items() if k == kind]
+        if not rows:
+            continue
+        index = torch.tensor(rows, device=device)
+        sub = x if len(rows) == batch else x.index_select(0, index)
+        out[index] = _sample_rows(
+            sub, [usable[r] for r in rows], [generators[r] for r in rows], kind
+        )
+
+    if reasons:
+        raise SamplingError(reasons, out)
+    return out
+
+
+def _kind(s: SamplingSettings) -> _Kind | None:
+    if s.temperature == 0:
+        return None
+    if s.top_k > 0:
+        return "top_k"
+    filters = 0 < s.top_p < 1 or s.top_a > 0 or s.min_p > 0 or 0 < s.typical < 1
+    return "ordered" if filters or s.skew != 0 else "plain"
+
+
+def _check_shapes(
+    logits: torch.Tensor,
+    settings: Sequence[SamplingSettings],
+    generators: Sequence[torch.Generator],
+    counts: torch.Tensor | None,
+    banned: torch.Tensor | None,
+    allowed: torch.Tensor | None,
+) -> None:
+    if logits.dim() != 2 or not logits.dtype.is_floating_point:
+        raise EngineError(
+            f"logits must be a [batch, vocab] float tensor, got {tuple(logits.shape)!r} "
+            f"of {logits.dtype}"
+        )
+    batch = logits.shape[0]
+    if len(settings) != batch or len(generators) != batch:
+        raise EngineError(
+            f"settings and generators must have one entry per row ({batch}), "
+            f"got {len(settings)!r} and {len(generators)!r}"
+        )
+    for name, mask in (("counts", counts), ("banned", banned), ("allowed", allowed)):
+        if mask is not None and mask.shape != logits.shape:
+            raise EngineError(
+                f"{name} must have the logits' shape {tuple(logits.shape)!r}, "
+                f"got {tuple(mask.shape)!r}"
+            )
+    for name, mask in (("banned", banned), ("allowed", allowed)):
+        if mask is not None and mask.dtype != torch.bool:
+            raise EngineError(f"{name} must be a bool tensor, got {mask.dtype}")
+
+
+def _apply_penalties(
+    x: torch.Tensor, counts: torch.Tensor, settings: Sequence[SamplingSettings]
+) -> torch.Tensor:
+    """Repetition, frequency and presence penalties, on the ids of each row's
+    context only.
+
+    A context holds at most a few thousand distinct ids, so working on the
+    nonzero entries is about three times cheaper than dense [B, V] arithmetic.
+    """
+    device = x.device
+    rep = torch.tensor([s.rep_pen for s in settings], dtype=torch.float32, device=device)
+    freq = torch.tensor([s.freq_pen for s in settings], dtype=torch.float32, device=device)
+    pres = torch.tensor([s.pres_pen for s in settings], dtype=torch.float32, device=device)
+    rows, cols = counts.nonzero(as_tuple=True)
+    if rows.numel() == 0:
+        return x
+    value = x[rows, cols]
+    count = counts[rows, cols].to(torch.float32)
+    r = rep[rows]
+    # Negative counts would make no sense; nonzero() also finds them, so
+    # treat only positive counts as present.
+    present = count > 0
+    count = count.clamp(min=0)
+    penalised = torch.where(value > 0, value / r, value * r)
+    penalised = penalised - freq[rows] * count - pres[rows]
+    x[rows, cols] = torch.where(present, penalised, value)
+    return x
+
+
+def _row_param(
+    settings: Sequence[SamplingSettings], name: str, device: torch.device
+) -> torch.Tensor:
+    return torch.tensor(
+        [float(getattr(s, name)) for s in settings], dtype=torch.float64, device=device
+    ).unsqueeze(1)
+
+
+def _top_candidates(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest logits of each row and their ids, ordered by value
+    descending and, among equal values, by id ascending.
+
+    ``torch.topk`` gives neither a defined order among ties nor a defined
+    choice of which tied ids make it in when ties straddle position k; both are
+    fixed here, so the candidates are a prefix of one total order per row and
+    do not depend on k (nor on the other rows of the batch).
+    """
+    vocab = x.shape[1]
+    if k >= vocab:
+        values, ids = torch.sort(x, dim=1, descending=True, stable=True)
+        return values, ids
+    # One more than needed shows, at no extra cost, which rows have ties
+    # straddling position k; only those pay for a look at the whole row.
+    values, ids = torch.topk(x, k + 1, dim=1, largest=True, sorted=True)
+    straddling = torch.nonzero(values[:, k - 1] == values[:, k]).flatten().tolist()
+    values, ids = values[:, :k], ids[:, :k]
+    for row in straddling:
+        last = values[row, k - 1]
+        take = int((values[row] == last).sum())
+        ids[row, k - take :] = torch.nonzero(x[row] == last).flatten()[:take]
+    # Stable sorts: ids ascending first, then values descending.
+    by_id = torch.argsort(ids, dim=1)
+    ids = ids.gather(1, by_id)
+    values = values.gather(1, by_id)
+    by_value = torch.sort(values, dim=1, descending=True, stable=True).indices
+    return values.gather(1, by_value), ids.gather(1, by_value)
+
+
+def _sample_rows(
+    x: torch.Tensor,
+    settings: Sequence[SamplingSettings],
+    generators: Sequence[torch.Generator],
+    kind: _Kind,
+) -> torch.Tensor:
+    """Temperature, filters and the draw for rows of one kind; every row has
+    temperature > 0 and a finite maximum."""
+    device = x.device
+    vocab = x.shape[1]
+    temperature = _row_param(settings, "temperature", device)
+
+    if kind == "top_k":
+        k_max = min(max(s.top_k for s in settings), vocab)
+        values, ids = _top_candidates(x, k_max)
+        scaled = (values.to(torch.float64) - values[:, :1].to(torch.float64)) / temperature
+        if any(s.top_k < k_max for s in settings):
+            top_k = torch.tensor([s.top_k for s in settings], device=device).unsqueeze(1)
+            position = torch.arange(k_max, device=device).unsqueeze(0)
+            scaled = scaled.masked_fill(position >= top_k, _NEG_INF)
+        probs = torch.softmax(scaled, dim=1)
+    else:
+        scaled32 = (x - x.amax(dim=1, keepdim=True)) / temperature.to(torch.float32)
+        probs_full = torch.softmax(scaled32, dim=1)
+        if kind == "plain":
+            # Nothing to filter and no skew: the order of the draw does not
+            # change the distribution, so id order saves a full sort.
+            probs = probs_full.to(torch.float64)
+            ids = torch.arange(vocab, device=device).expand(x.shape[0], vocab)
+            return _draw(probs, ids, settings, generators)
+        probs, ids = _ordered_candidates(x, probs_full, settings)
+
+    probs = _filter(probs, settings)
+    return _draw(probs, ids, settings, generators)
+
+
+def _ordered_candidates(
+    x: torch.Tensor, probs_full: torch.Tensor, settings: Sequence[SamplingSettings]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates in descending order for rows with ``top_k == 0``: only a
+    prefix of them when the rows' filters provably drop everything after it,
+    else the whole vocabulary.
+
+    The kept set of top_p, top_a and min_p is a prefix of the descending order:
+    top_p keeps the smallest prefix with mass >= top_p, top_a and min_p keep
+    every probability above a threshold. If each row's kept set fits into the
+    first k candidates, the rest is never needed (typical, which comes later,
+    only removes tokens from the kept set). The probabilities stay those of the
+    whole vocabulary, so top_p sees the true mass.
+    """
+    vocab = x.shape[1]
+    for k in _UNBOUNDED_TRIES:
+        if k >= vocab:
+            break
+        ids = _top_candidates(x, k)[1]
+        probs = probs_full.gather(1, ids).to(torch.float64)
+        if all(_fits(probs[i], s) for i, s in enumerate(settings)):
+            return probs, ids
+    ids = torch.sort(x, dim=1, descending=True, stable=True).indices
+    return probs_full.gather(1, ids).to(torch.float64), ids
+
+
+def _fits(probs: torch.Tensor, s: SamplingSettings) -> bool:
+    """Whether the first filter of ``s`` that bounds the candidates keeps only
+    tokens among ``probs`` (the first candidates of one row, descending)."""
+    if 0 < s.top_p < 1:
+        return bool(probs.sum() >= s.top_p)
+    pmax = float(probs[0])
+    threshold = max(s.top_a * pmax * pmax, s.min_p * pmax)
+    if threshold > 0:
+        return bool(probs[-1] < threshold)
+    return False
+
+
+def _renormalise(probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    kept = probs * keep
+    return kept / kept.sum(dim=1, keepdim=True)
+
+
+def _filter(probs: torch.Tensor, settings: Sequence[SamplingSettings]) -> torch.Tensor:
+    """top_p, top_a, min_p and typical on probabilities whose columns are in
+    descending order, so column 0 is each row's argmax. Each filter leaves at
+    least one token and renormalises."""
+    device = probs.device
+    inf = float("inf")
+
+    if any(0 < s.top_p < 1 for s in settings):
+        top_p = torch.tensor(
+            [s.top_p if 0 < s.top_p < 1 else inf for s in settings],
+            dtype=torch.float64,
+            device=device,
+        ).unsqueeze(1)
+        # The smallest prefix whose mass reaches top_p: keep a token while the
+        # mass before it is still short of top_p.
+        before = probs.cumsum(dim=1) - probs
+        keep = before < top_p
+        keep[:, 0] = True
+        probs = _renormalise(probs, keep)
+
+    if any(s.top_a > 0 for s in settings):
+        top_a = _row_param(settings, "top_a", device)
+        pmax = probs[:, :1]
+        keep = probs >= top_a * pmax * pmax
+        keep[:, 0] = True
+        probs = _renormalise(probs, keep)
+
+    if any(s.min_p > 0 for s in settings):
+        min_p = _row_param(settings, "min_p", device)
+        keep = probs >= min_p * probs[:, :1]
+        keep[:, 0] = True
+        probs = _renormalise(probs, keep)
+
+    if any(0 < s.typical < 1 for s in settings):
+        mass = torch.tensor(
+            [s.typical if 0 < s.typical < 1 else inf for s in settings],
+            dtype=torch.float64,
+            device=device,
+        ).unsqueeze(1)
+        # Locally typical sampling (Meier et al. 2022): order tokens by how far
+        # their surprisal is from the entropy, keep the smallest such set whose
+        # mass reaches `typical`.
+        surprisal = -torch.log(probs)
+        entropy = -torch.special.xlogy(probs, probs).sum(dim=1, keepdim=True)
+        distance = (surprisal - entropy).abs()  # inf for zero-probability tokens
+        order = torch.argsort(distance, dim=1, stable=True)
+        in_order = probs.gather(1, order)
+        before = in_order.cumsum(dim=1) - in_order
+        keep_in_order = before < mass
+        keep_in_order[:, 0] = True
+        keep = torch.zeros_like(keep_in_order).scatter_(1, order, keep_in_order)
+        probs = _renormalise(probs, keep)
+
+    return probs
+
+
+def _draw(
+    probs: torch.Tensor,
+    ids: torch.Tensor,
+    settings: Sequence[SamplingSettings],
+    generators: Sequence[torch.Generator],
+) -> torch.Tensor:
+    """Inverse-CDF draw, one uniform per row, over candidates in descending
+    order of probability; ``skew`` bends the uniform as ExLlamaV2 does
+    (``u ** exp(-skew)``: skew > 0 leans to less likely tokens)."""
+    device = probs.device
+    uniforms = [
+        float(torch.rand((), generator=g, dtype=torch.float64, device=g.device)) for g in generators
+    ]
+    u = torch.tensor(uniforms, dtype=torch.float64, device=device).unsqueeze(1)
+    if any(s.skew != 0 for s in settings):
+        u = u ** torch.exp(-_row_param(settings, "skew", device))
+    cdf = probs.cumsum(dim=1)
+    target = u * cdf[:, -1:]
+    index = torch.searchsorted(cdf, target, right=True)
+    # Rounding may put the target at the very top of the CDF; the last
+    # candidate with a nonzero probability is then the right answer (never a
+    # zero-probability one, which may be a banned id).
+    positions = torch.arange(probs.shape[1], device=device).unsqueeze(0)
+    last = torch.where(probs > 0, positions, 0).amax(dim=1, keepdim=True)
+    index = torch.minimum(index, last)
+    return ids.gather(1, index).squeeze(1)
