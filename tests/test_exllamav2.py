@@ -1,0 +1,995 @@
+"""The ExLlamaV2 engine.
+
+Without a GPU (the default suite) only the pure pieces run: option planning,
+the sampler-settings mapping, stop conditions, the refusal checks and the
+translation of the generator's result dicts into updates. ExLlamaV2 is never
+imported for them. The result dicts below are written out literally in the
+shape ``ExLlamaV2DynamicJob.receive_sample`` / ``emit`` builds them
+(exllamav2/generator/dynamic.py at v0.3.2), each with the path that produces it.
+
+The tests marked ``gpu`` load the embedded model's converted float16 directory
+into ExLlamaV2 and run the engine alone and behind the server; they skip
+themselves when CUDA or exllamav2 is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from trioserve.engine.base import (
+    Engine,
+    Failed,
+    Finished,
+    GenerationSpec,
+    SamplingSettings,
+    TextUpdate,
+    Update,
+)
+from trioserve.engine.exllamav2 import (
+    CACHE_TYPES,
+    PAGE_SIZE,
+    JobState,
+    plan_load,
+    probe_exllamav2,
+    refusal,
+    sampler_fields,
+    stop_conditions,
+    updates_from_result,
+)
+from trioserve.errors import ConfigError, EngineError
+
+# The fields of ExLlamaV2Sampler.Settings (exllamav2/generator/sampler.py,
+# the Settings dataclass at v0.3.2), written out because ExLlamaV2 cannot be
+# imported here; the gpu test below checks this list against the real class.
+SETTINGS_FIELDS = frozenset(
+    {
+        "token_repetition_penalty",
+        "token_repetition_range",
+        "token_repetition_decay",
+        "token_frequency_penalty",
+        "token_presence_penalty",
+        "temperature",
+        "smoothing_factor",
+        "min_temp",
+        "max_temp",
+        "temp_exponent",
+        "top_k",
+        "top_p",
+        "top_a",
+        "min_p",
+        "tfs",
+        "typical",
+        "skew",
+        "temperature_last",
+        "mirostat",
+        "mirostat_tau",
+        "mirostat_eta",
+        "mirostat_mu",
+        "token_bias",
+        "cfg_scale",
+        "post_sampling_hooks",
+        "dry_allowed_length",
+        "dry_base",
+        "dry_multiplier",
+        "dry_sequence_breakers",
+        "dry_range",
+        "dry_max_ngram",
+        "ngram_trie",
+        "ngram_index",
+        "ngram_history",
+        "xtc_probability",
+        "xtc_threshold",
+        "xtc_ignore_tokens",
+    }
+)
+
+cuda_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+
+
+# -- probing and importing -------------------------------------------------------------
+
+
+def test_importing_the_engine_module_does_not_import_exllamav2() -> None:
+    # A fresh interpreter: this one may have imported exllamav2 for gpu tests.
+    code = (
+        "import sys, trioserve.engine.exllamav2; "
+        "print(any(m == 'exllamav2' or m.startswith('exllamav2.') for m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "False"
+
+
+@cuda_only
+def test_probe_without_cuda_says_why_and_does_not_import() -> None:
+    threads = torch.get_num_threads()
+    usable, reason = probe_exllamav2()
+    assert not usable
+    assert "CUDA" in reason
+    assert "exllamav2" not in sys.modules
+    assert torch.get_num_threads() == threads
+
+
+@cuda_only
+def test_load_without_cuda_raises_engine_error(tmp_path: Any) -> None:
+    from trioserve.engine.exllamav2 import ExLlamaV2Engine
+
+    with pytest.raises(EngineError, match="CUDA"):
+        ExLlamaV2Engine.load(tmp_path)
+
+
+# -- planning the load ------------------------------------------------------------------
+
+
+def test_plan_defaults_follow_the_model() -> None:
+    plan = plan_load(8192, paged=True)
+    assert plan.context_length == 8192
+    assert plan.cache_tokens == 8192
+    assert plan.cache_type == "fp16"
+    assert plan.max_chunk_size == 2048
+    assert plan.max_batch == 32
+    assert plan.gpu_split is None
+    assert not plan.tensor_parallel
+
+
+def test_plan_rounds_the_default_cache_up_to_whole_pages() -> None:
+    plan = plan_load(4000, paged=True)
+    assert plan.cache_tokens == 4096
+    assert plan.context_length == 4000
+
+
+def test_plan_without_paged_attention_runs_one_job_at_a_time() -> None:
+    plan = plan_load(8192, paged=False, max_batch=16)
+    assert plan.max_batch == 1
+    assert not plan.paged
+
+
+def test_plan_caps_the_chunk_at_a_short_context() -> None:
+    plan = plan_load(8192, paged=True, context_length=700, max_chunk_size=2048, max_batch=8)
+    # max_input_len is min(2048, 700); the chunk is the largest page multiple in it.
+    assert plan.max_chunk_size == 512
+    assert plan.cache_tokens == 768
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"cache_type": "fp8"}, "cache_type"),
+        ({"cache_size": 1000}, "cache_size"),
+        ({"cache_size": 4096}, "cache_size"),  # smaller than the context
+        ({"context_length": 9000}, "context_length"),
+        ({"context_length": 100}, "context_length"),
+        ({"max_chunk_size": 300}, "max_chunk_size"),
+        ({"max_chunk_size": 0}, "max_chunk_size"),
+        ({"max_batch": 0}, "max_batch"),
+        ({"max_batch": 1000}, "max_batch"),
+        ({"gpu_split": [20.0, -1.0]}, "gpu_split"),
+        ({"gpu_split": []}, "gpu_split"),
+    ],
+)
+def test_plan_rejects_bad_options_naming_the_field(options: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        plan_load(8192, paged=True, **options)
+    message = str(info.value)
+    assert message.startswith(field)
+    assert repr(options[field]) in message
+
+
+def test_plan_rejects_a_model_shorter_than_a_page() -> None:
+    with pytest.raises(ConfigError, match="at least 256"):
+        plan_load(200, paged=True)
+
+
+@given(
+    model_context=st.integers(PAGE_SIZE, 200_000),
+    context=st.integers(PAGE_SIZE, 200_000),
+    extra_pages=st.integers(0, 64),
+    chunk_pages=st.integers(1, 16),
+    cache_type=st.sampled_from(CACHE_TYPES),
+    paged=st.booleans(),
+)
+def test_plan_invariants(
+    model_context: int,
+    context: int,
+    extra_pages: int,
+    chunk_pages: int,
+    cache_type: str,
+    paged: bool,
+) -> None:
+    context = min(context, model_context)
+    min_cache = -(-context // PAGE_SIZE) * PAGE_SIZE
+    plan = plan_load(
+        model_context,
+        paged=paged,
+        cache_type=cache_type,
+        cache_size=min_cache + extra_pages * PAGE_SIZE,
+        context_length=context,
+        max_chunk_size=chunk_pages * PAGE_SIZE,
+        max_batch=min(32, min(2048, context) // 8),
+    )
+    # What ExLlamaV2DynamicGenerator.__init__ asserts, and what a job needs.
+    assert plan.cache_tokens % PAGE_SIZE == 0
+    assert plan.cache_tokens >= plan.context_length
+    assert plan.max_chunk_size % PAGE_SIZE == 0
+    assert PAGE_SIZE <= plan.max_chunk_size <= min(2048, plan.context_length)
+    assert plan.max_batch * 8 <= min(2048, plan.context_length)
+    assert plan.max_batch == 1 or paged
+
+
+# -- sampler settings --------------------------------------------------------------------
+
+
+def test_sampler_fields_are_settings_fields() -> None:
+    assert set(sampler_fields(SamplingSettings())) <= SETTINGS_FIELDS
+
+
+def test_sampler_fields_map_the_protocol_fields() -> None:
+    settings = SamplingSettings(
+        temperature=0.7,
+        top_k=40,
+        top_p=0.9,
+        top_a=0.2,
+        min_p=0.05,
+        typical=0.95,
+        skew=0.5,
+        rep_pen=1.1,
+        freq_pen=0.3,
+        pres_pen=0.4,
+        seed=7,
+    )
+    fields = sampler_fields(settings)
+    assert fields["temperature"] == 0.7
+    assert fields["top_k"] == 40
+    assert fields["top_p"] == 0.9
+    assert fields["top_a"] == 0.2
+    assert fields["min_p"] == 0.05
+    assert fields["typical"] == 0.95
+    assert fields["skew"] == 0.5
+    assert fields["token_repetition_penalty"] == 1.1
+    assert fields["token_frequency_penalty"] == 0.3
+    assert fields["token_presence_penalty"] == 0.4
+    # The whole context is penalised, and nothing the protocol cannot set is on.
+    assert fields["token_repetition_range"] == -1
+    assert fields["temperature_last"] is False
+    assert fields["mirostat"] is False
+    assert fields["dry_multiplier"] == 0.0
+    assert fields["xtc_probability"] == 0.0
+    assert fields["cfg_scale"] is None
+
+
+def test_greedy_is_top_k_one() -> None:
+    fields = sampler_fields(SamplingSettings(temperature=0.0, top_k=100, rep_pen=1.2))
+    assert fields["top_k"] == 1
+    assert fields["temperature"] == 1.0
+    # Penalties come before the draw, so they still shape the greedy choice.
+    assert fields["token_repetition_penalty"] == 1.2
+
+
+@given(
+    temperature=st.floats(0.0, 5.0),
+    top_k=st.integers(0, 1000),
+    top_p=st.floats(0.0, 1.0),
+    rep_pen=st.floats(0.1, 3.0),
+)
+def test_sampler_fields_keep_non_greedy_values(
+    temperature: float, top_k: int, top_p: float, rep_pen: float
+) -> None:
+    settings = SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p, rep_pen=rep_pen)
+    fields = sampler_fields(settings)
+    assert fields["top_p"] == top_p
+    assert fields["token_repetition_penalty"] == rep_pen
+    if temperature == 0.0:
+        assert (fields["temperature"], fields["top_k"]) == (1.0, 1)
+    else:
+        assert (fields["temperature"], fields["top_k"]) == (temperature, top_k)
+
+
+# -- stop conditions and refusals --------------------------------------------------------
+
+
+def _spec(**fields: Any) -> GenerationSpec:
+    values: dict[str, Any] = {"job_id": 1, "prompt_ids": (5, 6, 7), "max_new_tokens": 10}
+    values.update(fields)
+    return GenerationSpec(**values)
+
+
+def test_stop_conditions_add_every_eos_id_then_strings() -> None:
+    spec = _spec(stop_token_ids=frozenset({2, 198}), stop_strings=("\n\n", "###", "\n\n"))
+    conditions = stop_conditions(spec, frozenset({2, 0, 49152}))
+    assert conditions == [0, 2, 198, 49152, "\n\n", "###"]
+    # ExLlamaV2DynamicJob sorts conditions by type with isinstance(t, int) /
+    # isinstance(t, str) and raises ValueError for anything else.
+    assert all(type(c) in (int, str) for c in conditions)
+
+
+def test_stop_conditions_without_request_stops_are_the_eos_ids() -> None:
+    assert stop_conditions(_spec(), frozenset({2})) == [2]
+
+
+def _refusal(spec: GenerationSpec, **overrides: int) -> str | None:
+    limits = {"context_length": 512, "vocab_size": 1000, "page_size": 256, "max_pages": 2}
+    limits.update(overrides)
+    return refusal(spec, **limits)
+
+
+def test_refusal_accepts_a_job_that_fits() -> None:
+    assert _refusal(_spec(prompt_ids=tuple(range(500)), max_new_tokens=12)) is None
+
+
+def test_refusal_of_a_job_longer_than_the_context() -> None:
+    message = _refusal(_spec(prompt_ids=tuple(range(500)), max_new_tokens=13))
+    assert message is not None
+    assert "(500 tokens)" in message
+    assert "context length (512)" in message
+
+
+def test_refusal_of_a_job_larger_than_the_cache() -> None:
+    # Fits the context (1024) but needs 3 pages of a 2-page cache.
+    message = _refusal(_spec(prompt_ids=tuple(range(600)), max_new_tokens=10), context_length=1024)
+    assert message is not None
+    assert "cache_size" in message
+
+
+def test_refusal_without_paging_counts_the_whole_cache_as_one_page() -> None:
+    # Unpaged generators have page_size = cache size and max_pages = 1.
+    spec = _spec(prompt_ids=tuple(range(400)), max_new_tokens=100)
+    assert _refusal(spec, page_size=512, max_pages=1) is None
+    assert _refusal(spec, page_size=256, max_pages=1) is not None
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"prompt_ids": ()}, "empty"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"banned_ids": frozenset({3, 1000})}, "[1000]"),
+        ({"banned_ids": frozenset({-1})}, "[-1]"),
+        ({"stop_token_ids": frozenset({-5})}, "[-5]"),
+        ({"stop_strings": ("ok", "")}, "empty"),
+        ({"prompt_ids": (1, 2, 5000)}, "prompt ids"),
+    ],
+)
+def test_refusal_names_what_is_wrong(fields: dict[str, Any], needle: str) -> None:
+    message = _refusal(_spec(**fields))
+    assert message is not None
+    assert needle in message
+    assert message[0].islower()
+
+
+# -- result dicts to updates -------------------------------------------------------------
+
+
+class _Job:
+    """Stands in for the ExLlamaV2DynamicJob object a result dict refers to
+    under "job"; the translation never looks at it."""
+
+
+JOB = _Job()
+
+
+def _token(text: str | None, *, serial: int = 0, identifier: int = 1) -> dict[str, Any]:
+    """A result of a token that ends nothing.
+
+    dynamic.py ``emit(results)`` (text held) or ``emit(results, emit_held=True)``
+    (text released): "text" only when released text is non-empty, "token_ids"
+    only with emit_held.
+    """
+    result: dict[str, Any] = {"job": JOB, "stage": "streaming", "eos": False, "serial": serial}
+    if text is not None:
+        if text:
+            result["text"] = text
+        result["token_ids"] = torch.tensor([[11]])
+    result["identifier"] = identifier
+    return result
+
+
+def _eos_fields(new_tokens: int, prompt_tokens: int) -> dict[str, Any]:
+    # emit(..., emit_eos=True) adds these to every final result.
+    return {
+        "full_completion": "",
+        "new_tokens": new_tokens,
+        "prompt_tokens": prompt_tokens,
+        "time_enqueued": 0.01,
+        "time_prefill": 0.02,
+        "time_generate": 0.3,
+        "cached_pages": 0,
+        "cached_tokens": 0,
+    }
+
+
+def _run(state: JobState, steps: Sequence[tuple[dict[str, Any], str]]) -> list[Update]:
+    updates = []
+    for result, held_after in steps:
+        update = updates_from_result(result, state, held_after)
+        if update is not None:
+            updates.append(update)
+    return updates
+
+
+def _released(updates: Sequence[Update]) -> str:
+    return "".join(u.text for u in updates if isinstance(u, TextUpdate | Finished))
+
+
+def test_started_and_prefill_results_make_no_update() -> None:
+    state = JobState(job_id=1, prompt_tokens=3, healing=False)
+    # iterate_start_jobs and prefill results.
+    started = {"job": JOB, "stage": "started", "eos": False, "serial": 0, "identifier": 1}
+    prefill = {
+        "job": JOB,
+        "stage": "prefill",
+        "eos": False,
+        "serial": 0,
+        "curr_progress": 3,
+        "max_progress": 3,
+        "identifier": 1,
+    }
+    assert updates_from_result(started, state, "") is None
+    assert updates_from_result(prefill, state, "") is None
+    assert state.sampled == 0
+
+
+def test_max_new_tokens_flushes_held_text() -> None:
+    state = JobState(job_id=1, prompt_tokens=3, healing=False, stop_strings=("\n\n",))
+    final = {
+        "job": JOB,
+        "stage": "streaming",
+        "eos": True,
+        "serial": 0,
+        # receive_sample: the length check emits with emit_held=True.
+        "eos_reason": "max_new_tokens",
+        "text": "\nand",
+        "token_ids": torch.tensor([[198, 290]]),
+        **_eos_fields(new_tokens=3, prompt_tokens=3),
+        "identifier": 1,
+    }
+    updates = _run(
+        state,
+        [(_token("Hello"), ""), (_token(None), "\n"), (final, "")],
+    )
+    assert updates == [
+        TextUpdate(job_id=1, text="Hello", held="", generated_tokens=1),
+        TextUpdate(job_id=1, text="", held="\n", generated_tokens=2),
+        Finished(
+            job_id=1,
+            text="\nand",
+            reason="max_new_tokens",
+            stop_string=None,
+            stop_token=None,
+            prompt_tokens=3,
+            generated_tokens=3,
+        ),
+    ]
+    assert _released(updates) == "Hello\nand"
+
+
+def test_stop_string_drops_the_match_and_what_follows() -> None:
+    state = JobState(job_id=4, prompt_tokens=9, healing=False, stop_strings=("###",))
+    final = {
+        "job": JOB,
+        "stage": "streaming",
+        "eos": True,
+        "serial": 2,
+        # Full match at index 2 of held "ab###cd": emit_held releases "ab";
+        # the rest goes to "held".
+        "eos_reason": "stop_string",
+        "eos_triggering_string": "###",
+        "text": "ab",
+        "token_ids": torch.tensor([[64, 65]]),
+        **_eos_fields(new_tokens=3, prompt_tokens=9),
+        "held": {"text": "###cd"},
+        "identifier": 4,
+    }
+    updates = _run(
+        state,
+        [(_token("x", identifier=4), ""), (_token(None, identifier=4), "ab#"), (final, "")],
+    )
+    assert updates[-1] == Finished(
+        job_id=4,
+        text="ab",
+        reason="stop_string",
+        stop_string="###",
+        stop_token=None,
+        prompt_tokens=9,
+        generated_tokens=3,
+    )
+    assert _released(updates) == "xab"
+
+
+def test_stop_string_at_the_start_of_held_text_releases_nothing() -> None:
+    state = JobState(job_id=1, prompt_tokens=3, healing=False, stop_strings=("\n\n",))
+    final = {
+        "job": JOB,
+        "stage": "streaming",
+        "eos": True,
+        "serial": 0,
+        # Match at index 0: held_text becomes "" so emit_held adds no "text".
+        "eos_reason": "stop_string",
+        "eos_triggering_string": "\n\n",
+        "token_ids": torch.tensor([[198, 198]]),
+        **_eos_fields(new_tokens=3, prompt_tokens=3),
+        "held": {"text": "\n\nfoo"},
+        "identifier": 1,
+    }
+    updates = _run(state, [(_token("Hi"), ""), (_token(None), "\n"), (final, "")])
+    finished = updates[-1]
+    assert isinstance(finished, Finished)
+    assert finished.text == ""
+    assert finished.reason == "stop_string"
+    assert _released(updates) == "Hi"
+
+
+def test_stop_token_releases_held_text_without_its_own_piece() -> None:
+    state = JobState(job_id=1, prompt_tokens=3, healing=False, stop_strings=("###",))
+    final = {
+        "job": JOB,
+        "stage": "streaming",
+        "eos": True,
+        "serial": 0,
+        # The stop-token check comes before any release: the held text, with
+        # the stop token's piece appended, is left in "held".
+        "eos_reason": "stop_token",
+        "eos_triggering_token_id": 2,
+        "eos_triggering_token_str": "<|im_end|>",
+        **_eos_fields(new_tokens=3, prompt_tokens=3),
+        "held": {"text": "x#<|im_end|>", "token_ids": torch.tensor([[87, 2]])},
+        "identifier": 1,
+    }
+    updates = _run(state, [(_token("Ok "), ""), (_token(None), "x#"), (final, "")])
+    assert updates[-1] == Finished(
+        job_id=1,
+        text="x#",
+        reason="stop_token",
+        stop_string=None,
+        stop_token=2,
+        prompt_tokens=3,
+        generated_tokens=3,
+    )
+    assert _released(updates) == "Ok x#"
+
+
+def test_stop_token_that_is_an_ordinary_token_leaves_its_piece_out() -> None:
+    # A request stop id of a plain token ("\n", id 198) whose piece is text.
+    state = JobState(job_id=1, prompt_tokens=3, healing=False)
+    final = {
+        "job": JOB,
+        "stage": "streaming",
+        "eos": True,
+        "serial": 0,
+        "eos_reason": "stop_token",
+        "eos_triggering_token_id": 198,
+        "eos_triggering_token_str": "\n",
+        **_eos_fields(new_tokens=2, prompt_tokens=3),
+        "held": {"text": "\n", "token_ids": torch.tensor([[198]])},
+        "identifier": 1,
+    }
+    updates = _run(state, [(_token("Paris."), ""), (final, "")])
+    assert updates[-1].text == ""  # type: ignore[union-attr]
+    assert _released(updates) == "Paris."
+
+
+def test_stop_token_as_the_first_token_releases_nothing() -> None:
+    state = JobState(job_id=1, prompt_tokens=3, healing=False)
+    final = {
+        "job": JOB,
+        "stage": "streaming",
+        "eos": True,
+        "serial": 0,
+        "eos_reason": "stop_token",
+        "eos_triggering_token_id": 2,
+        "eos_triggering_token_str": "<|im_end|>",
+        **_eos_fields(new_tokens=1, prompt_tokens=3),
+        "held": {"text": "<|im_end|>", "token_ids": torch.tensor([[2]])},
+        "identifier": 1,
+    }
+    (finished,) = _run(state, [(final, "")])
+    assert isinstance(finished, Finished)
+    assert (finished.text, finished.generated_tokens) == ("", 1)
+
+
+def test_stop_string_completed_by_the_last_allowed_token_still_wins() -> None:
+    # The length check runs before the stop-string check, so ExLlamaV2 flushes
+    # "x###" as text; the protocol says the stop string ends the job first.
+    state = JobState(job_id=1, prompt_tokens=3, healing=False, stop_strings=("zz", "###"))
+    final = {
+        "job": JOB,
+        "stage": "streaming",
+        "eos": True,
+        "serial": 0,
+        "eos_reason": "max_new_tokens",
+        "text": "x###y",
+        "token_ids": torch.tensor([[87, 2, 3]]),
+        **_eos_fields(new_tokens=3, prompt_tokens=3),
+        "identifier": 1,
+    }
+    updates = _run(state, [(_token(None), "x#"), (_token(None), "x##"), (final, "")])
+    assert updates[-1] == Finished(
+        job_id=1,
+        text="x",
+        reason="stop_string",
+        stop_string="###",
+        stop_token=None,
+        prompt_tokens=3,
+        generated_tokens=3,
+    )
+
+
+def test_incomplete_character_is_held_then_released_whole() -> None:
+    # A byte-level token holding half of "é" decodes to U+FFFD and is held
+    # (1 <= count("\ufffd") < 5); the next token completes it.
+    state = JobState(job_id=1, prompt_tokens=3, healing=False)
+    updates = _run(state, [(_token(None), "\ufffd"), (_token("é!"), "")])
+    assert updates == [
+        TextUpdate(job_id=1, text="", held="\ufffd", generated_tokens=1),
+        TextUpdate(job_id=1, text="é!", held="", generated_tokens=2),
+    ]
+
+
+def test_token_healing_does_not_count_the_healed_token() -> None:
+    spec = _spec(prompt_ids=(5, 6, 7, 8), token_healing=True, max_new_tokens=2)
+    state = JobState.for_spec(spec)
+    assert state.healing
+    assert state.prompt_tokens == 3
+    final = {
+        "job": JOB,
+        "stage": "streaming",
+        "eos": True,
+        "serial": 0,
+        "eos_reason": "max_new_tokens",
+        "text": " two",
+        "token_ids": torch.tensor([[9, 10]]),
+        # new_tokens starts at -1 with healing: the healed token is not counted.
+        **_eos_fields(new_tokens=2, prompt_tokens=4),
+        "identifier": 1,
+    }
+    # The healed token's result carries only the added characters ("lo").
+    updates = _run(state, [(_token("lo"), ""), (_token(" one"), ""), (final, "")])
+    assert [u.generated_tokens for u in updates if isinstance(u, TextUpdate)] == [0, 1]
+    finished = updates[-1]
+    assert isinstance(finished, Finished)
+    assert (finished.generated_tokens, finished.prompt_tokens) == (2, 3)
+
+
+def test_token_healing_needs_two_prompt_tokens() -> None:
+    state = JobState.for_spec(_spec(prompt_ids=(5,), token_healing=True))
+    assert not state.healing
+    assert state.prompt_tokens == 1
+
+
+def test_an_unexpected_eos_reason_fails_the_job() -> None:
+    state = JobState(job_id=3, prompt_tokens=3, healing=False)
+    final = {
+        "job": JOB,
+        "stage": "streaming",
+        "eos": True,
+        "serial": 0,
+        "eos_reason": "end_filter",
+        **_eos_fields(new_tokens=1, prompt_tokens=3),
+        "identifier": 3,
+    }
+    update = updates_from_result(final, state, "")
+    assert isinstance(update, Failed)
+    assert "'end_filter'" in update.message
+
+
+@given(pieces=st.lists(st.text(max_size=4), min_size=1, max_size=20), cut=st.data())
+def test_released_text_is_the_completion_up_to_a_stop_token(
+    pieces: list[str], cut: st.DataObject
+) -> None:
+    """Whatever the generator held back along the way, the released text up to
+    a stop token is everything generated before it."""
+    state = JobState(job_id=1, prompt_tokens=3, healing=False)
+    completion = "".join(pieces)
+    steps: list[tuple[dict[str, Any], str]] = []
+    released = 0
+    generated = ""
+    for piece in pieces:
+        generated += piece
+        # The generator releases any prefix of what it has not released yet.
+        upto = cut.draw(st.integers(released, len(generated)))
+        steps.append((_token(generated[released:upto]), generated[upto:]))
+        released = upto
+    final = {
+        "job": JOB,
+        "stage": "streaming",
+        "eos": True,
+        "serial": 0,
+        "eos_reason": "stop_token",
+        "eos_triggering_token_id": 2,
+        "eos_triggering_token_str": "<|im_end|>",
+        **_eos_fields(new_tokens=len(pieces) + 1, prompt_tokens=3),
+        "held": {"text": generated[released:] + "<|im_end|>"},
+        "identifier": 1,
+    }
+    steps.append((final, ""))
+    updates = _run(state, steps)
+    assert _released(updates) == completion
+    assert isinstance(updates[-1], Finished)
+    assert updates[-1].generated_tokens == len(pieces) + 1
+
+
+# -- on a GPU ----------------------------------------------------------------------------
+
+CHAT = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    "<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+)
+GREEDY = SamplingSettings(temperature=0.0, rep_pen=1.0)
+
+
+def _needs_exllamav2() -> None:
+    usable, reason = probe_exllamav2()
+    if not usable:
+        pytest.skip(f"needs the exllamav2 engine: {reason}")
+
+
+@pytest.fixture(scope="module")
+def xengine() -> Iterator[Any]:
+    _needs_exllamav2()
+    from trioserve.engine.exllamav2 import ExLlamaV2Engine
+    from trioserve.engine.models import default_model_dir
+
+    engine = ExLlamaV2Engine.load(default_model_dir(), max_batch=32)
+    yield engine
+    engine.close()
+
+
+def _generate(engine: Any, specs: Sequence[GenerationSpec]) -> dict[int, list[Update]]:
+    """Run ``specs`` to their ends; every update, by job."""
+    got: dict[int, list[Update]] = {spec.job_id: [] for spec in specs}
+    pending = list(specs)
+    open_jobs = set(got)
+    for _ in range(10_000):
+        updates = engine.step(pending, [])
+        pending = []
+        for update in updates:
+            got[update.job_id].append(update)
+            if not isinstance(update, TextUpdate):
+                open_jobs.discard(update.job_id)
+        if not open_jobs:
+            return got
+    raise AssertionError("the jobs did not end")
+
+
+def _chat_spec(engine: Any, job_id: int, question: str, **fields: Any) -> GenerationSpec:
+    values: dict[str, Any] = {
+        "job_id": job_id,
+        "prompt_ids": tuple(engine.encode(CHAT.format(question=question))),
+        "max_new_tokens": 48,
+        "sampling": GREEDY,
+        "stop_token_ids": engine.info.eos_token_ids,
+    }
+    values.update(fields)
+    return GenerationSpec(**values)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_info_and_tokenizer(xengine: Any) -> None:
+    import dataclasses
+
+    from exllamav2.generator import ExLlamaV2Sampler
+
+    engine: object = xengine
+    assert isinstance(engine, Engine)
+    info = xengine.info
+    assert info.engine == "exllamav2"
+    assert info.context_length == 8192
+    assert 2 in info.eos_token_ids
+    assert info.vocab_size == 49152
+    assert info.batching == (info.max_batch > 1)
+    assert {f.name for f in dataclasses.fields(ExLlamaV2Sampler.Settings)} == SETTINGS_FIELDS
+    text = CHAT.format(question="Grüße, 日本語 🙂?")
+    ids = xengine.encode(text)
+    # The same ids as ExLlamaV2's own encoding with special tokens.
+    theirs = xengine._xtokenizer.encode(text, add_bos=False, encode_special_tokens=True)
+    assert ids == theirs[0].tolist()
+    assert xengine.decode(ids) == text
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_answer_stops_on_eos(xengine: Any) -> None:
+    spec = _chat_spec(xengine, 1, "What is the capital of France?")
+    updates = _generate(xengine, [spec])[1]
+    finished = updates[-1]
+    assert isinstance(finished, Finished)
+    assert finished.reason == "stop_token"
+    assert finished.stop_token in xengine.info.eos_token_ids
+    assert "Paris" in _released(updates)
+    assert "<|im_end|>" not in _released(updates)
+    assert finished.prompt_tokens == len(spec.prompt_ids)
+    assert finished.generated_tokens == len(updates)
+    assert xengine.step([], []) == []
+
+
+@pytest.mark.gpu
+def test_gpu_max_new_tokens_and_stop_string(xengine: Any) -> None:
+    full = _released(
+        _generate(xengine, [_chat_spec(xengine, 2, "What is the capital of France?")])[2]
+    )
+    limited = _generate(
+        xengine, [_chat_spec(xengine, 3, "What is the capital of France?", max_new_tokens=3)]
+    )[3]
+    end = limited[-1]
+    assert isinstance(end, Finished)
+    assert (end.reason, end.generated_tokens) == ("max_new_tokens", 3)
+    assert full.startswith(_released(limited))
+    stopped = _generate(
+        xengine,
+        [_chat_spec(xengine, 4, "What is the capital of France?", stop_strings=("Paris",))],
+    )[4]
+    end = stopped[-1]
+    assert isinstance(end, Finished)
+    assert (end.reason, end.stop_string) == ("stop_string", "Paris")
+    assert _released(stopped) == full[: full.index("Paris")]
+
+
+@pytest.mark.gpu
+def test_gpu_banned_first_token_changes_the_answer(xengine: Any) -> None:
+    spec = _chat_spec(xengine, 5, "What is the capital of France?", max_new_tokens=4)
+    first = _released(_generate(xengine, [spec])[5])
+    first_id = xengine.encode(first)[0]
+    banned = _generate(xengine, [attrs.evolve(spec, job_id=6, banned_ids=frozenset({first_id}))])[6]
+    assert not _released(banned).startswith(xengine.decode([first_id]))
+
+
+@pytest.mark.gpu
+def test_gpu_seed_reproduces_sampling(xengine: Any) -> None:
+    sampling = SamplingSettings(temperature=1.0, top_k=0, top_p=1.0, seed=1234)
+    runs = [
+        _released(
+            _generate(
+                xengine,
+                [
+                    _chat_spec(
+                        xengine, job_id, "Tell me a story.", sampling=sampling, max_new_tokens=32
+                    )
+                ],
+            )[job_id]
+        )
+        for job_id in (7, 8)
+    ]
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
+def test_gpu_cancel_ends_a_job_silently(xengine: Any) -> None:
+    spec = _chat_spec(xengine, 9, "Write a long essay about rivers.", max_new_tokens=500)
+    seen = xengine.step([spec], [])
+    for _ in range(5):
+        seen += xengine.step([], [])
+    assert all(isinstance(u, TextUpdate) for u in seen)
+    assert xengine.step([], [9]) == []
+    assert xengine.step([], []) == []
+
+
+@pytest.mark.gpu
+def test_gpu_refuses_a_job_longer_than_the_context(xengine: Any) -> None:
+    spec = GenerationSpec(job_id=10, prompt_ids=(1,) * 8000, max_new_tokens=500)
+    (failed,) = xengine.step([spec], [])
+    assert isinstance(failed, Failed)
+    assert "context length" in failed.message
+
+
+@pytest.mark.gpu
+def test_gpu_token_healing_extends_the_last_prompt_token(xengine: Any) -> None:
+    prompt = tuple(xengine.encode("The capital of France is Par"))
+    spec = GenerationSpec(
+        job_id=11, prompt_ids=prompt, max_new_tokens=4, sampling=GREEDY, token_healing=True
+    )
+    updates = _generate(xengine, [spec])[11]
+    end = updates[-1]
+    assert isinstance(end, Finished)
+    assert end.prompt_tokens == len(prompt) - 1
+    assert end.generated_tokens == 4
+    assert _released(updates)
+
+
+@pytest.mark.gpu
+def test_gpu_concurrent_jobs_all_finish(xengine: Any) -> None:
+    questions = ["What is the capital of France?", "Name a colour.", "Count to five."] * 4
+    specs = [_chat_spec(xengine, 100 + i, q, max_new_tokens=24) for i, q in enumerate(questions)]
+    got = _generate(xengine, specs)
+    for spec in specs:
+        end = got[spec.job_id][-1]
+        assert isinstance(end, Finished)
+        assert 1 <= end.generated_tokens <= 24
+
+
+# -- end to end, behind the server, over both engines -----------------------------------
+
+
+@pytest.fixture(scope="module", params=["cpu", "exllamav2"])
+def served_engine(request: pytest.FixtureRequest) -> Iterator[Any]:
+    if not torch.cuda.is_available():
+        pytest.skip("the gpu end-to-end tests need CUDA")
+    from trioserve.engine import EngineOptions, load_engine
+
+    if request.param == "exllamav2":
+        _needs_exllamav2()
+    engine = load_engine(EngineOptions(engine=request.param))
+    yield engine
+    engine.close()
+
+
+async def _infer(url: str, **fields: Any) -> list[dict[str, Any]]:
+    from tests.helpers import raw_client
+
+    async with raw_client(url) as client:
+        await client.send({"action": "infer", "request_id": 1, **fields})
+        return await client.recv_until_final(1, 120)
+
+
+@pytest.mark.gpu
+async def test_gpu_server_streams_a_greedy_answer(served_engine: Any) -> None:
+    from tests.helpers import chunks_of, running_server
+
+    async with running_server(served_engine) as listening:
+        frames = await _infer(
+            listening.url,
+            text=CHAT.format(question="What is the capital of France?"),
+            max_new_tokens=48,
+            stream=True,
+            temperature=0,
+        )
+    final = frames[-1]
+    assert final["response_type"] == "full", json.dumps(final)
+    assert "".join(chunks_of(frames)) == final["response"]
+    assert "Paris" in final["response"]
+    assert (final["stop_reason"], final["eos_reason"]) == ("eos", "stop_token")
+
+
+@pytest.mark.gpu
+async def test_gpu_server_stop_string_and_limit(served_engine: Any) -> None:
+    from tests.helpers import running_server
+
+    async with running_server(served_engine) as listening:
+        text = CHAT.format(question="What is the capital of France?")
+        stopped = await _infer(
+            listening.url, text=text, max_new_tokens=48, temperature=0, stop_conditions=["Paris"]
+        )
+        limited = await _infer(listening.url, text=text, max_new_tokens=2, temperature=0)
+    assert (stopped[-1]["eos_reason"], stopped[-1]["stop_string"]) == ("stop_string", "Paris")
+    assert "Paris" not in stopped[-1]["response"]
+    assert limited[-1]["stop_reason"] == "num_tokens"
+    assert limited[-1]["usage"]["generated_tokens"] == 2
+
+
+@pytest.mark.gpu
+async def test_gpu_server_stop_interrupts_a_stream(served_engine: Any) -> None:
+    from tests.helpers import raw_client, running_server
+
+    async with running_server(served_engine) as listening, raw_client(listening.url) as client:
+        await client.send(
+            {
+                "action": "infer",
+                "request_id": "long",
+                "text": CHAT.format(question="Write a long essay about rivers."),
+                "max_new_tokens": 2000,
+                "stream": True,
+            }
+        )
+        first = await client.recv(120)
+        assert first["response_type"] == "chunk"
+        await client.send({"action": "stop", "request_id": "halt"})
+        frames = [first]
+        while True:
+            frame = await client.recv(60)
+            frames.append(frame)
+            if frame.get("action") == "stop":
+                break
+    finals = [f for f in frames if f.get("response_type") == "full"]
+    assert len(finals) == 1
+    assert finals[0]["stop_reason"] == "interrupted"
+    assert frames[-1]["stopped"] == 1
+    streamed = "".join(f["chunk"] for f in frames if f.get("response_type") == "chunk")
+    assert finals[0]["response"].startswith(streamed)
