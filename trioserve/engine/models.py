@@ -242,7 +242,7 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's row order for q and k: it interleaves the two rotary
     halves of each head; Hugging Face keeps them as two blocks."""
     rows, cols = w.shape
-    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:

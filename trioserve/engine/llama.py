@@ -1,0 +1,423 @@
+"""A compact torch model of the Llama family, with a slotted KV cache.
+
+Loads Hugging Face Llama directories (``config.json`` + ``*.safetensors``):
+tied or untied embeddings, grouped-query attention, ``rope_theta`` and llama3
+or linear rope scaling. The model is a handful of pure functions over a weights
+object; one :func:`forward` serves both chunked prefill (one job, many
+positions) and batched decode (many jobs, one position each).
+
+Shapes in comments: B batch rows (jobs), C positions per row, D hidden size,
+H query heads, K key/value heads, G = H // K queries per KV head, E head dim,
+T attended positions, V vocabulary, S cache slots, L layers.
+
+Grouped-query attention is done without copying K and V per query head: the G
+query heads of one KV head are laid out as extra query rows of that KV head,
+so ``scaled_dot_product_attention`` sees K heads and G*C queries each.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from trioserve.errors import ModelError
+
+__all__ = [
+    "REFINE_TOP",
+    "KVCache",
+    "LayerWeights",
+    "LlamaConfig",
+    "LlamaWeights",
+    "RopeScaling",
+    "decode_logits",
+    "forward",
+    "logits",
+    "rope_tables",
+]
+
+_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
+
+
+@attrs.frozen
+class RopeScaling:
+    """Rope frequency scaling from ``config.json``'s ``rope_scaling``."""
+
+    kind: str  # "llama3" or "linear"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@attrs.frozen
+class LlamaConfig:
+    """The hyperparameters the forward pass needs, read from ``config.json``."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: RopeScaling | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> LlamaConfig:
+        """Raises ModelError for an unsupported architecture or a missing key."""
+        archs = raw.get("architectures") or [raw.get("model_type")]
+        if not any(a in _ARCHITECTURES for a in archs) and raw.get("model_type") != "llama":
+            raise ModelError(
+                f"model architecture {archs!r} is not supported; supported: "
+                f"{sorted(_ARCHITECTURES)!r} (model_type 'llama')"
+            )
+        try:
+            heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            return cls(
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                n_layers=int(raw["num_hidden_layers"]),
+                n_heads=heads,
+                n_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(raw.get("rope_theta", 10000.0)),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                rope_scaling=_rope_scaling(raw.get("rope_scaling")),
+            )
+        except KeyError as exc:
+            raise ModelError(f"config.json lacks {exc.args[0]!r}") from exc
+
+    @classmethod
+    def from_dir(cls, path: Path) -> LlamaConfig:
+        try:
+            raw = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot read config.json in {str(path)!r}: {exc}") from exc
+        return cls.from_dict(raw)
+
+
+def _rope_scaling(raw: Any) -> RopeScaling | None:
+    if not raw:
+        return None
+    kind = raw.get("rope_type") or raw.get("type")
+    if kind == "default":
+        return None
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(raw["factor"]))
+    if kind == "llama3":
+        return RopeScaling(
+            kind="llama3",
+            factor=float(raw["factor"]),
+            low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+        )
+    raise ModelError(f"rope_scaling type {kind!r} is not supported; supported: 'llama3', 'linear'")
+
+
+def rope_tables(config: LlamaConfig, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """cos and sin of every position's rotary angles, float32 [length, E/2]."""
+    half = config.head_dim // 2
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(half, dtype=torch.float64, device=device) / half)
+    )
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.kind == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling is not None and scaling.kind == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, and the band
+        # between is blended smoothly (Llama 3.1's published recipe).
+        old = scaling.original_max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen = old / scaling.low_freq_factor
+        high_wavelen = old / scaling.high_freq_factor
+        smooth = (old / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+        inv_freq = torch.where(
+            wavelen > low_wavelen,
+            inv_freq / scaling.factor,
+            torch.where(wavelen < high_wavelen, inv_freq, blended),
+        )
+    angles = torch.outer(torch.arange(length, dtype=torch.float64, device=device), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+@attrs.define(eq=False)
+class LayerWeights:
+    attn_norm: Tensor  # [D]
+    wqkv: Tensor  # [(H + 2K) * E, D]: q, k and v projections fused into one matmul
+    wo: Tensor  # [D, H * E]
+    mlp_norm: Tensor  # [D]
+    w_gate_up: Tensor  # [2 * F, D]: gate and up projections fused
+    w_down: Tensor  # [D, F]
+
+
+@attrs.define(eq=False)
+class LlamaWeights:
+    embed: Tensor  # [V, D]
+    layers: list[LayerWeights]
+    norm: Tensor  # [D]
+    lm_head: Tensor  # [V, D]; the same tensor as embed when tied
+
+    @classmethod
+    def load(
+        cls, path: Path, config: LlamaConfig, *, dtype: torch.dtype, device: torch.device
+    ) -> LlamaWeights:
+        """Read every ``*.safetensors`` file of ``path``, cast to ``dtype`` on ``device``.
+
+        Raises:
+            ModelError: no safetensors file, or a tensor is missing.
+        """
+        from safetensors import safe_open
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise ModelError(f"no *.safetensors file in {str(path)!r}")
+        raw: dict[str, Tensor] = {}
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    raw[name] = f.get_tensor(name)
+
+        def take(name: str) -> Tensor:
+            try:
+                tensor = raw.pop(name)
+            except KeyError:
+                raise ModelError(f"tensor {name!r} is missing from {str(path)!r}") from None
+            return tensor.to(device=device, dtype=dtype)
+
+        layers = []
+        for i in range(config.n_layers):
+            p = f"model.layers.{i}."
+            layers.append(
+                LayerWeights(
+                    attn_norm=take(p + "input_layernorm.weight"),
+                    wqkv=torch.cat(
+                        [take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
+                    ).contiguous(),
+                    wo=take(p + "self_attn.o_proj.weight"),
+                    mlp_norm=take(p + "post_attention_layernorm.weight"),
+                    w_gate_up=torch.cat(
+                        [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+                    ).contiguous(),
+                    w_down=take(p + "mlp.down_proj.weight"),
+                )
+            )
+        embed = take("model.embed_tokens.weight")
+        if "lm_head.weight" in raw and not config.tie_word_embeddings:
+            lm_head = take("lm_head.weight")
+        else:
+            lm_head = embed
+        return cls(embed=embed, layers=layers, norm=take("model.norm.weight"), lm_head=lm_head)
+
+
+@attrs.define(eq=False)
+class KVCache:
+    """Keys and values of every slot, grown in blocks as sequences grow.
+
+    Nothing is reserved up front: the cache holds ``slots x length`` positions
+    where both are the current needs rounded up (length to ``block``), so 8
+    short jobs cost 8 short rows, not 8 full contexts.
+    """
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    block: int = 256
+    k: Tensor = attrs.field(init=False)  # [L, S, K, T, E]
+    v: Tensor = attrs.field(init=False)  # [L, S, K, T, E]
+
+    def __attrs_post_init__(self) -> None:
+        self.k = self._empty(0, 0)
+        self.v = self._empty(0, 0)
+
+    def _empty(self, slots: int, length: int) -> Tensor:
+        shape = (self.n_layers, slots, self.n_kv_heads, length, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @property
+    def slots(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def length(self) -> int:
+        return int(self.k.shape[3])
+
+    def fit(self, slots: int, length: int) -> None:
+        """Make room for ``slots`` slots of ``length`` positions; give memory back
+        when the needs fell to half of what is held. Slots keep their contents."""
+        want_len = -(-length // self.block) * self.block if length else 0
+        grow = slots > self.slots or want_len > self.length
+        shrink = self.slots > 2 * slots or self.length > 2 * max(want_len, self.block)
+        if not (grow or shrink):
+            return
+        new_slots = slots if shrink and slots < self.slots else max(slots, self.slots)
+        new_len = want_len if shrink and want_len < self.length else max(want_len, self.length)
+        keep_s, keep_t = min(new_slots, self.slots), min(new_len, self.length)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = self._empty(new_slots, new_len)
+            new[:, :keep_s, :, :keep_t] = old[:, :keep_s, :, :keep_t]
+            setattr(self, name, new)
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot ``src`` into slot ``dst`` (to keep the used slots packed)."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+    def release(self) -> None:
+        self.k = self._empty(0, 0)
+        self.v = self._empty(0, 0)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # In float32: bfloat16's 8-bit mantissa loses too much in the mean of squares.
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, C, heads, E]; cos, sin [B, C, 1, E/2]; the two halves of each head
+    rotate as pairs (Hugging Face's layout)."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+
+
+def _slot_rows(cache: Tensor, slots: Tensor, first: int | None, length: int) -> Tensor:
+    """cache [S, K, T, E] -> [B, K, length, E] for the rows ``slots``: a view when
+    the slots are consecutive (the usual case), a gather otherwise."""
+    if first is not None:
+        return cache[first : first + slots.shape[0], :, :length]
+    return cache[slots, :, :length]
+
+
+def attention(
+    x: Tensor,
+    layer: LayerWeights,
+    config: LlamaConfig,
+    layer_index: int,
+    cache: KVCache,
+    slots: Tensor,
+    first_slot: int | None,
+    positions: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    mask: Tensor,
+) -> Tensor:
+    b, c, _ = x.shape  # x [B, C, D]
+    h, k, e = config.n_heads, config.n_kv_heads, config.head_dim
+    g = h // k
+    qkv = F.linear(x, layer.wqkv).view(b, c, h + 2 * k, e)
+    qk = apply_rope(qkv[:, :, : h + k], cos, sin)  # [B, C, H + K, E]
+    q, new_k, new_v = qk[:, :, :h], qk[:, :, h:], qkv[:, :, h + k :]
+    # Write this step's keys and values at (slot, position) of every row.
+    rows = slots[:, None].expand(b, c)
+    cache.k[layer_index][rows, :, positions] = new_k
+    cache.v[layer_index][rows, :, positions] = new_v
+    length = mask.shape[-1]
+    keys = _slot_rows(cache.k[layer_index], slots, first_slot, length)  # [B, K, T, E]
+    values = _slot_rows(cache.v[layer_index], slots, first_slot, length)
+    # [B, C, H, E] -> [B, K, G * C, E]: the G query heads of a KV head become rows.
+    q = q.permute(0, 2, 1, 3).reshape(b, k, g * c, e)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, K, G * C, E]
+    out = out.view(b, k, g, c, e).permute(0, 3, 1, 2, 4).reshape(b, c, h * e)
+    return F.linear(out, layer.wo)
+
+
+def mlp(x: Tensor, layer: LayerWeights) -> Tensor:
+    gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, layer.w_down)
+
+
+def forward(
+    weights: LlamaWeights,
+    config: LlamaConfig,
+    cache: KVCache,
+    rope: tuple[Tensor, Tensor],
+    tokens: Tensor,
+    positions: Tensor,
+    slots: Tensor,
+) -> Tensor:
+    """Run ``tokens`` [B, C] at ``positions`` [B, C] of cache ``slots`` [B].
+
+    Writes their keys and values into the cache and returns the final-norm
+    hidden state of each row's last position, [B, D]. Each row attends to its
+    own slot's positions up to its own position; the cache must already fit
+    ``max(positions) + 1`` positions (:meth:`KVCache.fit`).
+    """
+    b, c = tokens.shape
+    g = config.n_heads // config.n_kv_heads
+    slot_list = slots.tolist()
+    first = slot_list[0] if slot_list == list(range(slot_list[0], slot_list[0] + b)) else None
+    length = int(positions.max()) + 1
+    # Query (b, c) sees key t when t <= its position; one mask row per query
+    # row of the grouped layout, [B, 1, G * C, T].
+    visible = torch.arange(length, device=tokens.device) <= positions[:, :, None]  # [B, C, T]
+    mask = visible[:, None].expand(b, g, c, length).reshape(b, 1, g * c, length)
+    cos, sin = (table[positions][:, :, None, :] for table in rope)  # [B, C, 1, E/2]
+    x = F.embedding(tokens, weights.embed)  # [B, C, D]
+    for i, layer in enumerate(weights.layers):
+        h = rms_norm(x, layer.attn_norm, config.rms_norm_eps)
+        x = x + attention(h, layer, config, i, cache, slots, first, positions, cos, sin, mask)
+        x = x + mlp(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), layer)
+    return rms_norm(x[:, -1], weights.norm, config.rms_norm_eps)
+
+
+#: Candidates whose logits are recomputed in float32 (see :func:`logits`).
+REFINE_TOP = 32
+
+
+def logits(weights: LlamaWeights, hidden: Tensor) -> Tensor:
+    """hidden [B, D] -> float32 logits [B, V].
+
+    A bfloat16 matmul rounds its output to bfloat16, whose step is 0.125 at
+    the logit sizes of a confident model: enough to flip a greedy choice
+    between close candidates (SmolLM2 then answers a different first word).
+    Recomputing the top candidates in float32 costs far less than a float32
+    vocabulary projection and makes the choices that matter exact.
+    """
+    out = F.linear(hidden, weights.lm_head).float()  # [B, V]
+    if hidden.dtype == torch.float32:
+        return out
+    top = out.topk(min(REFINE_TOP, out.shape[-1]), dim=-1).indices  # [B, R]
+    rows = weights.lm_head[top].float()  # [B, R, D]
+    exact = torch.einsum("bd,brd->br", hidden.float(), rows)  # [B, R]
+    return out.scatter_(1, top, exact)
+
+
+def decode_logits(
+    weights: LlamaWeights,
+    config: LlamaConfig,
+    cache: KVCache,
+    rope: tuple[Tensor, Tensor],
+    tokens: Tensor,
+    positions: Tensor,
+    slots: Tensor,
+) -> Tensor:
+    """One decode step: tokens [B] at positions [B] of slots [B] -> logits [B, V]."""
+    hidden = forward(weights, config, cache, rope, tokens[:, None], positions[:, None], slots)
+    return logits(weights, hidden)
