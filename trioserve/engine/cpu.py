@@ -1,0 +1,460 @@
+"""The embedded CPU engine: a compact torch Llama with continuous batching.
+
+Each :meth:`CpuEngine.step` applies cancellations and new jobs, admits waiting
+jobs into free slots in arrival order, runs prefill chunks for new jobs (at
+most :attr:`CpuEngine.prefill_chunk` prompt tokens per step, so that one long
+prompt delays the running jobs' next token by one chunk, not by the whole
+prompt), then one batched decode forward for every job that has a token to
+feed, and samples all the step's tokens in one call.
+
+Used slots are kept packed at the front of the KV cache (a finished job's slot
+is refilled by moving the last one into it), so the batched decode attends to
+a view of the cache instead of a gathered copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+import torch
+from torch import Tensor
+
+from trioserve.engine import llama
+from trioserve.engine.base import (
+    EngineInfo,
+    Failed,
+    Finished,
+    FinishReason,
+    GenerationSpec,
+    TextUpdate,
+    Update,
+)
+from trioserve.engine.models import DEFAULT_MODEL_NAME, default_model_dir
+from trioserve.engine.sampling import SamplingError, make_generator, sample, settings_problem
+from trioserve.engine.text import TextStream
+from trioserve.engine.tokenizer import Tokenizer
+from trioserve.errors import ConfigError, EngineError
+
+__all__ = ["DTYPES", "CpuEngine"]
+
+log = logging.getLogger("trioserve.engine")
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+
+@attrs.define(eq=False)
+class _Job:
+    """A job that holds a slot."""
+
+    spec: GenerationSpec
+    #: The prompt actually run (token healing drops the last id).
+    prompt: tuple[int, ...]
+    slot: int
+    stream: TextStream
+    generator: torch.Generator
+    #: How often each id occurs in the job's context, for the penalties. [V]
+    counts: Tensor
+    banned: Tensor | None  # [V] bool
+    #: Token healing's constraint on the first sample. [V] bool
+    allowed: Tensor | None
+    #: Positions written to the KV cache so far.
+    cached: int = 0
+    #: The last sampled id, to be fed at the next decode step.
+    pending: int | None = None
+    generated: int = 0
+
+
+@attrs.define(eq=False)
+class CpuEngine:
+    """The embedded torch engine; see the module docstring. Build it with :meth:`load`."""
+
+    _tokenizer: Tokenizer
+    _config: llama.LlamaConfig
+    _weights: llama.LlamaWeights | None
+    _cache: llama.KVCache
+    _rope: tuple[Tensor, Tensor]
+    _info: EngineInfo
+    _device: torch.device
+    #: Prompt tokens prefilled per step, over all new jobs.
+    prefill_chunk: int = 512
+    _waiting: deque[GenerationSpec] = attrs.field(factory=deque)
+    _slots: list[_Job] = attrs.field(factory=list)
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: Path | None = None,
+        *,
+        dtype: str = "bfloat16",
+        device: str = "cpu",
+        context_length: int | None = None,
+        max_batch: int = 8,
+        offline: bool = False,
+        threads: int | None = None,
+    ) -> CpuEngine:
+        """Load a Llama-family Hugging Face directory (the embedded SmolLM2 when
+        ``model_dir`` is None, obtained with :func:`default_model_dir`).
+
+        ``context_length`` lowers the model's context; ``threads`` sets torch's
+        (process-wide) thread count when given.
+
+        Raises:
+            ConfigError: a bad dtype, device, context length, batch or thread count.
+            ModelError: the model cannot be found, obtained or loaded.
+            EngineError: the device is not available.
+        """
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(DTYPES)!r}, got {dtype!r}")
+        try:
+            torch_device = torch.device(device)
+        except RuntimeError as exc:
+            raise ConfigError(f"device {device!r} is not a torch device: {exc}") from exc
+        if torch_device.type == "cuda" and not torch.cuda.is_available():
+            raise EngineError(f"device {device!r} was asked for but torch has no CUDA here")
+        if max_batch < 1:
+            raise ConfigError(f"max_batch must be >= 1, got {max_batch!r}")
+        if threads is not None:
+            if threads < 1:
+                raise ConfigError(f"threads must be >= 1, got {threads!r}")
+            torch.set_num_threads(threads)
+        name = DEFAULT_MODEL_NAME
+        if model_dir is None:
+            model_dir = default_model_dir(offline=offline)
+        else:
+            model_dir = Path(model_dir)
+            name = model_dir.name
+        config = llama.LlamaConfig.from_dir(model_dir)
+        limit = config.max_position_embeddings
+        if context_length is not None and not 2 <= context_length <= limit:
+            raise ConfigError(
+                f"context_length must be in [2, {limit}] for this model, got {context_length!r}"
+            )
+        context = limit if context_length is None else context_length
+        tokenizer = Tokenizer.from_dir(model_dir)
+        torch_dtype = DTYPES[dtype]
+        weights = llama.LlamaWeights.load(model_dir, config, dtype=torch_dtype, device=torch_device)
+        cache = llama.KVCache(
+            config.n_layers, config.n_kv_heads, config.head_dim, torch_dtype, torch_device
+        )
+        info = EngineInfo(
+            engine="cpu",
+            model_name=name,
+            context_length=context,
+            vocab_size=config.vocab_size,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_ids=tokenizer.eos_token_ids,
+            max_batch=max_batch,
+            batching=True,
+        )
+        log.info(
+            "cpu engine: %s, %s on %s, context %d, max batch %d, torch threads %d",
+            name,
+            dtype,
+            torch_device,
+            context,
+            max_batch,
+            torch.get_num_threads(),
+        )
+        return cls(
+            tokenizer=tokenizer,
+            config=config,
+            weights=weights,
+            cache=cache,
+            rope=llama.rope_tables(config, context, torch_device),
+            info=info,
+            device=torch_device,
+        )
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes the KV cache holds now (it grows and shrinks with the jobs)."""
+        return self._cache.nbytes
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids)
+
+    def close(self) -> None:
+        self._weights = None
+        self._cache.release()
+        self._waiting.clear()
+        self._slots.clear()
+
+    # --- the step -------------------------------------------------------------
+
+    def step(self, submit: Sequence[GenerationSpec], cancel: Sequence[int]) -> list[Update]:
+        if self._weights is None:
+            raise EngineError("the cpu engine is closed")
+        # inference_mode is thread-local: it must be entered in the worker
+        # thread that runs the step, not where the engine was built.
+        with torch.inference_mode():
+            return self._step(self._weights, submit, cancel)
+
+    def _step(
+        self,
+        weights: llama.LlamaWeights,
+        submit: Sequence[GenerationSpec],
+        cancel: Sequence[int],
+    ) -> list[Update]:
+        updates: list[Update] = []
+        if cancel:
+            self._cancel(set(cancel))
+        for spec in submit:
+            problem = self._spec_problem(spec)
+            if problem is None:
+                self._waiting.append(spec)
+            else:
+                updates.append(Failed(spec.job_id, problem))
+        while self._waiting and len(self._slots) < self._info.max_batch:
+            self._admit(self._waiting.popleft())
+        if not self._slots:
+            self._cache.release()
+            return updates
+
+        decoding = [job for job in self._slots if job.pending is not None]
+        prefilling = [job for job in self._slots if job.pending is None]
+        # Room for every slot's next writes; also gives memory back when the
+        # longest jobs have left.
+        need = max(
+            job.cached
+            + (
+                1
+                if job.pending is not None
+                else min(self.prefill_chunk, len(job.prompt) - job.cached)
+            )
+            for job in self._slots
+        )
+        self._cache.fit(len(self._slots), need)
+
+        rows: list[_Job] = []
+        row_logits: list[Tensor] = []
+        budget = self.prefill_chunk
+        for job in prefilling:
+            if budget <= 0:
+                break
+            start = job.cached
+            chunk = job.prompt[start : start + budget]
+            budget -= len(chunk)
+            try:
+                hidden = llama.forward(
+                    weights,
+                    self._config,
+                    self._cache,
+                    self._rope,
+                    torch.tensor([chunk], device=self._device),
+                    torch.arange(start, start + len(chunk), device=self._device)[None],
+                    torch.tensor([job.slot], device=self._device),
+                )
+            except RuntimeError as exc:
+                log.exception("prefill of job %s failed", job.spec.job_id)
+                updates.append(self._fail(job, f"the engine failed during prefill: {exc}"))
+                continue
+            job.cached += len(chunk)
+            if job.cached == len(job.prompt):
+                rows.append(job)
+                row_logits.append(llama.logits(weights, hidden))
+
+        if decoding:
+            try:
+                out = llama.decode_logits(
+                    weights,
+                    self._config,
+                    self._cache,
+                    self._rope,
+                    torch.tensor([job.pending for job in decoding], device=self._device),
+                    torch.tensor([job.cached for job in decoding], device=self._device),
+                    torch.tensor([job.slot for job in decoding], device=self._device),
+                )
+            except RuntimeError as exc:
+                log.exception("decode step of %d jobs failed", len(decoding))
+                for job in decoding:
+                    updates.append(self._fail(job, f"the engine failed during decoding: {exc}"))
+            else:
+                for job in decoding:
+                    job.cached += 1
+                rows.extend(decoding)
+                row_logits.append(out)
+
+        if rows:
+            updates.extend(self._sample_and_emit(rows, torch.cat(row_logits)))
+        if not self._slots:
+            self._cache.release()
+        return updates
+
+    def _spec_problem(self, spec: GenerationSpec) -> str | None:
+        vocab = self._config.vocab_size
+        context = self._info.context_length
+        if any(job.spec.job_id == spec.job_id for job in self._slots) or any(
+            waiting.job_id == spec.job_id for waiting in self._waiting
+        ):
+            return f"job_id {spec.job_id!r} is already in use"
+        if not spec.prompt_ids:
+            return "prompt_ids must not be empty"
+        if spec.max_new_tokens < 1:
+            return f"max_new_tokens must be >= 1, got {spec.max_new_tokens!r}"
+        total = len(spec.prompt_ids) + spec.max_new_tokens
+        if total > context:
+            return (
+                f"prompt tokens plus max_new_tokens must be <= the context length {context},"
+                f" got {len(spec.prompt_ids)} + {spec.max_new_tokens} = {total}"
+            )
+        bad = [i for i in spec.prompt_ids if not 0 <= i < vocab]
+        if bad:
+            return f"prompt_ids must be in [0, {vocab}), got {bad[0]!r}"
+        bad = [i for i in spec.banned_ids if not 0 <= i < vocab]
+        if bad:
+            return f"banned_ids must be in [0, {vocab}), got {bad[0]!r}"
+        if any(not s for s in spec.stop_strings):
+            return "stop_strings must not contain an empty string"
+        return settings_problem(spec.sampling)
+
+    def _admit(self, spec: GenerationSpec) -> None:
+        prompt = spec.prompt_ids
+        vocab = self._config.vocab_size
+        allowed: Tensor | None = None
+        skip_prefix = ""
+        last = prompt[-1]
+        if (
+            spec.token_healing
+            and len(prompt) >= 2
+            and last not in self._tokenizer.special_ids
+            and last < self._tokenizer.vocab_size
+        ):
+            ids = self._tokenizer.ids_with_prefix(self._tokenizer.token_bytes(last))
+            allowed = torch.zeros(vocab, dtype=torch.bool, device=self._device)
+            allowed[[i for i in ids if i < vocab]] = True
+            prompt = prompt[:-1]
+            skip_prefix = self._tokenizer.decode(spec.prompt_ids[-1:])
+        banned: Tensor | None = None
+        if spec.banned_ids:
+            banned = torch.zeros(vocab, dtype=torch.bool, device=self._device)
+            banned[sorted(spec.banned_ids)] = True
+        counts = torch.bincount(torch.tensor(prompt), minlength=vocab).to(
+            device=self._device, dtype=torch.int32
+        )
+        stream = TextStream(
+            self._tokenizer.decode,
+            spec.stop_strings,
+            context_ids=prompt,
+            skip_prefix=skip_prefix,
+        )
+        self._slots.append(
+            _Job(
+                spec=spec,
+                prompt=prompt,
+                slot=len(self._slots),
+                stream=stream,
+                generator=make_generator(spec.sampling.seed, self._device),
+                counts=counts,
+                banned=banned,
+                allowed=allowed,
+            )
+        )
+
+    def _sample_and_emit(self, rows: list[_Job], logits: Tensor) -> list[Update]:
+        vocab = self._config.vocab_size
+        banned = allowed = None
+        if any(job.banned is not None for job in rows):
+            empty = torch.zeros(vocab, dtype=torch.bool, device=self._device)
+            banned = torch.stack([empty if job.banned is None else job.banned for job in rows])
+        if any(job.allowed is not None for job in rows):
+            full = torch.ones(vocab, dtype=torch.bool, device=self._device)
+            allowed = torch.stack([full if job.allowed is None else job.allowed for job in rows])
+        failed: dict[int, str] = {}
+        try:
+            ids = sample(
+                logits,
+                [job.spec.sampling for job in rows],
+                [job.generator for job in rows],
+                counts=torch.stack([job.counts for job in rows]),
+                banned=banned,
+                allowed=allowed,
+            )
+        except SamplingError as exc:
+            ids, failed = exc.ids, exc.reasons
+        updates: list[Update] = []
+        for row, (job, token) in enumerate(zip(rows, ids.tolist(), strict=True)):
+            if row in failed:
+                updates.append(self._fail(job, f"sampling failed: {failed[row]}"))
+                continue
+            job.allowed = None
+            job.pending = token
+            job.generated += 1
+            job.counts[token] += 1
+            updates.append(self._emit(job, token))
+        return updates
+
+    def _emit(self, job: _Job, token: int) -> Update:
+        spec = job.spec
+        if token in spec.stop_token_ids:
+            # The stop token's own text is never emitted; held text was not a
+            # stop string after all, so it is released.
+            return self._finish(job, job.stream.flush(), "stop_token", stop_token=token)
+        piece = job.stream.push([token])
+        if piece.stop_string is not None:
+            return self._finish(job, piece.text, "stop_string", stop_string=piece.stop_string)
+        if job.generated >= spec.max_new_tokens:
+            text = piece.text + job.stream.flush()
+            if job.stream.stop_string is not None:
+                # The flushed tail completed a stop string after all.
+                return self._finish(job, text, "stop_string", stop_string=job.stream.stop_string)
+            return self._finish(job, text, "max_new_tokens")
+        return TextUpdate(spec.job_id, piece.text, job.stream.held, job.generated)
+
+    def _finish(
+        self,
+        job: _Job,
+        text: str,
+        reason: FinishReason,
+        *,
+        stop_string: str | None = None,
+        stop_token: int | None = None,
+    ) -> Finished:
+        self._free(job)
+        return Finished(
+            job_id=job.spec.job_id,
+            text=text,
+            reason=reason,
+            stop_string=stop_string,
+            stop_token=stop_token,
+            prompt_tokens=len(job.prompt),
+            generated_tokens=job.generated,
+        )
+
+    def _fail(self, job: _Job, message: str) -> Failed:
+        self._free(job)
+        return Failed(job.spec.job_id, message)
+
+    def _cancel(self, job_ids: set[int]) -> None:
+        self._waiting = deque(spec for spec in self._waiting if spec.job_id not in job_ids)
+        for job in [job for job in self._slots if job.spec.job_id in job_ids]:
+            self._free(job)
+
+    def _free(self, job: _Job) -> None:
+        """Give the job's slot back, moving the last slot into it so that the
+        used slots stay packed at the front of the cache."""
+        if job.slot >= len(self._slots) or self._slots[job.slot] is not job:
+            return  # already freed
+        last = self._slots.pop()
+        if last is not job:
+            self._cache.move(last.slot, job.slot)
+            last.slot = job.slot
+            self._slots[job.slot] = last
