@@ -4,7 +4,7 @@ The server below speaks the protocol through ``trioserve.protocol`` (so what
 the client meets is real frames over a real loopback socket) but answers from
 fixed rules instead of a model: ``estimate_token`` counts words, ``infer``
 streams the prompt back upper-cased in three-character chunks, and a prompt
-starting with ``slow`` streams forever, one chunk per 10 ms, until stopped.
+holding ``slow`` streams forever, one chunk per 10 ms, until stopped.
 The real server is tested against the client in its own test file.
 """
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -132,7 +134,7 @@ class RuleServer:
             jobs.remove(job)
             job.done.set()
             return
-        slow = request.text.startswith("slow")
+        slow = "slow" in request.text
         answer = request.text.upper()
         chunks: Iterable[str] = (
             itertools.repeat("ab")
@@ -416,3 +418,50 @@ async def test_chat_reports_server_errors(url: str) -> None:
     )
     assert result.returncode == 1
     assert "max_new_tokens must be an integer >= 1, got 0" in result.stderr.decode()
+
+
+async def test_chat_keeps_the_conversation(url: str) -> None:
+    result = await trio.run_process(
+        [sys.executable, "-m", "trioserve.client", "--url", url, "--system", "be brief"],
+        stdin=b"hello\n\nworld\n",
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    first = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n"
+    first += "<|im_start|>assistant\n"
+    # The rule server answers with the prompt upper-cased; the second prompt
+    # holds the first exchange.
+    second = first + first.upper() + "<|im_end|>\n<|im_start|>user\nworld<|im_end|>\n"
+    second += "<|im_start|>assistant\n"
+    assert result.stdout.decode() == first.upper() + "\n" + second.upper() + "\n"
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs SIGINT delivery to a child")
+async def test_ctrl_c_while_streaming_stops_the_answer(url: str) -> None:
+    command = [sys.executable, "-m", "trioserve.client", "--url", url, "--once", "slow story"]
+    process = await trio.lowlevel.open_process(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert process.stdout is not None
+    assert process.stderr is not None
+    try:
+        received = b""
+        while b"abab" not in received:
+            data = await process.stdout.receive_some()
+            assert data, "the client ended before streaming"
+            received += data
+        process.send_signal(signal.SIGINT)
+        async for data in process.stdout:
+            received += data
+        errors = b"".join([data async for data in process.stderr])
+        assert await process.wait() == 0, errors.decode()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert b"[stopped]" in errors
+    answer = received.decode()
+    assert answer.endswith("\n")
+    assert set(answer.strip()) == {"a", "b"}
