@@ -1,0 +1,345 @@
+"""The CPU engine on the real embedded model (SmolLM2-135M-Instruct, bfloat16).
+
+One engine is shared by the session (``cpu_engine`` in conftest.py); every
+test leaves it with no job running. Generations are short to keep the file
+quick on two cores.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+
+from trioserve.engine import llama
+from trioserve.engine.base import (
+    Engine,
+    Failed,
+    Finished,
+    GenerationSpec,
+    SamplingSettings,
+    TextUpdate,
+    Update,
+)
+from trioserve.engine.cpu import CpuEngine
+from trioserve.errors import ConfigError, ModelError
+
+GREEDY = SamplingSettings(temperature=0.0, rep_pen=1.0)
+_ids = itertools.count(1)
+
+
+def chat(question: str) -> str:
+    return (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging"
+        f" Face<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def make_spec(
+    engine: CpuEngine, prompt: str, max_new_tokens: int = 16, **kwargs: object
+) -> GenerationSpec:
+    fields: dict[str, object] = {
+        "sampling": GREEDY,
+        "stop_token_ids": engine.info.eos_token_ids,
+        **kwargs,
+    }
+    return GenerationSpec(
+        job_id=next(_ids),
+        prompt_ids=tuple(engine.encode(prompt)),
+        max_new_tokens=max_new_tokens,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+@attrs.define
+class Outcome:
+    updates: list[Update] = attrs.field(factory=list)
+
+    @property
+    def end(self) -> Update:
+        return self.updates[-1]
+
+    @property
+    def finished(self) -> Finished:
+        assert isinstance(self.end, Finished), self.end
+        return self.end
+
+    @property
+    def chunks(self) -> list[str]:
+        return [u.text for u in self.updates if isinstance(u, TextUpdate | Finished)]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.chunks)
+
+
+def run_all(
+    engine: CpuEngine, specs: Sequence[GenerationSpec], *, max_steps: int = 10_000
+) -> dict[int, Outcome]:
+    """Submit ``specs`` together and step until each has its final update."""
+    outcomes = {spec.job_id: Outcome() for spec in specs}
+    submit: Sequence[GenerationSpec] = specs
+    open_jobs = set(outcomes)
+    for _ in range(max_steps):
+        for update in engine.step(submit, []):
+            outcome = outcomes[update.job_id]
+            assert not (outcome.updates and isinstance(outcome.updates[-1], Finished | Failed))
+            outcome.updates.append(update)
+            if isinstance(update, Finished | Failed):
+                open_jobs.discard(update.job_id)
+        submit = []
+        if not open_jobs:
+            return outcomes
+    raise AssertionError(f"jobs {open_jobs} did not finish in {max_steps} steps")
+
+
+def run_one(engine: CpuEngine, spec: GenerationSpec) -> Outcome:
+    return run_all(engine, [spec])[spec.job_id]
+
+
+def greedy_ids_direct(model_dir: Path, prompt: Sequence[int], n: int) -> list[int]:
+    """Greedy ids from the model functions alone (no engine, no sampler), to
+    check what the engine streams against the ids it must have generated."""
+    config = llama.LlamaConfig.from_dir(model_dir)
+    cpu = torch.device("cpu")
+    weights = llama.LlamaWeights.load(model_dir, config, dtype=torch.bfloat16, device=cpu)
+    cache = llama.KVCache(config.n_layers, config.n_kv_heads, config.head_dim, torch.bfloat16, cpu)
+    cache.fit(1, len(prompt) + n)
+    rope = llama.rope_tables(config, len(prompt) + n, cpu)
+    slot = torch.tensor([0])
+    with torch.inference_mode():
+        hidden = llama.forward(
+            weights,
+            config,
+            cache,
+            rope,
+            torch.tensor([list(prompt)]),
+            torch.arange(len(prompt))[None],
+            slot,
+        )
+        ids = [int(llama.logits(weights, hidden).argmax())]
+        while len(ids) < n:
+            position = torch.tensor([len(prompt) + len(ids) - 1])
+            out = llama.decode_logits(
+                weights, config, cache, rope, torch.tensor(ids[-1:]), position, slot
+            )
+            ids.append(int(out.argmax()))
+    return ids
+
+
+def test_is_an_engine_with_the_models_facts(cpu_engine: CpuEngine) -> None:
+    assert isinstance(cpu_engine, Engine)
+    info = cpu_engine.info
+    assert (info.engine, info.model_name) == ("cpu", "SmolLM2-135M-Instruct")
+    assert info.context_length == 8192
+    assert info.vocab_size == 49152
+    assert info.bos_token_id == 1
+    assert info.eos_token_ids == frozenset({2})
+    assert info.max_batch == 8
+    assert info.batching
+
+
+def test_step_with_nothing_to_do_returns_no_update(cpu_engine: CpuEngine) -> None:
+    assert cpu_engine.step([], []) == []
+    assert cpu_engine.step([], [12345]) == []  # unknown ids are ignored
+    assert cpu_engine.cache_bytes == 0
+
+
+def test_chat_answer_names_paris_and_ends_on_eos(cpu_engine: CpuEngine) -> None:
+    outcome = run_one(cpu_engine, make_spec(cpu_engine, chat("What is the capital of France?"), 32))
+    assert "Paris" in outcome.text
+    end = outcome.finished
+    assert end.reason == "stop_token"
+    assert end.stop_token in cpu_engine.info.eos_token_ids
+    assert end.stop_string is None
+    # The EOS token counts as generated but its text is never emitted.
+    assert end.generated_tokens < 32
+    assert "<|im_end|>" not in outcome.text
+    assert end.prompt_tokens == len(cpu_engine.encode(chat("What is the capital of France?")))
+
+
+def test_greedy_is_deterministic(cpu_engine: CpuEngine) -> None:
+    prompt = chat("Give me three tips for staying healthy.")
+    first = run_one(cpu_engine, make_spec(cpu_engine, prompt, 20))
+    second = run_one(cpu_engine, make_spec(cpu_engine, prompt, 20))
+    assert first.chunks == second.chunks
+    assert first.finished.generated_tokens == second.finished.generated_tokens == 20
+    assert first.finished.reason == "max_new_tokens"
+
+
+def test_seeded_sampling_is_reproducible(cpu_engine: CpuEngine) -> None:
+    sampling = SamplingSettings(temperature=1.0, top_k=50, top_p=0.95, seed=1234)
+    prompt = chat("Write a short poem about the sea.")
+    first = run_one(cpu_engine, make_spec(cpu_engine, prompt, 16, sampling=sampling))
+    second = run_one(cpu_engine, make_spec(cpu_engine, prompt, 16, sampling=sampling))
+    assert first.text == second.text
+    assert first.text
+
+
+def test_stop_string_spanning_tokens_and_ending_inside_one(
+    cpu_engine: CpuEngine,
+) -> None:
+    prompt = chat("Give me three tips for staying healthy.")
+    spec = make_spec(cpu_engine, prompt, 24)
+    reference = run_one(cpu_engine, spec).text
+    ids = cpu_engine.encode(reference)
+    # Token boundaries of the reference text (re-encoding plain ASCII prose
+    # gives the generated split closely enough to pick a stop string that
+    # starts inside one token and ends inside a later one).
+    bounds = list(itertools.accumulate(len(cpu_engine.decode([i])) for i in ids))
+    long_tokens = [k for k in range(1, len(ids) - 2) if bounds[k] - bounds[k - 1] >= 3]
+    k = long_tokens[1]
+    start = bounds[k - 1] + 1  # inside token k
+    end = bounds[k + 1] + 1  # inside token k + 2
+    stop = reference[start:end]
+    assert reference.index(stop) == start
+
+    outcome = run_one(cpu_engine, attrs.evolve(spec, job_id=next(_ids), stop_strings=(stop,)))
+    end_update = outcome.finished
+    assert end_update.reason == "stop_string"
+    assert end_update.stop_string == stop
+    assert outcome.text == reference[:start]
+    assert stop not in outcome.text
+
+
+def test_held_text_is_flushed_at_max_new_tokens(cpu_engine: CpuEngine) -> None:
+    prompt = chat("What is the capital of France?")
+    spec = make_spec(cpu_engine, prompt, 6)
+    reference = run_one(cpu_engine, spec)
+    assert reference.finished.reason == "max_new_tokens"
+    # A stop string that starts with the last generated character never
+    # completes: that character is held at the end and must be flushed.
+    stop = reference.text[-1] + "\x00never"
+    outcome = run_one(cpu_engine, attrs.evolve(spec, job_id=next(_ids), stop_strings=(stop,)))
+    assert outcome.text == reference.text
+    assert outcome.finished.reason == "max_new_tokens"
+    assert outcome.finished.text.endswith(reference.text[-1])
+
+
+@pytest.mark.parametrize("prompt", ["🎉🎉🎉🎉🎉", "中国的首都是", "日本語: こんにちは、"])
+def test_multibyte_output_never_streams_replacement_characters(
+    cpu_engine: CpuEngine, model_dir: Path, prompt: str
+) -> None:
+    spec = make_spec(cpu_engine, prompt, 12)
+    outcome = run_one(cpu_engine, spec)
+    expected_ids = greedy_ids_direct(model_dir, spec.prompt_ids, 12)
+    assert outcome.finished.reason == "max_new_tokens"
+    text_updates = [u for u in outcome.updates if isinstance(u, TextUpdate)]
+    assert all("\ufffd" not in u.text for u in text_updates)
+    # Some characters spanned tokens, so some text was held meanwhile.
+    assert any(u.held for u in text_updates)
+    assert outcome.text == cpu_engine.decode(expected_ids)
+    assert any(ord(ch) > 0x2E80 for ch in outcome.text)
+
+
+def test_text_alone_equals_text_beside_seven_others(cpu_engine: CpuEngine) -> None:
+    """Holds in bfloat16 on this engine: the batched decode gives each row the
+    same greedy tokens as a batch of one."""
+    questions = [
+        "What is the capital of France?",
+        "Give me three tips for staying healthy.",
+        "Write a haiku about the sea.",
+        "What is 2+2?",
+        "Name a color.",
+        "Who wrote Hamlet?",
+        "Translate 'hello' to Spanish.",
+        "What is Python?",
+    ]
+    specs = [make_spec(cpu_engine, chat(q), 12) for q in questions]
+    together = run_all(cpu_engine, specs)
+    for spec in (specs[1], specs[6]):
+        alone = run_one(cpu_engine, attrs.evolve(spec, job_id=next(_ids)))
+        assert alone.text == together[spec.job_id].text
+        assert alone.finished.generated_tokens == together[spec.job_id].finished.generated_tokens
+
+
+def test_token_healing_continues_a_cut_word(cpu_engine: CpuEngine) -> None:
+    prompt = "I love eating straw"
+    plain = make_spec(cpu_engine, prompt, 4)
+    healed = run_one(cpu_engine, attrs.evolve(plain, job_id=next(_ids), token_healing=True))
+    # The prompt's last token was re-generated, not run.
+    assert healed.finished.prompt_tokens == len(plain.prompt_ids) - 1
+    # What comes out continues the word "straw..." (no space first) and does
+    # not repeat the healed prefix.
+    first_word = healed.text.split()[0]
+    assert healed.text[0].isalpha()
+    assert not first_word.startswith("straw")
+    assert (prompt + healed.text).split()[3].startswith("straw")
+
+
+def test_cancelling_frees_slots_for_waiting_jobs(cpu_engine: CpuEngine) -> None:
+    specs = [make_spec(cpu_engine, chat(f"Count to {n}."), 8) for n in range(12)]
+    first = cpu_engine.step(specs, [])
+    # Only max_batch jobs ran; the rest waited.
+    assert {u.job_id for u in first} <= {s.job_id for s in specs[:8]}
+    cancelled = {specs[0].job_id, specs[3].job_id, specs[9].job_id}  # two running, one waiting
+    outcomes: dict[int, list[Update]] = {s.job_id: [] for s in specs}
+    for u in first:
+        outcomes[u.job_id].append(u)
+    updates = cpu_engine.step([], list(cancelled))
+    for _ in range(200):
+        assert not {u.job_id for u in updates} & cancelled
+        for u in updates:
+            outcomes[u.job_id].append(u)
+        if all(
+            outcomes[j] and isinstance(outcomes[j][-1], Finished)
+            for j in outcomes.keys() - cancelled
+        ):
+            break
+        updates = cpu_engine.step([], [])
+    for job_id in outcomes.keys() - cancelled:
+        assert isinstance(outcomes[job_id][-1], Finished)
+    assert cpu_engine.step([], []) == []
+    assert cpu_engine.cache_bytes == 0
+
+
+def test_over_long_spec_fails_alone(cpu_engine: CpuEngine) -> None:
+    context = cpu_engine.info.context_length
+    ok = make_spec(cpu_engine, chat("Name a color."), 4)
+    too_long = GenerationSpec(job_id=next(_ids), prompt_ids=(1, 2, 3), max_new_tokens=context)
+    bad_id = GenerationSpec(job_id=next(_ids), prompt_ids=(1, 10**6), max_new_tokens=2)
+    outcomes = run_all(cpu_engine, [too_long, ok, bad_id])
+    failed = outcomes[too_long.job_id].end
+    assert isinstance(failed, Failed)
+    assert "context length" in failed.message
+    assert isinstance(outcomes[bad_id.job_id].end, Failed)
+    assert outcomes[ok.job_id].finished.generated_tokens >= 1
+
+
+def test_a_job_that_cannot_be_sampled_fails_alone(cpu_engine: CpuEngine) -> None:
+    everything = frozenset(range(cpu_engine.info.vocab_size))
+    doomed = make_spec(cpu_engine, chat("Name a color."), 4, banned_ids=everything)
+    fine = make_spec(cpu_engine, chat("Name a color."), 4)
+    outcomes = run_all(cpu_engine, [doomed, fine])
+    failed = outcomes[doomed.job_id].end
+    assert isinstance(failed, Failed)
+    assert "banned" in failed.message
+    assert outcomes[fine.job_id].finished.generated_tokens >= 1
+    assert cpu_engine.cache_bytes == 0
+
+
+def test_context_length_option_lowers_the_limit(model_dir: Path) -> None:
+    engine = CpuEngine.load(model_dir, context_length=64, max_batch=2)
+    try:
+        assert engine.info.context_length == 64
+        spec = make_spec(engine, "Hello there", 60)
+        ok = run_one(engine, spec)
+        assert ok.finished.prompt_tokens + ok.finished.generated_tokens <= 64
+        over = run_one(engine, attrs.evolve(spec, job_id=next(_ids), max_new_tokens=63))
+        assert isinstance(over.end, Failed)
+    finally:
+        engine.close()
+
+
+def test_bad_options_are_clear_errors(model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="dtype"):
+        CpuEngine.load(model_dir, dtype="int3")
+    with pytest.raises(ConfigError, match="context_length"):
+        CpuEngine.load(model_dir, context_length=10**6)
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ModelError, match="GPT2LMHeadModel"):
+        CpuEngine.load(tmp_path)
