@@ -389,7 +389,15 @@ class CpuEngine:
                 allowed=allowed,
             )
         except SamplingError as exc:
-            ids, failed = exc.ids, exc.reasons
+            failed = exc.reasons
+            if exc.ids is None:
+                # No row was sampled: every job of the step fails, each with
+                # its own reason where the sampler gave one.
+                return [
+                    self._fail(job, f"sampling failed: {failed.get(row, str(exc))}")
+                    for row, job in enumerate(rows)
+                ]
+            ids = exc.ids
         updates: list[Update] = []
         for row, (job, token) in enumerate(zip(rows, ids.tolist(), strict=True)):
             if row in failed:

@@ -1,0 +1,278 @@
+"""The compact Llama model against a plain full-sequence implementation.
+
+A small random model (float32) is run through the cached, chunked, batched
+path and through a straightforward reference written here the textbook way
+(K/V repeated per query head, ``is_causal`` attention, rotate-half rope, no
+cache); both must give the same logits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from trioserve.engine import llama
+from trioserve.errors import ModelError
+
+CONFIG = llama.LlamaConfig(
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=80,
+    n_layers=2,
+    n_heads=6,
+    n_kv_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=128,
+    tie_word_embeddings=True,
+)
+CPU = torch.device("cpu")
+
+
+def random_weights(config: llama.LlamaConfig, seed: int = 0) -> llama.LlamaWeights:
+    g = torch.Generator().manual_seed(seed)
+    d, f = config.hidden_size, config.intermediate_size
+    qkv_rows = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
+
+    def rand(*shape: int, scale: float = 0.2) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    layers = [
+        llama.LayerWeights(
+            attn_norm=1 + rand(d, scale=0.1),
+            wqkv=rand(qkv_rows, d),
+            wo=rand(d, config.n_heads * config.head_dim),
+            mlp_norm=1 + rand(d, scale=0.1),
+            w_gate_up=rand(2 * f, d),
+            w_down=rand(d, f),
+        )
+        for _ in range(config.n_layers)
+    ]
+    embed = rand(config.vocab_size, d, scale=1.0)
+    return llama.LlamaWeights(embed=embed, layers=layers, norm=1 + rand(d), lm_head=embed)
+
+
+def reference_logits(
+    weights: llama.LlamaWeights, config: llama.LlamaConfig, ids: list[int]
+) -> torch.Tensor:
+    """Logits [T, V] of every position, computed without a cache."""
+    h, k, e = config.n_heads, config.n_kv_heads, config.head_dim
+    t = len(ids)
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, e, 2, dtype=torch.float64) / e)
+    angles = torch.outer(torch.arange(t, dtype=torch.float64), inv_freq).float()
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    sin = torch.cat([angles.sin(), angles.sin()], -1)
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, -1)
+        return torch.cat([-x2, x1], -1)
+
+    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * w
+
+    x = weights.embed[torch.tensor(ids)]
+    for layer in weights.layers:
+        y = norm(x, layer.attn_norm) @ layer.wqkv.T
+        q, kk, v = torch.split(y, [h * e, k * e, k * e], dim=-1)
+        q = q.view(t, h, e).transpose(0, 1)
+        kk = kk.view(t, k, e).transpose(0, 1)
+        v = v.view(t, k, e).transpose(0, 1)
+        q = q * cos + rotate_half(q) * sin
+        kk = kk * cos + rotate_half(kk) * sin
+        kk = kk.repeat_interleave(h // k, 0)
+        v = v.repeat_interleave(h // k, 0)
+        att = F.scaled_dot_product_attention(q, kk, v, is_causal=True)
+        x = x + att.transpose(0, 1).reshape(t, h * e) @ layer.wo.T
+        gate, up = (norm(x, layer.mlp_norm) @ layer.w_gate_up.T).chunk(2, -1)
+        x = x + (F.silu(gate) * up) @ layer.w_down.T
+    return norm(x, weights.norm) @ weights.lm_head.T
+
+
+def new_cache() -> llama.KVCache:
+    return llama.KVCache(CONFIG.n_layers, CONFIG.n_kv_heads, CONFIG.head_dim, torch.float32, CPU)
+
+
+def prefill(
+    weights: llama.LlamaWeights,
+    cache: llama.KVCache,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    ids: list[int],
+    slot: int,
+    chunk: int,
+) -> torch.Tensor:
+    hidden = torch.empty(0)
+    for start in range(0, len(ids), chunk):
+        part = ids[start : start + chunk]
+        hidden = llama.forward(
+            weights,
+            CONFIG,
+            cache,
+            rope,
+            torch.tensor([part]),
+            torch.arange(start, start + len(part))[None],
+            torch.tensor([slot]),
+        )
+    return llama.logits(weights, hidden)[0]
+
+
+@given(
+    ids=st.lists(st.integers(0, CONFIG.vocab_size - 1), min_size=1, max_size=40),
+    chunk=st.integers(1, 16),
+)
+def test_chunked_prefill_matches_the_reference(ids: list[int], chunk: int) -> None:
+    weights = random_weights(CONFIG)
+    cache = new_cache()
+    cache.fit(2, len(ids))
+    rope = llama.rope_tables(CONFIG, 64, CPU)
+    with torch.inference_mode():
+        got = prefill(weights, cache, rope, ids, slot=1, chunk=chunk)
+        want = reference_logits(weights, CONFIG, ids)[-1]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_batched_decode_over_uneven_slots_matches_each_sequence_alone() -> None:
+    weights = random_weights(CONFIG, seed=1)
+    rope = llama.rope_tables(CONFIG, 64, CPU)
+    cache = new_cache()
+    prompts = [[5, 9, 14], [3] * 11, [40, 41, 42, 43, 44, 45, 1]]
+    continuations = [[7, 8, 9, 10], [11, 12, 13, 14], [1, 2, 3, 4]]
+    with torch.inference_mode():
+        cache.fit(3, 20)
+        for slot, prompt in enumerate(prompts):
+            prefill(weights, cache, rope, prompt, slot, chunk=4)
+        lengths = [len(p) for p in prompts]
+        for step in range(4):
+            tokens = torch.tensor([c[step] for c in continuations])
+            positions = torch.tensor(lengths)
+            out = llama.decode_logits(
+                weights, CONFIG, cache, rope, tokens, positions, torch.arange(3)
+            )
+            for row in range(3):
+                full = prompts[row] + continuations[row][: step + 1]
+                want = reference_logits(weights, CONFIG, full)[-1]
+                torch.testing.assert_close(out[row], want, rtol=1e-4, atol=1e-4)
+            lengths = [n + 1 for n in lengths]
+
+
+def test_decode_over_scattered_slots_and_after_a_move() -> None:
+    weights = random_weights(CONFIG, seed=2)
+    rope = llama.rope_tables(CONFIG, 64, CPU)
+    cache = new_cache()
+    a, b = [1, 2, 3, 4, 5], [9, 8, 7]
+    with torch.inference_mode():
+        cache.fit(4, 8)
+        prefill(weights, cache, rope, a, slot=0, chunk=8)
+        prefill(weights, cache, rope, b, slot=3, chunk=8)
+        # Rows in non-consecutive slots take the gathered path.
+        out = llama.decode_logits(
+            weights,
+            CONFIG,
+            cache,
+            rope,
+            torch.tensor([6, 6]),
+            torch.tensor([5, 3]),
+            torch.tensor([0, 3]),
+        )
+        want_a = reference_logits(weights, CONFIG, [*a, 6])[-1]
+        want_b = reference_logits(weights, CONFIG, [*b, 6])[-1]
+        torch.testing.assert_close(out[0], want_a, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out[1], want_b, rtol=1e-4, atol=1e-4)
+        # Moving a slot and growing the cache keep its contents.
+        cache.move(3, 1)
+        cache.fit(4, 300)
+        assert cache.length == 512
+        out = llama.decode_logits(
+            weights, CONFIG, cache, rope, torch.tensor([2]), torch.tensor([4]), torch.tensor([1])
+        )
+        want = reference_logits(weights, CONFIG, [*b, 6, 2])[-1]
+        torch.testing.assert_close(out[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_cache_grows_in_blocks_and_gives_memory_back() -> None:
+    cache = new_cache()
+    assert cache.nbytes == 0
+    cache.fit(1, 10)
+    assert (cache.slots, cache.length) == (1, 256)
+    cache.fit(3, 257)
+    assert (cache.slots, cache.length) == (3, 512)
+    cache.k[:, 0, :, :5] = 7.0
+    cache.fit(1, 20)  # the long jobs left
+    assert (cache.slots, cache.length) == (1, 256)
+    assert bool((cache.k[:, 0, :, :5] == 7.0).all())
+    per_position = 2 * CONFIG.n_layers * CONFIG.n_kv_heads * CONFIG.head_dim * 4
+    assert cache.nbytes == per_position * 256
+    cache.release()
+    assert cache.nbytes == 0
+
+
+def test_bfloat16_logits_refine_the_top_candidates_exactly() -> None:
+    weights = random_weights(CONFIG, seed=3)
+    bf16 = llama.LlamaWeights(
+        embed=weights.embed.bfloat16(),
+        layers=weights.layers,
+        norm=weights.norm.bfloat16(),
+        lm_head=weights.lm_head.bfloat16(),
+    )
+    hidden = torch.randn(2, CONFIG.hidden_size).bfloat16()
+    out = llama.logits(bf16, hidden)
+    exact = hidden.float() @ bf16.lm_head.float().T
+    top = exact.topk(5, dim=-1).indices
+    torch.testing.assert_close(out.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.argmax(-1), exact.argmax(-1))
+
+
+def test_llama3_rope_scaling_keeps_high_and_slows_low_frequencies() -> None:
+    base = attrs.evolve(CONFIG, head_dim=128, rope_theta=500000.0)
+    scaled = llama.LlamaConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 10,
+            "hidden_size": 128,
+            "intermediate_size": 8,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 1,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        }
+    )
+    assert scaled.rope_scaling is not None
+    cos_base, sin_base = llama.rope_tables(base, 2, CPU)
+    cos_scaled, sin_scaled = llama.rope_tables(scaled, 2, CPU)
+    freq_base = torch.atan2(sin_base[1], cos_base[1])
+    freq_scaled = torch.atan2(sin_scaled[1], cos_scaled[1])
+    # Position 1's angle is the frequency itself.
+    assert math.isclose(float(freq_scaled[0]), float(freq_base[0]), rel_tol=1e-6)
+    assert math.isclose(float(freq_scaled[-1]), float(freq_base[-1]) / 8, rel_tol=1e-4)
+    assert bool((freq_scaled <= freq_base + 1e-7).all())
+
+
+def test_unsupported_architecture_is_named() -> None:
+    with pytest.raises(ModelError, match="MambaForCausalLM"):
+        llama.LlamaConfig.from_dict({"architectures": ["MambaForCausalLM"], "model_type": "mamba"})
+    with pytest.raises(ModelError, match="rope_scaling type 'yarn'"):
+        llama.LlamaConfig.from_dict(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": 10,
+                "hidden_size": 8,
+                "intermediate_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 1,
+                "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+            }
+        )
+    with pytest.raises(ModelError, match=r"lacks .num_attention_heads"):
+        llama.LlamaConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 10})
