@@ -153,6 +153,8 @@ def test_plan_without_paged_attention_runs_one_job_at_a_time() -> None:
     plan = plan_load(8192, paged=False, max_batch=16)
     assert plan.max_batch == 1
     assert not plan.paged
+    # The batch limit of paged mode does not apply to a batch that is never used.
+    assert plan_load(8192, paged=False, max_batch=1000).max_batch == 1
 
 
 def test_plan_caps_the_chunk_at_a_short_context() -> None:

@@ -215,7 +215,7 @@ def plan_load(
     # The generator's batch times max_q_size (8) must fit in max_input_len
     # (dynamic.py, ExLlamaV2DynamicGenerator.__init__).
     batch_limit = min(2048, context) // 8
-    if max_batch > batch_limit:
+    if paged and max_batch > batch_limit:
         raise ConfigError(
             f"max_batch must be at most {batch_limit} for a context length of {context}, "
             f"not {max_batch!r}"
