@@ -626,6 +626,35 @@ def test_stop_string_completed_by_the_last_allowed_token_still_wins() -> None:
     )
 
 
+def test_stop_string_held_behind_an_incomplete_character_wins_over_a_stop_token() -> None:
+    # While held text has an incomplete character, receive_sample returns
+    # before its stop-string check; a stop token next ends the job with the
+    # stop string still in the held text.
+    state = JobState(job_id=1, prompt_tokens=3, healing=False, stop_strings=("###",))
+    final = {
+        "job": JOB,
+        "stage": "streaming",
+        "eos": True,
+        "serial": 0,
+        "eos_reason": "stop_token",
+        "eos_triggering_token_id": 2,
+        "eos_triggering_token_str": "<|im_end|>",
+        **_eos_fields(new_tokens=2, prompt_tokens=3),
+        "held": {"text": "ab###\ufffd<|im_end|>"},
+        "identifier": 1,
+    }
+    updates = _run(state, [(_token(None), "ab###\ufffd"), (final, "")])
+    assert updates[-1] == Finished(
+        job_id=1,
+        text="ab",
+        reason="stop_string",
+        stop_string="###",
+        stop_token=None,
+        prompt_tokens=3,
+        generated_tokens=2,
+    )
+
+
 def test_incomplete_character_is_held_then_released_whole() -> None:
     # A byte-level token holding half of "é" decodes to U+FFFD and is held
     # (1 <= count("\ufffd") < 5); the next token completes it.

@@ -39,6 +39,7 @@ from trioserve.engine.base import (
     EngineInfo,
     Failed,
     Finished,
+    FinishReason,
     GenerationSpec,
     SamplingSettings,
     TextUpdate,
@@ -380,10 +381,7 @@ def updates_from_result(result: Mapping[str, Any], state: JobState, held_now: st
 
     The held-text rules (dynamic.py, ``receive_sample`` and its ``emit``):
 
-    * at ``max_new_tokens`` the generator flushes the held text into ``text``,
-      even when the last token completed a stop string: it tests the length
-      limit before the stop strings. The protocol lets the stop string win, so
-      the flushed text is searched for one here;
+    * at ``max_new_tokens`` the generator flushes the held text into ``text``;
     * at a stop string it emits the text before the match as ``text``, and
       keeps the stop string and what follows in ``held``: that is dropped;
     * at a stop token it emits nothing: the held text, with the stop token's
@@ -391,6 +389,12 @@ def updates_from_result(result: Mapping[str, Any], state: JobState, held_now: st
       held text without that piece, which is exactly the held text after the
       previous token, so it is taken from ``state`` rather than by cutting a
       piece off a string.
+
+    Text flushed at a stop token or at ``max_new_tokens`` can hold a whole
+    stop string that the generator never tested: it tests the stop token and
+    the length limit first, and skips the stop strings while an incomplete
+    UTF-8 character is held. The stop string came first in the text, so it
+    wins: the text is cut before it and the reason is ``stop_string``.
     """
     if result.get("stage") != "streaming":
         return None
@@ -404,53 +408,49 @@ def updates_from_result(result: Mapping[str, Any], state: JobState, held_now: st
             generated_tokens=state.generated,
         )
     reason = result.get("eos_reason")
-    # new_tokens is ExLlamaV2's own count; it agrees with state.generated.
-    generated = int(result.get("new_tokens", state.generated))
-    if reason == "stop_token":
-        return Finished(
-            job_id=state.job_id,
-            text=state.held,
-            reason="stop_token",
-            stop_string=None,
-            stop_token=int(result["eos_triggering_token_id"]),
-            prompt_tokens=state.prompt_tokens,
-            generated_tokens=generated,
-        )
     if reason == "stop_string":
-        return Finished(
-            job_id=state.job_id,
-            text=str(result.get("text", "")),
-            reason="stop_string",
+        return _finished(
+            state,
+            result,
+            str(result.get("text", "")),
+            "stop_string",
             stop_string=str(result["eos_triggering_string"]),
-            stop_token=None,
-            prompt_tokens=state.prompt_tokens,
-            generated_tokens=generated,
         )
-    if reason == "max_new_tokens":
+    if reason == "stop_token":
+        text = state.held
+        stop_token: int | None = int(result["eos_triggering_token_id"])
+    elif reason == "max_new_tokens":
         text = str(result.get("text", ""))
-        match = _first_stop_string(text, state.stop_strings)
-        if match is not None:
-            index, stop = match
-            return Finished(
-                job_id=state.job_id,
-                text=text[:index],
-                reason="stop_string",
-                stop_string=stop,
-                stop_token=None,
-                prompt_tokens=state.prompt_tokens,
-                generated_tokens=generated,
-            )
-        return Finished(
-            job_id=state.job_id,
-            text=text,
-            reason="max_new_tokens",
-            stop_string=None,
-            stop_token=None,
-            prompt_tokens=state.prompt_tokens,
-            generated_tokens=generated,
-        )
-    # "end_filter" needs a grammar filter, which trioserve never sets.
-    return Failed(job_id=state.job_id, message=f"exllamav2 ended the job for {reason!r}")
+        stop_token = None
+    else:
+        # "end_filter" needs a grammar filter, which trioserve never sets.
+        return Failed(job_id=state.job_id, message=f"exllamav2 ended the job for {reason!r}")
+    match = _first_stop_string(text, state.stop_strings)
+    if match is not None:
+        index, stop = match
+        return _finished(state, result, text[:index], "stop_string", stop_string=stop)
+    return _finished(state, result, text, reason, stop_token=stop_token)
+
+
+def _finished(
+    state: JobState,
+    result: Mapping[str, Any],
+    text: str,
+    reason: FinishReason,
+    *,
+    stop_string: str | None = None,
+    stop_token: int | None = None,
+) -> Finished:
+    return Finished(
+        job_id=state.job_id,
+        text=text,
+        reason=reason,
+        stop_string=stop_string,
+        stop_token=stop_token,
+        prompt_tokens=state.prompt_tokens,
+        # ExLlamaV2's own count (new_tokens); it agrees with state.generated.
+        generated_tokens=int(result.get("new_tokens", state.generated)),
+    )
 
 
 def _first_stop_string(text: str, stop_strings: Sequence[str]) -> tuple[int, str] | None:
