@@ -93,7 +93,7 @@ SETTINGS_FIELDS = frozenset(
     }
 )
 
-cuda_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+without_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
 
 
 # -- probing and importing -------------------------------------------------------------
@@ -111,7 +111,7 @@ def test_importing_the_engine_module_does_not_import_exllamav2() -> None:
     assert out.stdout.strip() == "False"
 
 
-@cuda_only
+@without_cuda
 def test_probe_without_cuda_says_why_and_does_not_import() -> None:
     threads = torch.get_num_threads()
     usable, reason = probe_exllamav2()
@@ -121,7 +121,7 @@ def test_probe_without_cuda_says_why_and_does_not_import() -> None:
     assert torch.get_num_threads() == threads
 
 
-@cuda_only
+@without_cuda
 def test_load_without_cuda_raises_engine_error(tmp_path: Any) -> None:
     from trioserve.engine.exllamav2 import ExLlamaV2Engine
 
