@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -122,7 +123,7 @@ def test_probe_without_cuda_says_why_and_does_not_import() -> None:
 
 
 @without_cuda
-def test_load_without_cuda_raises_engine_error(tmp_path: Any) -> None:
+def test_load_without_cuda_raises_engine_error(tmp_path: Path) -> None:
     from trioserve.engine.exllamav2 import ExLlamaV2Engine
 
     with pytest.raises(EngineError, match="CUDA"):
