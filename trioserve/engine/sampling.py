@@ -36,17 +36,24 @@ import torch
 from trioserve.engine.base import SamplingSettings
 from trioserve.errors import EngineError, TrioserveError
 
-__all__ = ["SamplingError", "make_generator", "sample", "settings_problem"]
+__all__ = [
+    "SamplingError",
+    "distribution",
+    "make_generator",
+    "penalise",
+    "sample",
+    "settings_problem",
+]
 
 #: Candidate counts tried, in turn, for rows with ``top_k == 0`` whose top_p,
 #: top_a or min_p bound the kept set, before a full sort of the vocabulary
 #: (a full sort of 49152 logits costs about 15 times a top-512).
 _UNBOUNDED_TRIES = (512, 4096)
 
-#: How a row is sampled: its top_k bounds the candidates; it needs them in
-#: descending order (filters or skew) without a bound; or neither.
-_Kind: TypeAlias = Literal["top_k", "ordered", "plain"]
-_KINDS: tuple[_Kind, ...] = ("top_k", "ordered", "plain")
+#: How a row is sampled: the argmax; its top_k bounds the candidates; it needs
+#: them in descending order (filters or skew) without a bound; or neither.
+_Kind: TypeAlias = Literal["greedy", "top_k", "ordered", "plain"]
+_KINDS: tuple[_Kind, ...] = ("greedy", "top_k", "ordered", "plain")
 
 _NEG_INF = float("-inf")
 _NEUTRAL = SamplingSettings(temperature=0.0, rep_pen=1.0)
@@ -59,10 +66,10 @@ class SamplingError(TrioserveError):
     The other rows *were* sampled, and their generators advanced exactly as in
     a call without the bad rows: :attr:`ids` holds their tokens (``-1`` at the
     failed rows), so an engine can fail just the jobs in :attr:`rows` and keep
-    the step's other tokens.
+    the step's other tokens. :attr:`reasons` maps each failed row to why.
     """
 
-    def __init__(self, reasons: dict[int, str], ids: torch.Tensor) -> None:
+    def __init__(self, reasons: dict[int, str], ids: torch.Tensor | None) -> None:
         self.reasons = dict(sorted(reasons.items()))
         self.rows = tuple(self.reasons)
         self.ids = ids
@@ -142,9 +149,91 @@ def sample(
     the others' ids), and :class:`~trioserve.errors.EngineError` when the
     arguments do not fit together (a bug in the caller).
     """
-    _check_shapes(logits, settings, generators, counts, banned, allowed)
-    batch = logits.shape[0]
-    device = logits.device
+    if len(generators) != len(settings):
+        raise EngineError(
+            f"generators must have one entry per row ({len(settings)}), got {len(generators)!r}"
+        )
+    x, usable, reasons = _prepare(logits, settings, counts, banned, allowed)
+    batch = x.shape[0]
+    device = x.device
+
+    out = torch.full((batch,), -1, dtype=torch.int64, device=device)
+    for kind, index in _groups(usable, reasons, device):
+        sub = x if index.numel() == batch else x.index_select(0, index)
+        rows = index.tolist()
+        if kind == "greedy":
+            # argmax returns the first maximum: ties go to the lower id.
+            out[index] = sub.argmax(dim=1)
+            continue
+        probs, ids = _candidates(sub, [usable[r] for r in rows], kind)
+        out[index] = _draw(probs, ids, [usable[r] for r in rows], [generators[r] for r in rows])
+
+    if reasons:
+        raise SamplingError(reasons, out)
+    return out
+
+
+def distribution(
+    logits: torch.Tensor,
+    settings: Sequence[SamplingSettings],
+    *,
+    counts: torch.Tensor | None = None,
+    banned: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ``[B, V]`` float64 probabilities that :func:`sample` draws from
+    (before ``skew`` bends the draw): one-hot at the argmax for greedy rows.
+
+    The same code path as :func:`sample`, for tests, and for callers that
+    want log-probabilities. Raises :class:`SamplingError` (with ``ids`` None)
+    when some rows cannot be sampled.
+    """
+    x, usable, reasons = _prepare(logits, settings, counts, banned, allowed)
+    if reasons:
+        raise SamplingError(reasons, None)
+    batch, vocab = x.shape
+    out = torch.zeros((batch, vocab), dtype=torch.float64, device=x.device)
+    for kind, index in _groups(usable, reasons, x.device):
+        sub = x if index.numel() == batch else x.index_select(0, index)
+        if kind == "greedy":
+            rows_out = torch.zeros((index.numel(), vocab), dtype=torch.float64, device=x.device)
+            rows_out.scatter_(1, sub.argmax(dim=1, keepdim=True), 1.0)
+        else:
+            probs, ids = _candidates(sub, [usable[r] for r in index.tolist()], kind)
+            rows_out = torch.zeros((index.numel(), vocab), dtype=torch.float64, device=x.device)
+            rows_out.scatter_(1, ids, probs)
+        out[index] = rows_out
+    return out
+
+
+def penalise(
+    logits: torch.Tensor, counts: torch.Tensor, settings: Sequence[SamplingSettings]
+) -> torch.Tensor:
+    """The float32 logits after each row's repetition, frequency and presence
+    penalties, for the ids with ``counts > 0``; the input is not changed.
+
+    Repetition divides positive logits by ``rep_pen`` and multiplies negative
+    ones by it; frequency subtracts ``freq_pen * count``; presence subtracts
+    ``pres_pen`` once.
+    """
+    if logits.dim() != 2 or counts.shape != logits.shape or len(settings) != logits.shape[0]:
+        raise EngineError(
+            f"logits and counts must be [batch, vocab] with one settings per row, got "
+            f"{tuple(logits.shape)!r}, {tuple(counts.shape)!r} and {len(settings)!r} settings"
+        )
+    return _apply_penalties(logits.to(torch.float32, copy=True), counts, settings)
+
+
+def _prepare(
+    logits: torch.Tensor,
+    settings: Sequence[SamplingSettings],
+    counts: torch.Tensor | None,
+    banned: torch.Tensor | None,
+    allowed: torch.Tensor | None,
+) -> tuple[torch.Tensor, list[SamplingSettings], dict[int, str]]:
+    """Penalties and masks on a float32 copy of the logits; the rows that
+    cannot be sampled, each with its reason."""
+    _check_shapes(logits, settings, counts, banned, allowed)
     # A copy, always: the caller's logits stay untouched.
     x = logits.to(torch.float32, copy=True)
 
@@ -153,8 +242,8 @@ def sample(
         problem = settings_problem(s)
         if problem is not None:
             reasons[row] = problem
-    # Rows with bad settings are skipped below; a neutral stand-in keeps the
-    # per-row parameter tensors well defined.
+    # Rows with bad settings are skipped; a neutral stand-in keeps the per-row
+    # parameter tensors well defined.
     usable = [s if row not in reasons else _NEUTRAL for row, s in enumerate(settings)]
 
     if counts is not None and any(
@@ -168,8 +257,7 @@ def sample(
 
     # amax propagates NaN and +inf, so one reduction finds every bad row.
     row_max = x.amax(dim=1)
-    finite_max = torch.isfinite(row_max).tolist()
-    for row, ok in enumerate(finite_max):
+    for row, ok in enumerate(torch.isfinite(row_max).tolist()):
         if not ok and row not in reasons:
             value = float(row_max[row])
             if math.isnan(value):
@@ -178,36 +266,27 @@ def sample(
                 reasons[row] = "the logits contain +inf"
             else:
                 reasons[row] = "every token is banned or outside the allowed mask"
+    return x, usable, reasons
 
-    out = torch.full((batch,), -1, dtype=torch.int64, device=device)
-    greedy = [r for r in range(batch) if r not in reasons and usable[r].temperature == 0]
-    if greedy:
-        index = torch.tensor(greedy, device=device)
-        sub = x if len(greedy) == batch else x.index_select(0, index)
-        # argmax returns the first maximum: ties go to the lower id.
-        out[index] = sub.argmax(dim=1)
 
-    # Rows whose top_k bounds the candidates never pay for a full sort, even
-    # when other rows of the batch have top_k == 0.
-    kinds = {r: _kind(usable[r]) for r in range(batch) if r not in reasons}
+def _groups(
+    settings: Sequence[SamplingSettings], reasons: dict[int, str], device: torch.device
+) -> list[tuple[_Kind, torch.Tensor]]:
+    """The rows that can be sampled, grouped by kind. Rows whose top_k bounds
+    the candidates never pay for a full sort, even when other rows of the
+    batch have ``top_k == 0``."""
+    kinds = {r: _kind(s) for r, s in enumerate(settings) if r not in reasons}
+    groups = []
     for kind in _KINDS:
         rows = [r for r, k in kinds.items() if k == kind]
-        if not rows:
-            continue
-        index = torch.tensor(rows, device=device)
-        sub = x if len(rows) == batch else x.index_select(0, index)
-        out[index] = _sample_rows(
-            sub, [usable[r] for r in rows], [generators[r] for r in rows], kind
-        )
-
-    if reasons:
-        raise SamplingError(reasons, out)
-    return out
+        if rows:
+            groups.append((kind, torch.tensor(rows, dtype=torch.int64, device=device)))
+    return groups
 
 
-def _kind(s: SamplingSettings) -> _Kind | None:
+def _kind(s: SamplingSettings) -> _Kind:
     if s.temperature == 0:
-        return None
+        return "greedy"
     if s.top_k > 0:
         return "top_k"
     filters = 0 < s.top_p < 1 or s.top_a > 0 or s.min_p > 0 or 0 < s.typical < 1
@@ -217,7 +296,6 @@ def _kind(s: SamplingSettings) -> _Kind | None:
 def _check_shapes(
     logits: torch.Tensor,
     settings: Sequence[SamplingSettings],
-    generators: Sequence[torch.Generator],
     counts: torch.Tensor | None,
     banned: torch.Tensor | None,
     allowed: torch.Tensor | None,
@@ -228,11 +306,8 @@ def _check_shapes(
             f"of {logits.dtype}"
         )
     batch = logits.shape[0]
-    if len(settings) != batch or len(generators) != batch:
-        raise EngineError(
-            f"settings and generators must have one entry per row ({batch}), "
-            f"got {len(settings)!r} and {len(generators)!r}"
-        )
+    if len(settings) != batch:
+        raise EngineError(f"settings must have one entry per row ({batch}), got {len(settings)!r}")
     for name, mask in (("counts", counts), ("banned", banned), ("allowed", allowed)):
         if mask is not None and mask.shape != logits.shape:
             raise EngineError(
@@ -311,14 +386,12 @@ def _top_candidates(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return values.gather(1, by_value), ids.gather(1, by_value)
 
 
-def _sample_rows(
-    x: torch.Tensor,
-    settings: Sequence[SamplingSettings],
-    generators: Sequence[torch.Generator],
-    kind: _Kind,
-) -> torch.Tensor:
-    """Temperature, filters and the draw for rows of one kind; every row has
-    temperature > 0 and a finite maximum."""
+def _candidates(
+    x: torch.Tensor, settings: Sequence[SamplingSettings], kind: _Kind
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature and filters for rows of one (non-greedy) kind, each with
+    temperature > 0 and a finite maximum: ``[b, C]`` float64 probabilities and
+    the ``[b, C]`` ids they belong to, in the order the draw walks them."""
     device = x.device
     vocab = x.shape[1]
     temperature = _row_param(settings, "temperature", device)
@@ -332,19 +405,17 @@ def _sample_rows(
             position = torch.arange(k_max, device=device).unsqueeze(0)
             scaled = scaled.masked_fill(position >= top_k, _NEG_INF)
         probs = torch.softmax(scaled, dim=1)
-    else:
-        scaled32 = (x - x.amax(dim=1, keepdim=True)) / temperature.to(torch.float32)
-        probs_full = torch.softmax(scaled32, dim=1)
-        if kind == "plain":
-            # Nothing to filter and no skew: the order of the draw does not
-            # change the distribution, so id order saves a full sort.
-            probs = probs_full.to(torch.float64)
-            ids = torch.arange(vocab, device=device).expand(x.shape[0], vocab)
-            return _draw(probs, ids, settings, generators)
-        probs, ids = _ordered_candidates(x, probs_full, settings)
+        return _filter(probs, settings), ids
 
-    probs = _filter(probs, settings)
-    return _draw(probs, ids, settings, generators)
+    scaled32 = (x - x.amax(dim=1, keepdim=True)) / temperature.to(torch.float32)
+    probs_full = torch.softmax(scaled32, dim=1)
+    if kind == "plain":
+        # Nothing to filter and no skew: the order of the draw does not change
+        # the distribution, so id order saves a full sort.
+        ids = torch.arange(vocab, device=device).expand(x.shape[0], vocab)
+        return probs_full.to(torch.float64), ids
+    probs, ids = _ordered_candidates(x, probs_full, settings)
+    return _filter(probs, settings), ids
 
 
 def _ordered_candidates(
