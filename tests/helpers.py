@@ -18,7 +18,6 @@ from typing import Any
 import attrs
 import trio
 import trio_websocket
-from trioserve.engine.text import TextStream
 
 from trioserve.engine.base import (
     EngineInfo,
@@ -28,6 +27,7 @@ from trioserve.engine.base import (
     TextUpdate,
     Update,
 )
+from trioserve.engine.text import TextStream
 from trioserve.server import Listening, ServerConfig, serve
 
 BOS = 256
@@ -74,7 +74,7 @@ class ScriptedEngine:
     def __init__(
         self,
         *,
-        context_length: int = 256,
+        context_length: int = 16384,
         max_batch: int = 4,
         step_delay: float = 0.0,
         fail_when: str = "FAIL",
@@ -220,8 +220,9 @@ class RawClient:
     def __init__(self, ws: trio_websocket.WebSocketConnection) -> None:
         self.ws = ws
 
-    async def send(self, frame: dict[str, Any] | str | bytes) -> None:
-        if isinstance(frame, dict):
+    async def send(self, frame: Any) -> None:
+        """Send ``frame``: str and bytes as they are, anything else as JSON."""
+        if not isinstance(frame, str | bytes):
             frame = json.dumps(frame)
         await self.ws.send_message(frame)
 
@@ -246,7 +247,7 @@ class RawClient:
             if frame.get("response_type") in ("full", "error"):
                 return frames
 
-    async def request(self, frame: dict[str, Any]) -> dict[str, Any]:
+    async def request(self, frame: Any) -> dict[str, Any]:
         await self.send(frame)
         return await self.recv()
 

@@ -12,7 +12,7 @@ from .helpers import EOS, ScriptedEngine
 
 
 def make_spec(
-    scheduler: Scheduler, engine: ScriptedEngine, prompt: str, n: int = 8
+    scheduler: Scheduler, engine: ScriptedEngine, prompt: str, n: int = 32
 ) -> GenerationSpec:
     return GenerationSpec(
         job_id=scheduler.new_job_id(),
@@ -55,7 +55,9 @@ async def test_more_jobs_than_slots_wait_in_arrival_order() -> None:
     engine = ScriptedEngine(max_batch=2)
     scheduler = Scheduler(engine)
     async with trio.open_nursery() as nursery:
-        jobs = [scheduler.open_job(make_spec(scheduler, engine, f"say:{i}" * 3)) for i in range(6)]
+        jobs = [
+            scheduler.open_job(make_spec(scheduler, engine, f"say:{i}{i}{i}")) for i in range(6)
+        ]
         assert scheduler.statistics().waiting == 6
         await nursery.start(scheduler.run)
         results = []
@@ -149,8 +151,8 @@ async def test_stopping_the_task_fails_what_is_left() -> None:
     scheduler = Scheduler(engine)
     async with trio.open_nursery() as nursery:
         await nursery.start(scheduler.run)
-        running = scheduler.open_job(make_spec(scheduler, engine, "endless", n=500))
-        queued = scheduler.open_job(make_spec(scheduler, engine, "endless", n=500))
+        running = scheduler.open_job(make_spec(scheduler, engine, "endless", n=200))
+        queued = scheduler.open_job(make_spec(scheduler, engine, "endless", n=200))
         await running.updates.receive()
         nursery.cancel_scope.cancel()
     for job in (running, queued):
