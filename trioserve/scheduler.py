@@ -30,6 +30,10 @@ __all__ = ["Job", "QueueFull", "Scheduler", "SchedulerStatistics"]
 
 log = logging.getLogger("trioserve.scheduler")
 
+# Job ids are unique in the process, not per scheduler: an engine may outlive
+# a server and serve the next one (tests and embedding applications do that).
+_job_ids = itertools.count(1)
+
 
 class QueueFull(TrioserveError):
     """The queue of jobs waiting for the engine is full; retry later."""
@@ -96,7 +100,6 @@ class Scheduler:
         # The queue itself: a buffer of max_waiting, so that submit_nowait
         # fails exactly when that many jobs wait.
         self._queue_send, self._queue_receive = trio.open_memory_channel[Job](max_waiting)
-        self._ids = itertools.count(1)
         self._running: dict[int, Job] = {}
         self._cancels: list[int] = []
         # Jobs already taken off the queue while the task was idle.
@@ -112,7 +115,7 @@ class Scheduler:
     # -- used by request handlers -------------------------------------------------
 
     def new_job_id(self) -> int:
-        return next(self._ids)
+        return next(_job_ids)
 
     def open_job(self, spec: GenerationSpec) -> Job:
         """Create a job for ``spec`` and queue it (see :meth:`submit_nowait`)."""
@@ -203,6 +206,11 @@ class Scheduler:
                     updates = await trio.to_thread.run_sync(self.engine.step, specs, cancels)
                 except Exception as exc:
                     updates = self._fail_running(exc)
+                except BaseException:
+                    # Cancelled before the step started: _close must still
+                    # tell the engine about these.
+                    self._cancels.extend(cancels)
+                    raise
                 self._steps += 1
                 self._route(updates)
         finally:
@@ -269,6 +277,15 @@ class Scheduler:
     def _close(self) -> None:
         """Fail every job still running or queued: no owner is left waiting."""
         self._closed = True
+        engine_jobs = [*self._running, *self._cancels]
+        if engine_jobs:
+            # Free the engine's slots now, so that an engine that outlives this
+            # scheduler starts clean. With every job cancelled, the step has no
+            # model work to do and returns at once.
+            try:
+                self.engine.step([], engine_jobs)
+            except Exception:
+                log.exception("the engine failed to drop %d jobs at shutdown", len(engine_jobs))
         leftover = list(self._running.values()) + list(self._front)
         self._running.clear()
         self._front.clear()
