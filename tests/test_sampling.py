@@ -530,6 +530,8 @@ def test_large_vocabulary_paths_agree_with_the_reference() -> None:
         (flat, SamplingSettings(top_k=0, top_p=0.5, temperature=0.5)),
         (flat, SamplingSettings(top_k=0, top_p=0.99)),
         (flat, SamplingSettings(top_k=0, top_p=1.0, min_p=0.05)),
+        (flat, SamplingSettings(top_k=0, top_p=0.99, min_p=0.05, typical=0.9)),
+        (flat, SamplingSettings(top_k=0, top_p=1.0, top_a=0.5, skew=0.5)),
         (flat, SamplingSettings(top_k=100, top_p=0.8)),
         (peaky, SamplingSettings(top_k=0, top_p=1.0, typical=0.7)),
     ]

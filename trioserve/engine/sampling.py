@@ -445,15 +445,26 @@ def _ordered_candidates(
 
 
 def _fits(probs: torch.Tensor, s: SamplingSettings) -> bool:
-    """Whether the first filter of ``s`` that bounds the candidates keeps only
-    tokens among ``probs`` (the first candidates of one row, descending)."""
-    if 0 < s.top_p < 1:
-        return bool(probs.sum() >= s.top_p)
+    """Whether the filters of ``s`` keep only tokens among ``probs`` (the
+    first candidates of one row, descending, with the probabilities of the
+    whole vocabulary), and give them the same final probabilities as if the
+    rest were there.
+
+    top_p's prefix fits when its mass is reached. Otherwise top_a's threshold
+    (relative to the probabilities as top_p left them, so only when top_p is
+    off) and min_p's (scale-free: a fraction of the maximum) bound the set;
+    they fit when the last candidate is already below them.
+    """
+    top_p = 0 < s.top_p < 1
+    if top_p and float(probs.sum()) >= s.top_p:
+        return True
     pmax = float(probs[0])
-    threshold = max(s.top_a * pmax * pmax, s.min_p * pmax)
-    if threshold > 0:
-        return bool(probs[-1] < threshold)
-    return False
+    threshold = s.min_p * pmax
+    if not top_p:
+        threshold = max(threshold, s.top_a * pmax * pmax)
+    elif s.top_a > 0:
+        return False
+    return threshold > 0 and float(probs[-1]) < threshold
 
 
 def _renormalise(probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -534,12 +545,11 @@ def _draw(
     if any(s.skew != 0 for s in settings):
         u = u ** torch.exp(-_row_param(settings, "skew", device))
     cdf = probs.cumsum(dim=1)
-    target = u * cdf[:, -1:]
-    index = torch.searchsorted(cdf, target, right=True)
+    total = cdf[:, -1:].contiguous()
+    index = torch.searchsorted(cdf, u * total, right=True)
     # Rounding may put the target at the very top of the CDF; the last
-    # candidate with a nonzero probability is then the right answer (never a
-    # zero-probability one, which may be a banned id).
-    positions = torch.arange(probs.shape[1], device=device).unsqueeze(0)
-    last = torch.where(probs > 0, positions, 0).amax(dim=1, keepdim=True)
+    # candidate with a nonzero probability (the first to reach the total) is
+    # then the right answer, never a zero-probability one, which may be banned.
+    last = torch.searchsorted(cdf, total, right=False)
     index = torch.minimum(index, last)
     return ids.gather(1, index).squeeze(1)
