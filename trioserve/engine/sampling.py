@@ -511,7 +511,7 @@ def _filter(probs: torch.Tensor, settings: Sequence[SamplingSettings]) -> torch.
             dtype=torch.float64,
             device=device,
         ).unsqueeze(1)
-        # Locally typical sampling (Meier et al. 2022): order tokens by how far
+        # Locally typical sampling (Meister et al. 2022): order tokens by how far
         # their surprisal is from the entropy, keep the smallest such set whose
         # mass reaches `typical`.
         surprisal = -torch.log(probs)
