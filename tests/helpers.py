@@ -28,7 +28,7 @@ from trioserve.engine.base import (
     Update,
 )
 from trioserve.engine.text import TextStream
-from trioserve.server import Listening, ServerConfig, serve
+from trioserve.server import Listening, Server, ServerConfig, serve
 
 BOS = 256
 EOS = 257
@@ -214,6 +214,16 @@ async def running_server(
         nursery.cancel_scope.cancel()
 
 
+@asynccontextmanager
+async def serving(engine: Any, **options: Any) -> AsyncIterator[tuple[Server, Listening]]:
+    """Like :func:`running_server`, also yielding the Server for its statistics."""
+    server = Server(engine, ServerConfig(host="127.0.0.1", port=0, **options))
+    async with trio.open_nursery() as nursery:
+        listening = await nursery.start(server.run)
+        yield server, listening
+        nursery.cancel_scope.cancel()
+
+
 class RawClient:
     """A bare WebSocket client that sends and receives JSON frames verbatim."""
 
@@ -246,6 +256,18 @@ class RawClient:
             frames.append(frame)
             if frame.get("response_type") in ("full", "error"):
                 return frames
+
+    async def until(
+        self, action: str, within: float = 60.0
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The next frame of ``action`` that is not an infer frame, and the
+        frames received before it."""
+        skipped: list[dict[str, Any]] = []
+        while True:
+            frame = await self.recv(within)
+            if frame.get("action") == action and "response_type" not in frame:
+                return frame, skipped
+            skipped.append(frame)
 
     async def request(self, frame: Any) -> dict[str, Any]:
         await self.send(frame)
