@@ -172,7 +172,7 @@ def make_counts(seed: int, vocab: int) -> NDArray[np.int64]:
 
 
 @given(logits_st, settings_st, st.booleans(), st.booleans(), st.integers(0, 2**32 - 1))
-@settings(max_examples=400, deadline=None)
+@settings(deadline=None)
 def test_distribution_matches_the_reference(
     logits: F32, s: SamplingSettings, with_counts: bool, with_bans: bool, seed: int
 ) -> None:
@@ -202,7 +202,7 @@ def test_distribution_matches_the_reference(
 
 
 @given(logits_st, st.integers(0, 2**32 - 1), settings_st)
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 def test_greedy_is_the_argmax(logits: F32, seed: int, s: SamplingSettings) -> None:
     s = SamplingSettings(
         temperature=0.0, rep_pen=s.rep_pen, freq_pen=s.freq_pen, pres_pen=s.pres_pen
@@ -216,7 +216,7 @@ def test_greedy_is_the_argmax(logits: F32, seed: int, s: SamplingSettings) -> No
 
 
 @given(logits_st, st.integers(0, 2**32 - 1), settings_st)
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 def test_penalties_change_exactly_the_ids_in_counts(
     logits: F32, seed: int, s: SamplingSettings
 ) -> None:
@@ -248,7 +248,7 @@ FILTERS: dict[str, st.SearchStrategy[float]] = {
 
 
 @given(logits_st, st.floats(0.1, 2.0), st.sampled_from(sorted(FILTERS)), st.data())
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 def test_filters_only_remove_tokens(
     logits: F32, temperature: float, name: str, data: st.DataObject
 ) -> None:
@@ -280,7 +280,7 @@ def test_filters_only_remove_tokens(
 
 
 @given(logits_st, settings_st, st.integers(0, 2**63 - 1))
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 def test_banned_ids_are_never_drawn(logits: F32, s: SamplingSettings, seed: int) -> None:
     vocab = len(logits)
     banned = np.zeros(vocab, dtype=bool)
@@ -296,7 +296,7 @@ def test_banned_ids_are_never_drawn(logits: F32, s: SamplingSettings, seed: int)
 
 
 @given(logits_st, settings_st, st.integers(0, 2**63 - 1))
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 def test_allowed_mask_is_respected(logits: F32, s: SamplingSettings, seed: int) -> None:
     vocab = len(logits)
     allowed = np.random.default_rng(seed % 2**32).random(vocab) < 0.2
@@ -356,7 +356,7 @@ def _draws_unseeded(s: SamplingSettings, logits: torch.Tensor) -> list[int]:
     ),
     st.integers(0, 2**32),
 )
-@settings(max_examples=100, deadline=None)
+@settings(deadline=None)
 def test_a_mixed_batch_samples_each_row_as_alone(
     rows: list[tuple[F32, SamplingSettings]], seed: int
 ) -> None:

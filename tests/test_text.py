@@ -155,7 +155,7 @@ def _push_all(stream: TextStream, ids: Sequence[int]) -> tuple[list[StreamPiece]
 
 
 @given(texts)
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 def test_chunks_concatenate_to_the_decoded_text(text: str) -> None:
     ids = bl_encode(text)
     assert bl_decode(ids) == text  # byte-level BPE round-trips
@@ -193,7 +193,7 @@ def _expected_stop(ids: Sequence[int], stops: Sequence[str]) -> tuple[str, str] 
     st.lists(st.tuples(st.integers(0, 40), st.integers(1, 8)), min_size=1, max_size=2),
     st.lists(st.text(min_size=1, max_size=4), max_size=2),
 )
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 def test_stop_strings_cut_at_the_first_occurrence(
     text: str, cuts: list[tuple[int, int]], others: list[str]
 ) -> None:
@@ -224,7 +224,7 @@ def test_stop_strings_cut_at_the_first_occurrence(
 
 
 @given(texts, st.lists(st.text(min_size=1, max_size=5), min_size=1, max_size=3))
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 def test_without_a_match_flush_returns_the_rest(text: str, stops: list[str]) -> None:
     assume(not any(s in text for s in stops))
     ids = bl_encode(text)
@@ -328,7 +328,7 @@ def test_runs_that_split_characters_at_token_boundaries(text: str) -> None:
 
 
 @given(texts)
-@settings(max_examples=50, deadline=None)
+@settings(deadline=None)
 def test_window_stays_bounded_on_long_generations(text: str) -> None:
     decode = RecordingDecode()
     stream = TextStream(decode, ["never matches \x00"])
@@ -344,7 +344,7 @@ words = st.lists(
 
 
 @given(words, words)
-@settings(max_examples=200, deadline=None)
+@settings(deadline=None)
 def test_metaspace_keeps_the_leading_space_with_context(prompt: list[str], gen: list[str]) -> None:
     prompt_ids = METASPACE.encode(" ".join(prompt)).ids
     gen_ids = METASPACE.encode(" ".join(gen)).ids
@@ -363,7 +363,7 @@ def test_metaspace_without_context_matches_plain_decode() -> None:
 
 
 @given(st.lists(pieces, min_size=3, max_size=25).map("".join), st.data())
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 def test_skip_prefix_drops_the_healed_token_text(text: str, data: st.DataObject) -> None:
     ids = bl_encode(text)
     assume(len(ids) >= 3)

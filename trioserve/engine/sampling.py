@@ -21,7 +21,8 @@ share its batch (up to floating-point summation order).
 Cost: every step touches the whole vocabulary a few times (penalties, masks,
 one ``topk``), but sorts only the top ``max(top_k)`` candidates. A full sort
 of the vocabulary (about 4 ms per row on one CPU core) happens only for rows
-with ``top_k == 0`` whose other filters do not bound the candidates.
+with ``top_k == 0`` that need their candidates in order (a filter or skew)
+and whose top_p, top_a or min_p do not bound them to a few thousand.
 """
 
 from __future__ import annotations
