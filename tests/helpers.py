@@ -311,6 +311,7 @@ def server_in_thread(
             )
             handle.token = trio.lowlevel.current_trio_token()
             handle.cancel_scope = nursery.cancel_scope
+            handle.nursery = nursery
             ready.set()
 
     thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
@@ -332,4 +333,6 @@ class ServerHandle:
     listening: Listening | None = None
     token: trio.lowlevel.TrioToken | None = None
     cancel_scope: trio.CancelScope | None = None
+    #: A nursery in the server's loop for tasks of the test (clients).
+    nursery: trio.Nursery | None = None
     engine: Any = None

@@ -1,0 +1,344 @@
+"""Property tests of the server: arbitrary frames, and random interleavings.
+
+* Any frame a client may send gets exactly one answer (one reply, or for an
+  ``infer`` its chunks and exactly one terminal frame), and the connection stays
+  open.
+* A Hypothesis state machine drives several connections with random
+  interleavings of infer, stop, stop-with-target, echo and disconnect, and checks
+  the invariants of protocol.md 3.4 and 3.5 on everything received. It runs on
+  the scripted engine (fast), and a shorter run on the real model.
+
+The server runs in its own trio loop in a thread (``server_in_thread``); the
+state machine's clients live in that loop too, driven with
+``trio.from_thread.run``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import pytest
+import trio
+import trio_websocket
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    rule,
+)
+
+from .helpers import ScriptedEngine, raw_client, server_in_thread, wait_until
+from .strategies import json_values, valid_requests
+
+TERMINAL = ("full", "error")
+
+
+@pytest.fixture(scope="module")
+def scripted_url() -> Iterator[str]:
+    # A small context keeps generated infer requests short (a larger
+    # max_new_tokens is answered with invalid_request, which is fine here).
+    with server_in_thread(lambda: ScriptedEngine(context_length=96, max_batch=4)) as (
+        listening,
+        _,
+        _,
+    ):
+        yield listening.url
+
+
+def frames_any() -> st.SearchStrategy[str | bytes]:
+    """Anything a client could put in one frame."""
+    return st.one_of(
+        st.text(max_size=50),
+        st.binary(max_size=50),
+        json_values().map(json.dumps),
+        st.dictionaries(
+            st.sampled_from(["action", "text", "max_new_tokens", "request_id", "stop", "x"]),
+            json_values(max_leaves=3),
+            max_size=4,
+        ).map(json.dumps),
+        valid_requests().map(json.dumps),
+    )
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+@given(frames=st.lists(frames_any(), min_size=1, max_size=4))
+async def test_every_frame_gets_exactly_one_answer(scripted_url: str, frames: list[Any]) -> None:
+    async with raw_client(scripted_url) as ws:
+        for index, frame in enumerate(frames):
+            await ws.send(frame)
+            first = await ws.recv()
+            answer = [first]
+            is_infer_stream = first.get("action") == "infer" and first.get("response_type") not in (
+                None,
+                *TERMINAL,
+            )
+            while is_infer_stream and answer[-1].get("response_type") not in TERMINAL:
+                answer.append(await ws.recv())
+            if first.get("response_type") == "error":
+                assert first["error"]["type"] in {
+                    "invalid_json",
+                    "invalid_request",
+                    "unknown_action",
+                    "overloaded",
+                    "internal",
+                }
+            if first.get("action") == "infer" and first.get("response_type") != "error":
+                assert answer[-1]["response_type"] == "full"
+                chunks = [f["chunk"] for f in answer if f["response_type"] == "chunk"]
+                if json.loads(frame).get("stream"):
+                    assert "".join(chunks) == answer[-1]["response"]
+                else:
+                    assert chunks == []
+            # Nothing more follows, and the connection is still open.
+            marker = {"action": "echo", "request_id": f"marker-{index}"}
+            assert await ws.request(marker) == marker
+
+
+# --- the state machine -----------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class Conn:
+    name: str
+    ws: trio_websocket.WebSocketConnection
+    frames: list[dict[str, Any]] = attrs.Factory(list)
+    #: What was sent, in order: (kind, request_id, extra).
+    sent: list[tuple[str, str, Any]] = attrs.Factory(list)
+    closed: bool = False
+
+
+class ServerMachine(RuleBasedStateMachine):
+    """Random interleavings over several connections of one server."""
+
+    engine_factory: Callable[[], Any] = staticmethod(
+        lambda: ScriptedEngine(step_delay=0.002, max_batch=3)
+    )
+    #: Upper bound of max_new_tokens (the real model is slower).
+    token_cap = 40
+
+    connections = Bundle("connections")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ids = itertools.count()
+        self._server = server_in_thread(self.engine_factory)
+        self.listening, self.token, self.handle = self._server.__enter__()
+        self.open: list[Conn] = []
+        self.all: list[Conn] = []
+
+    def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return trio.from_thread.run(fn, *args, trio_token=self.token)
+
+    def _new_id(self, prefix: str) -> str:
+        return f"{prefix}{next(self._ids)}"
+
+    async def _connect(self) -> Conn:
+        nursery = self.handle.nursery
+        assert nursery is not None
+        ws = await trio_websocket.connect_websocket_url(nursery, self.listening.url)
+        conn = Conn(name=self._new_id("c"), ws=ws)
+
+        async def collect() -> None:
+            try:
+                while True:
+                    conn.frames.append(json.loads(await ws.get_message()))
+            except trio_websocket.ConnectionClosed:
+                conn.closed = True
+
+        nursery.start_soon(collect)
+        return conn
+
+    @initialize(target=connections)
+    def first_connection(self) -> Conn:
+        conn: Conn = self._run(self._connect)
+        self.open.append(conn)
+        self.all.append(conn)
+        return conn
+
+    @rule(target=connections)
+    def connect(self) -> Conn:
+        return self.first_connection()
+
+    def _send(self, conn: Conn, frame: dict[str, Any]) -> None:
+        async def send() -> None:
+            await conn.ws.send_message(json.dumps(frame))
+
+        self._run(send)
+
+    @rule(conn=connections, n=st.integers(1, 40), stream=st.booleans(), full=st.booleans())
+    def infer(self, conn: Conn, n: int, stream: bool, full: bool) -> None:
+        if conn.closed or conn not in self.open:
+            return
+        n = min(n, self.token_cap)
+        request_id = self._new_id("r")
+        conn.sent.append(("infer", request_id, (n, stream)))
+        text = "go" if n > 20 else f"say:{request_id}"
+        self._send(
+            conn,
+            {
+                "action": "infer",
+                "request_id": request_id,
+                "text": text,
+                "max_new_tokens": n,
+                "stream": stream,
+                "stream_full": full,
+                "temperature": 0,
+            },
+        )
+
+    @rule(conn=connections, pick=st.integers(0, 1000), targeted=st.booleans())
+    def stop(self, conn: Conn, pick: int, targeted: bool) -> None:
+        if conn.closed or conn not in self.open:
+            return
+        request_id = self._new_id("s")
+        frame: dict[str, Any] = {"action": "stop", "request_id": request_id}
+        target = None
+        if targeted:
+            infers = [rid for kind, rid, _ in conn.sent if kind == "infer"]
+            target = infers[pick % len(infers)] if infers and pick % 3 else "nobody"
+            frame["target"] = target
+        conn.sent.append(("stop", request_id, (targeted, target)))
+        self._send(conn, frame)
+
+    @rule(conn=connections)
+    def echo(self, conn: Conn) -> None:
+        if conn.closed or conn not in self.open:
+            return
+        request_id = self._new_id("e")
+        conn.sent.append(("echo", request_id, None))
+        self._send(conn, {"action": "echo", "request_id": request_id})
+
+    @rule(conn=consumes(connections))
+    def disconnect(self, conn: Conn) -> None:
+        if conn in self.open:
+            self.open.remove(conn)
+            self._run(conn.ws.aclose)
+
+    @invariant()
+    def frames_follow_the_protocol(self) -> None:
+        for conn in self.all:
+            check_connection(conn, complete=False)
+
+    def teardown(self) -> None:
+        try:
+            # Every request of an open connection gets its terminal frame.
+            for conn in self.open:
+                self._run(wait_until, lambda conn=conn: answered_all(conn), 60)
+                check_connection(conn, complete=True)
+
+            async def idle() -> None:
+                with trio.fail_after(30):
+                    for conn in self.open:
+                        await conn.ws.aclose()
+                    await wait_until(lambda: not self.handle.engine.running_jobs)
+
+            if hasattr(self.handle.engine, "running_jobs"):
+                self._run(idle)
+        finally:
+            self._server.__exit__(None, None, None)
+
+
+def answered_all(conn: Conn) -> bool:
+    ids = {f.get("request_id") for f in conn.frames if is_terminal(f)}
+    return all(rid in ids for _, rid, _ in conn.sent)
+
+
+def is_terminal(frame: dict[str, Any]) -> bool:
+    if frame.get("action") == "infer":
+        return frame.get("response_type") in TERMINAL
+    return True
+
+
+def check_connection(conn: Conn, *, complete: bool) -> None:
+    """protocol.md 3.4 and 3.5 over one connection's frames so far."""
+    frames = list(conn.frames)
+    by_id: dict[Any, list[int]] = {}
+    for index, frame in enumerate(frames):
+        by_id.setdefault(frame.get("request_id"), []).append(index)
+    sent = {rid: (kind, extra) for kind, rid, extra in conn.sent}
+    unknown = set(by_id) - set(sent)
+    assert not unknown, f"frames for requests never sent: {unknown}"
+    for rid, (kind, extra) in sent.items():
+        own = [frames[i] for i in by_id.get(rid, [])]
+        terminals = [f for f in own if is_terminal(f)]
+        assert len(terminals) <= 1, f"{rid}: more than one terminal frame"
+        if terminals:
+            assert own[-1] is terminals[0], f"{rid}: a frame followed its terminal frame"
+        if complete:
+            assert terminals, f"{rid}: no terminal frame"
+        if kind == "echo" and own:
+            assert own == [{"action": "echo", "request_id": rid}]
+        if kind == "infer" and terminals:
+            final = terminals[0]
+            assert final["response_type"] == "full", final
+            max_new_tokens, stream = extra
+            chunks = [f["chunk"] for f in own if f.get("response_type") == "chunk"]
+            assert all(chunks), "empty chunk frame"
+            if stream:
+                assert "".join(chunks) == final["response"]
+            else:
+                assert chunks == []
+            assert final["usage"]["generated_tokens"] <= max_new_tokens
+            if final["stop_reason"] == "num_tokens":
+                assert final["usage"]["generated_tokens"] == max_new_tokens
+        if kind == "stop" and terminals:
+            reply_at = by_id[rid][0]
+            targeted, target = extra
+            stop_sent_at = [r for _, r, _ in conn.sent].index(rid)
+            for kind2, rid2, _ in conn.sent[:stop_sent_at]:
+                if kind2 != "infer" or (targeted and rid2 != target):
+                    continue
+                # Every matching infer sent before the stop has its terminal
+                # frame before the stop's reply.
+                assert any(is_terminal(frames[i]) and i < reply_at for i in by_id.get(rid2, [])), (
+                    f"{rid2} not finished before the reply to {rid}"
+                )
+            interrupted_since = [
+                rid2
+                for kind2, rid2, _ in conn.sent[:stop_sent_at]
+                if kind2 == "infer" and (not targeted or rid2 == target)
+            ]
+            assert frames[reply_at]["stopped"] <= len(interrupted_since)
+
+
+ServerMachine.TestCase.settings = settings(
+    max_examples=25,
+    stateful_step_count=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestServerMachine = ServerMachine.TestCase
+
+
+class RealModelMachine(ServerMachine):
+    """The same machine on the real embedded model, shorter."""
+
+    token_cap = 8
+
+
+@pytest.fixture
+def real_model_machine(cpu_engine: Any) -> type[RealModelMachine]:
+    RealModelMachine.engine_factory = staticmethod(lambda: cpu_engine)
+    return RealModelMachine
+
+
+def test_state_machine_on_the_real_model(real_model_machine: type[RealModelMachine]) -> None:
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run_state_machine_as_test(
+        real_model_machine,
+        settings=settings(
+            max_examples=4,
+            stateful_step_count=12,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
