@@ -1,0 +1,233 @@
+"""trioserve.client against the real server and the real embedded model.
+
+``test_client_codec.py`` tests the client against a rule-based server; here
+every method meets the real thing over a loopback socket, and the chat CLI
+runs as a user would run it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+import pytest
+import trio
+
+from trioserve import (
+    ConnectionClosed,
+    ConnectionFailed,
+    InferChunk,
+    InferFinal,
+    InferStream,
+    ServerError,
+    open_client,
+)
+
+from .helpers import running_server, serving, wait_until
+
+if TYPE_CHECKING:
+    from trioserve.engine.cpu import CpuEngine
+
+EOS = 2
+QUESTION = "What is the capital of France?"
+PARIS = f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+STORY = "<|im_start|>user\nTell me a long story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
+# A job that cannot end on its own before max_new_tokens: EOS is banned.
+ENDLESS = {"temperature": 0, "bann_bann": [EOS]}
+
+
+async def test_quick_methods(cpu_engine: CpuEngine) -> None:
+    async with running_server(cpu_engine) as listening, open_client(listening.url) as client:
+        assert not client.closed
+        echo = await client.echo(request_id={"mine": [1, 2]})
+        assert echo.echoed == {"request_id": {"mine": [1, 2]}}
+        assert await client.estimate_token(PARIS) == len(cpu_engine.encode(PARIS))
+        assert await client.estimate_token("<|im_start|><|im_end|>") == 2
+        text = "The quick brown fox jumps over the lazy dog"
+        last_three = await client.lefttrim_token(text, 3)
+        assert last_three == cpu_engine.decode(cpu_engine.encode(text)[-3:])
+        assert text.endswith(last_three) and last_three != text
+        assert await client.lefttrim_token(text, 0) == ""
+        assert await client.lefttrim_token(text, 1000) == text
+        info = await client.info()
+        assert info.model.name == "SmolLM2-135M-Instruct"
+        assert info.model.engine == "cpu"
+        assert info.model.context_length == cpu_engine.info.context_length
+        assert info.limits.max_new_tokens == cpu_engine.info.context_length - 1
+        # Stopping nothing is not an error.
+        assert await client.stop() == 0
+
+
+async def test_infer_streams_chunks_then_the_final(cpu_engine: CpuEngine) -> None:
+    async with running_server(cpu_engine) as listening, open_client(listening.url) as client:
+        chunks: list[str] = []
+        async with client.infer(PARIS, 40, stream=True, temperature=0, tag="t") as stream:
+            async for message in stream:
+                # The final frame is the last one, and ends the stream.
+                assert stream.done == isinstance(message, InferFinal)
+                assert message.echoed["tag"] == "t"
+                if isinstance(message, InferChunk):
+                    chunks.append(message.chunk)
+        assert stream.done
+        final = stream.final
+        assert len(chunks) > 1
+        assert "".join(chunks) == final.response
+        assert "Paris" in final.response
+        assert (final.stop_reason, final.eos_reason, final.stop_token) == ("eos", "stop_token", EOS)
+        assert final.util_text == PARIS
+        assert final.usage.prompt_tokens == len(cpu_engine.encode(PARIS))
+        # generate() reads the same request to its end: greedy, same text.
+        again = await client.generate(PARIS, 40, temperature=0)
+        assert again.response == final.response
+        assert again.usage.generated_tokens == final.usage.generated_tokens
+
+
+async def test_bad_requests_raise_server_error_naming_the_field(cpu_engine: CpuEngine) -> None:
+    async with running_server(cpu_engine) as listening, open_client(listening.url) as client:
+        with pytest.raises(ServerError) as caught:
+            await client.generate(PARIS, 0)
+        assert (caught.value.error_type, caught.value.field) == (
+            "invalid_request",
+            "$.max_new_tokens",
+        )
+        assert caught.value.action == "infer"
+        with pytest.raises(ServerError) as caught:
+            await client.generate(PARIS, 10, top_kk=5)
+        assert caught.value.field == "$.top_kk"
+        assert "top_kk" in caught.value.message
+        too_many = cpu_engine.info.context_length
+        with pytest.raises(ServerError) as caught:
+            await client.generate(PARIS, too_many)
+        assert caught.value.field == "$.max_new_tokens"
+        assert str(too_many - 1) in caught.value.message
+        with pytest.raises(ServerError) as caught:
+            await client.lefttrim_token("text", -1)
+        assert (caught.value.action, caught.value.field) == ("lefttrim_token", "$.trimmed_length")
+        # The stream reports the error frame as the same exception.
+        stream = client.infer(PARIS, 10, stop_conditions=[""])
+        with pytest.raises(ServerError) as caught:
+            await stream.result()
+        assert caught.value.field is not None
+        assert caught.value.field.startswith("$.stop_conditions")
+        assert stream.done
+        # Each error was one frame; the connection goes on.
+        assert (await client.generate(PARIS, 40, temperature=0)).stop_reason == "eos"
+
+
+async def test_stop_with_a_target_and_two_infers_on_one_client(cpu_engine: CpuEngine) -> None:
+    async with (
+        serving(cpu_engine) as (server, listening),
+        open_client(listening.url) as client,
+    ):
+        long = client.infer(STORY, 400, stream=True, **ENDLESS)
+        short = client.infer(PARIS, 40, stream=True, temperature=0)
+        results: dict[str, tuple[list[str], InferFinal]] = {}
+        first_chunk = trio.Event()
+
+        async def read(name: str, stream: InferStream) -> None:
+            chunks: list[str] = []
+            async with stream:
+                async for message in stream:
+                    if isinstance(message, InferChunk):
+                        chunks.append(message.chunk)
+                        if name == "long":
+                            first_chunk.set()
+            results[name] = (chunks, stream.final)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read, "long", long)
+            nursery.start_soon(read, "short", short)
+            await first_chunk.wait()
+            assert server.statistics().requests_in_flight >= 1
+            # Stops only the long one, by its request_id; its final frame has
+            # arrived by the time stop() returns.
+            assert await client.stop(target=long.request_id) == 1
+            assert long.done
+
+        long_chunks, long_final = results["long"]
+        assert long_final.stop_reason == "interrupted"
+        assert "".join(long_chunks) == long_final.response
+        assert 0 < long_final.usage.generated_tokens < 400
+        short_chunks, short_final = results["short"]
+        assert short_final.stop_reason == "eos"
+        assert "Paris" in short_final.response
+        assert "".join(short_chunks) == short_final.response
+        # Nothing is left running on the engine.
+        assert server.statistics().requests_in_flight == 0
+
+
+async def test_two_concurrent_infers_get_their_own_frames(cpu_engine: CpuEngine) -> None:
+    async with running_server(cpu_engine) as listening, open_client(listening.url) as client:
+        finals: dict[str, InferFinal] = {}
+
+        async def ask(name: str, prompt: str, tokens: int) -> None:
+            finals[name] = await client.generate(prompt, tokens, stream=True, **ENDLESS)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask, "paris", PARIS, 12)
+            nursery.start_soon(ask, "story", STORY, 20)
+    # Each final is its own request's: prompt and length match what was asked.
+    assert finals["paris"].util_text == PARIS
+    assert finals["story"].util_text == STORY
+    assert finals["paris"].usage.generated_tokens == 12
+    assert finals["story"].usage.generated_tokens == 20
+    assert finals["paris"].stop_reason == finals["story"].stop_reason == "num_tokens"
+    assert "Paris" in finals["paris"].response
+
+
+async def test_raw_frames_and_unrouted_replies(cpu_engine: CpuEngine) -> None:
+    async with running_server(cpu_engine) as listening, open_client(listening.url) as client:
+        await client.send_raw({"action": "echo", "response_id": 7})
+        assert await client.next_unrouted() == {"action": "echo", "response_id": 7}
+        await client.send_raw(b"\x00binary")
+        error = await client.next_unrouted()
+        assert error["response_type"] == "error"
+        assert error["error"]["type"] == "invalid_json"
+        await client.send_raw('{"action": "dance"}')
+        error = await client.next_unrouted()
+        assert (error["error"]["type"], error["error"]["field"]) == ("unknown_action", "$.action")
+
+
+async def test_api_key(cpu_engine: CpuEngine) -> None:
+    async with running_server(cpu_engine, api_key="s3cret") as listening:
+        with pytest.raises(ConnectionFailed) as caught:
+            async with open_client(listening.url):
+                pass  # pragma: no cover - the handshake fails
+        assert caught.value.status_code == 401
+        with pytest.raises(ConnectionFailed) as caught:
+            async with open_client(listening.url, api_key="wrong"):
+                pass  # pragma: no cover
+        assert caught.value.status_code == 401
+        async with open_client(listening.url, api_key="s3cret") as client:
+            assert (await client.echo()).echoed
+        # Browsers cannot set headers: the key may be a query parameter.
+        async with open_client(listening.url + "?api_key=s3cret") as client:
+            assert await client.estimate_token("hello") >= 1
+
+
+async def test_server_shutdown_closes_the_client_with_1001(cpu_engine: CpuEngine) -> None:
+    async with serving(cpu_engine) as (server, listening), open_client(listening.url) as client:
+        await client.echo()
+        server.begin_shutdown()
+        await wait_until(lambda: client.closed, within=30)
+        with pytest.raises(ConnectionClosed) as caught:
+            await client.echo()
+    assert caught.value.code == 1001
+
+
+async def test_chat_cli_answers_once(cpu_engine: CpuEngine) -> None:
+    async with running_server(cpu_engine, api_key="k") as listening:
+        command = [sys.executable, "-m", "trioserve.client", "--once", QUESTION]
+        command += ["--url", listening.url, "--temperature", "0", "--max-new-tokens", "40"]
+        with trio.fail_after(60):
+            result = await trio.run_process(
+                [*command, "--api-key", "k"], capture_stdout=True, capture_stderr=True
+            )
+        assert "Paris" in result.stdout.decode()
+        assert result.stderr == b""
+        # Without the key the chat says why in one line and fails.
+        with trio.fail_after(60):
+            rejected = await trio.run_process(command, capture_stderr=True, check=False)
+        assert rejected.returncode == 1
+        assert rejected.stderr.decode().count("\n") == 1
+        assert "401" in rejected.stderr.decode()
