@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -554,3 +555,45 @@ def test_reply_types_are_frozen_values() -> None:
         reply.echoed = {}  # type: ignore[misc]
     assert reply == p.EchoReply(echoed={"request_id": [1, 2]})
     assert hash(reply) == hash(p.EchoReply(echoed={"request_id": [3]}))
+
+
+# --------------------------------------------------------------------------
+# docs/protocol.md shows real frames
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
+
+
+def test_every_frame_in_the_protocol_doc_is_what_the_codec_writes() -> None:
+    frames = [
+        (line[0], line[2:])
+        for line in DOCS.read_text(encoding="utf-8").splitlines()
+        if line.startswith(("→ ", "← "))
+    ]
+    actions: set[str] = set()
+    error_types: set[str] = set()
+    pending: p.ProtocolError | None = None
+    for direction, text in frames:
+        if direction == "→":
+            try:
+                actions.add(type(p.decode_request(text)).__name__)
+                pending = None
+            except p.ProtocolError as error:
+                pending = error
+            continue
+        reply = p.decode_reply(text)
+        assert p.encode_reply(reply) == text
+        if isinstance(reply, p.ErrorReply):
+            error_types.add(reply.error.type)
+        if pending is not None:
+            # An invalid request: the doc shows exactly the codec's answer.
+            assert p.encode_reply(pending.reply()) == text
+            pending = None
+    assert actions == {
+        "EchoRequest",
+        "EstimateTokenRequest",
+        "LefttrimTokenRequest",
+        "InferRequest",
+        "StopRequest",
+        "InfoRequest",
+    }
+    assert error_types == set(p.ERROR_TYPES)
