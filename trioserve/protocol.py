@@ -872,7 +872,13 @@ def _validation_error(
 
 def structure_request(obj: Any) -> Request:
     """Turn one decoded JSON value into a typed request, or raise
-    :class:`ProtocolError` saying what is wrong (see :func:`decode_request`)."""
+    :class:`ProtocolError` saying what is wrong (see :func:`decode_request`).
+
+    ``obj`` is what a JSON parser gives; the checks that belong to parsing
+    (no NaN or infinities, valid Unicode) are :func:`decode_request`'s, so a
+    caller that parses frames itself must make them too, or echoed ids may
+    not encode back to JSON.
+    """
     if not isinstance(obj, dict):
         raise ProtocolError(
             "invalid_json", f"a frame must hold one json object, got {_json_kind(obj)}"
