@@ -7,9 +7,11 @@ line on stderr and a non-zero exit status, never a traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -283,6 +285,52 @@ def _first_oserror(group: BaseException) -> OSError | None:
     return None
 
 
+def _cannot_listen(host: str, port: int) -> OSError | None:
+    """Why ``host:port`` cannot be listened on now, or None.
+
+    A pre-flight check, so that a busy port or an unknown host is reported
+    before the model loads (seconds on a CPU, minutes for a large model on a
+    GPU), not after. It binds the addresses the server will bind, with the same
+    socket options as trio's listeners; a port taken between this check and
+    the server's own bind is still reported, later.
+    """
+    if port == 0:
+        return None
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        return exc
+    usable = False
+    for family, type_, proto, _, address in addresses:
+        try:
+            sock = socket.socket(family, type_, proto)
+        except OSError as exc:
+            # A family this machine lacks (IPv6 off) is skipped, as trio does.
+            if exc.errno == errno.EAFNOSUPPORT:
+                continue
+            return exc
+        with sock:
+            try:
+                if sys.platform != "win32":
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+            except OSError as exc:
+                return exc
+        usable = True
+    if not usable:
+        return OSError(errno.EAFNOSUPPORT, "no usable address family")
+    return None
+
+
+def _listen_error(config: ServerConfig, error: OSError) -> None:
+    reason = error.strerror or str(error)
+    print(
+        f"trioserve: error: cannot listen on {config.host}:{config.port}: {reason}", file=sys.stderr
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -294,6 +342,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine_options, server_config = _configs(args)
     except ConfigError as exc:
         parser.error(str(exc))
+    unusable = _cannot_listen(server_config.host, server_config.port)
+    if unusable is not None:
+        _listen_error(server_config, unusable)
+        return EXIT_FAILURE
     try:
         engine = load_engine(engine_options)
     except TrioserveError as exc:
@@ -306,11 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         oserror = _first_oserror(exc)
         if oserror is None or started:
             raise
-        print(
-            f"trioserve: error: cannot listen on {server_config.host}:{server_config.port}: "
-            f"{oserror.strerror or oserror}",
-            file=sys.stderr,
-        )
+        _listen_error(server_config, oserror)
         return EXIT_FAILURE
     finally:
         engine.close()
