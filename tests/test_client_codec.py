@@ -250,9 +250,17 @@ async def test_error_frames_raise_server_error(client: Client) -> None:
     assert (error.error_type, error.field, error.action) == ("invalid_request", "$.top_k", "infer")
     assert error.message == "top_k must be an integer >= 0, got -1"
     assert error.echoed == {"request_id": "r", "tag": "t"}
+    stream = client.infer("hi", 5, top_k=5000)
     with pytest.raises(ServerError) as info:
-        await client.generate("hi", 5, top_k=5000)
+        await stream.result()
     assert "at most 1000" in info.value.message
+    assert stream.done
+    # The stream keeps its outcome: asking again raises the same error.
+    with pytest.raises(ServerError) as again:
+        await stream.result()
+    assert again.value is info.value
+    with pytest.raises(RuntimeError):
+        _ = stream.final
     # The connection is still good, and "r" is free again.
     assert await client.echo(request_id="r") == p.EchoReply(echoed={"request_id": "r"})
 
@@ -380,6 +388,10 @@ async def test_closed_connection_wakes_every_waiter(nursery: trio.Nursery) -> No
         assert client.closed
         with pytest.raises(ConnectionClosed):
             await client.echo()
+        with pytest.raises(ConnectionClosed):
+            await client.next_unrouted()
+        with pytest.raises(ConnectionClosed):
+            await client.send_raw("{}")
 
 
 async def test_exceptions_from_the_block_are_not_wrapped(url: str) -> None:
