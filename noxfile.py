@@ -2,7 +2,8 @@
 
 Each session installs the project into its own virtual environment. torch is
 pinned to the CPU build first (``TRIOSERVE_TORCH`` overrides the requirement),
-because an unpinned ``torch`` would resolve to a multi-GB CUDA build.
+because an unpinned ``torch`` would resolve to a multi-GB CUDA build. ``gpu``
+is the exception: it runs in the environment that has the machine's CUDA torch.
 """
 
 from __future__ import annotations
@@ -54,3 +55,52 @@ def bench(session: nox.Session) -> None:
     """Benchmarks (tests/bench/); prints Markdown tables for docs/performance.md."""
     install_project(session, "test", "bench")
     session.run("python", "tests/bench/run.py", *session.posargs)
+
+
+# Checks the machine's torch before anything is installed: the project and
+# exllamav2 declare torch, and pip would satisfy a missing one with an
+# unpinned (and possibly CPU-only) build.
+_CUDA_TORCH_CHECK = """
+import sys
+try:
+    import torch
+except ImportError:
+    sys.exit("gpu session: no torch in this environment; install the CUDA build your driver "
+             "needs, or set TRIOSERVE_TORCH to its requirement (see docs/gpu.md)")
+if not torch.cuda.is_available():
+    sys.exit(f"gpu session: torch {torch.__version__} sees no CUDA device")
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
+"""
+
+
+@nox.session(venv_backend="none", default=False)
+def gpu(session: nox.Session) -> None:
+    """GPU checks: ``pytest -m gpu``, then tests/gpu/bench_gpu.py (docs/gpu.md).
+
+    Runs in the Python on PATH (activate the environment that has your CUDA
+    torch first), because a fresh virtual environment would not see that
+    torch, and must never get the CPU build the other sessions pin.
+    ``TRIOSERVE_TORCH``, when set, is a torch requirement installed first.
+    The project goes in with ``--no-deps`` and its dependencies without torch,
+    so the torch found here is the one that runs. Arguments after ``--`` go to
+    pytest; set ``TORCH_CUDA_ARCH_LIST`` and ``MAX_JOBS`` to speed up
+    ExLlamaV2's first-import compile.
+    """
+    pip = ("python", "-m", "pip", "install")
+    requirement = os.environ.get("TRIOSERVE_TORCH")
+    if requirement:
+        session.run(*pip, requirement)
+    session.run("python", "-c", _CUDA_TORCH_CHECK)
+    project = PYPROJECT["project"]
+    dependencies = [
+        dependency
+        for dependency in [*project["dependencies"], *project["optional-dependencies"]["exllamav2"]]
+        if not dependency.startswith("torch")
+    ]
+    session.run(*pip, *dependencies, *nox.project.dependency_groups(PYPROJECT, "test"))
+    session.run(*pip, "--no-deps", "-e", ".")
+    args = session.posargs or ["-p", "no:cacheprovider", "-rs"]
+    session.run("python", "-m", "pytest", "-m", "gpu", *args)
+    # bench-results/ is git-ignored: numbers belong in docs, not in commits.
+    os.makedirs("bench-results", exist_ok=True)
+    session.run("python", "tests/gpu/bench_gpu.py", "--out", "bench-results/gpu.json")
