@@ -65,9 +65,9 @@ async def test_more_jobs_than_slots_wait_in_arrival_order() -> None:
             results.append(await collect(job))
         nursery.cancel_scope.cancel()
     assert [text for text, _ in results] == [f"{i}" * 3 for i in range(6)]
-    starts = [job.started_at for job in jobs]
-    assert all(s is not None for s in starts)
-    assert starts == sorted(starts)  # type: ignore[type-var]
+    starts = [job.started_at for job in jobs if job.started_at is not None]
+    assert len(starts) == len(jobs)
+    assert starts == sorted(starts)
     # Never more than two at once: the third job started only after a step
     # in which the first ones finished.
     assert starts[0] == starts[1] < starts[2]

@@ -156,16 +156,19 @@ class ServerMachine(RuleBasedStateMachine):
         nursery.start_soon(collect)
         return conn
 
-    @initialize(target=connections)
-    def first_connection(self) -> Conn:
+    def _open(self) -> Conn:
         conn: Conn = self._run(self._connect)
         self.open.append(conn)
         self.all.append(conn)
         return conn
 
+    @initialize(target=connections)
+    def first_connection(self) -> Conn:
+        return self._open()
+
     @rule(target=connections)
     def connect(self) -> Conn:
-        return self.first_connection()
+        return self._open()
 
     def _send(self, conn: Conn, frame: dict[str, Any]) -> None:
         async def send() -> None:
