@@ -522,3 +522,27 @@ async def test_shutdown_interrupts_what_outlives_the_grace_period() -> None:
             assert "".join(chunks_of(frames)) == frames[-1]["response"]
             assert frames[-1]["response"].startswith(DEFAULT_SCRIPT[:5])
     assert engine.running_jobs == 0
+
+
+async def test_keepalive_keeps_live_peers_and_closes_silent_ones() -> None:
+    import wsproto
+    from wsproto.events import AcceptConnection, Request
+
+    async with running_server(ScriptedEngine(), ping_interval=0.1, ping_timeout=0.2) as server:
+        # A live client answers the pings (trio-websocket does so by itself).
+        async with raw_client(server.url) as ws:
+            await trio.sleep(0.6)
+            assert await ws.request({"action": "echo"}) == {"action": "echo"}
+        # A peer that completes the handshake and then never reads again.
+        stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+        client = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
+        await stream.send_all(client.send(Request(host="127.0.0.1", target="/")))
+        accepted = False
+        while not accepted:
+            client.receive_data(await stream.receive_some())
+            accepted = any(isinstance(e, AcceptConnection) for e in client.events())
+        # The server pings, gets no pong, and closes the socket.
+        with trio.fail_after(10):
+            while await stream.receive_some():
+                pass
+        await stream.aclose()

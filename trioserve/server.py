@@ -377,7 +377,8 @@ class Connection:
         self._out_send.close()
         with trio.move_on_after(1.0):
             await self._writer_done.wait()
-        await self.ws.aclose(code, reason)
+        with trio.move_on_after(1.0):
+            await self.ws.aclose(code, reason)
 
     async def _writer(self) -> None:
         try:
@@ -399,7 +400,10 @@ class Connection:
                     return
             if timeout.cancelled_caught:
                 log.info("closing a connection that did not answer a ping")
-                await self.ws.aclose(1011, "keepalive ping timeout")
+                # A silent peer will not answer the close handshake either;
+                # cancelling aclose closes the socket.
+                with trio.move_on_after(1.0):
+                    await self.ws.aclose(1011, "keepalive ping timeout")
                 self._cancel()
                 return
 
