@@ -3,31 +3,42 @@ say they do."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import trio
+
+from .helpers import running_server
+
+if TYPE_CHECKING:
+    from trioserve.engine.cpu import CpuEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "docs" / "examples"
 
 
-def run_example(name: str) -> subprocess.CompletedProcess[str]:
+def example_env() -> dict[str, str]:
     # The project may be used from its source tree without being installed.
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, str(EXAMPLES / name)],
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def test_embed_serves_answers_and_shuts_down(model_dir: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "embed.py")],
         capture_output=True,
         text=True,
         timeout=180,
         check=False,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": path},
+        env=example_env(),
     )
-
-
-def test_embed_serves_answers_and_shuts_down(model_dir: Path) -> None:
-    result = run_example("embed.py")
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     answer, reason, served = result.stdout.splitlines()
@@ -41,6 +52,62 @@ def test_embed_serves_answers_and_shuts_down(model_dir: Path) -> None:
     assert log[-1] == "INFO embed: the server has shut down"
 
 
+async def run_against_server(engine: CpuEngine, command: list[str]) -> str:
+    async with running_server(engine) as listening:
+        with trio.fail_after(120):
+            result = await trio.run_process(
+                [*command, listening.url],
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+                env=example_env(),
+            )
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stderr == b""
+    return result.stdout.decode()
+
+
+async def test_raw_websockets_client(cpu_engine: CpuEngine) -> None:
+    out = await run_against_server(
+        cpu_engine, [sys.executable, str(EXAMPLES / "raw_websockets.py")]
+    )
+    count, answer, end = out.splitlines()
+    spec = importlib.util.spec_from_file_location("raw_websockets", EXAMPLES / "raw_websockets.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert count == f"the prompt is {len(cpu_engine.encode(example.QUESTION))} tokens"
+    assert "Paris" in answer
+    assert end.startswith("[eos, ")
+
+
+def node_websocket_flags() -> list[str] | None:
+    """How to run node with the standard WebSocket, or None without one."""
+    node = shutil.which("node")
+    if node is None:
+        return None
+    for flags in ([], ["--experimental-websocket"]):
+        probe = subprocess.run(
+            [node, *flags, "-p", "typeof WebSocket"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if probe.stdout.strip() == "function":
+            return [node, *flags]
+    return None
+
+
+async def test_javascript_client(cpu_engine: CpuEngine) -> None:
+    node = node_websocket_flags()
+    if node is None:
+        pytest.skip("needs node with the standard WebSocket API (node 20.10+)")
+    out = await run_against_server(cpu_engine, [*node, str(EXAMPLES / "ask.js")])
+    answer, end = out.splitlines()
+    assert "Paris" in answer
+    assert end.startswith("[eos, ")
+
+
 def test_every_example_is_tested() -> None:
-    tested = {"embed.py"}
-    assert {path.name for path in EXAMPLES.glob("*.py")} == tested
+    tested = {"embed.py", "raw_websockets.py", "ask.js"}
+    assert {path.name for path in EXAMPLES.iterdir() if path.is_file()} == tested
