@@ -1,0 +1,1 @@
+"""Benchmarks, not tests: ``python tests/bench/run.py`` prints docs/performance.md's tables."""

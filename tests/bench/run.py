@@ -1,0 +1,130 @@
+"""Run the benchmarks and print Markdown tables for docs/performance.md.
+
+``nox -s bench`` calls this as ``python tests/bench/run.py [args]``. The engine
+bench (engine alone) and the server bench (engine behind the WebSocket server)
+run one after the other in this one process, on the machine described at the
+top of the output. Progress goes to stderr, the tables to stdout.
+
+    python tests/bench/run.py                  # everything, full scale (< ~10 min)
+    python tests/bench/run.py --quick          # smaller server scale (~2-3 min)
+    python tests/bench/run.py --only server    # one part
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+# Run as a script, this file's directory is on sys.path, not the repository's;
+# the benches import `trioserve` and `tests.*` from the checkout.
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import trio  # noqa: E402
+
+from tests.bench import engine_bench, server_bench  # noqa: E402
+from trioserve.engine.cpu import DTYPES, CpuEngine  # noqa: E402
+from trioserve.engine.models import default_model_dir  # noqa: E402
+
+PARTS = ("engine", "server")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def machine(dtype: str) -> str:
+    """The machine and settings the numbers belong to, as a Markdown list."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return "\n".join(
+        [
+            f"- CPU: {cpu_model()}, nproc {usable}",
+            f"- torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {dtype}",
+            f"- Python {platform.python_version()}, {platform.system()} {platform.release()}",
+            f"- load average at start (1/5/15 min): {load_average()}",
+        ]
+    )
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Run trioserve's benchmarks and print Markdown tables."
+    )
+    parser.add_argument(
+        "--only", choices=PARTS, action="append", help="run only this part (repeatable)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="smaller server scale: fewer rounds, tokens, trials"
+    )
+    parser.add_argument(
+        "--no-memory", action="store_true", help="skip the 1,000 idle connections measurement"
+    )
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="bfloat16", help="the server bench's dtype"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    parts = args.only or list(PARTS)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    begun = time.perf_counter()
+    # Obtain and convert the model before anything is timed.
+    default_model_dir()
+    print("## Machine\n")
+    print(machine(args.dtype))
+    if "engine" in parts:
+        say("engine bench")
+        results: list[dict[str, Any]] = []
+        engine_bench.run(results)
+        print("\n## Engine\n")
+        print(engine_bench.markdown(results))
+    if "server" in parts:
+        scale = server_bench.QUICK if args.quick else server_bench.FULL
+        say(f"server bench ({'quick' if args.quick else 'full'} scale)")
+        engine = CpuEngine.load(None, dtype=args.dtype, max_batch=max(32, *scale.aggregate_clients))
+        try:
+            server_results = trio.run(
+                lambda: server_bench.run_server_bench(
+                    engine, scale, memory=not args.no_memory, say=say
+                )
+            )
+        finally:
+            engine.close()
+        print("\n## Server\n")
+        print(server_bench.format_server_tables(server_results))
+    total = time.perf_counter() - begun
+    print(f"\nLoad average at the end: {load_average()}; total {total:.0f} s.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
