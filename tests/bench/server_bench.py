@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import itertools
 import json
 import math
 import random
@@ -262,6 +263,8 @@ class EngineRun:
     tokens: int
     #: Durations of the steps that only decoded (after the first).
     decode_steps: tuple[float, ...]
+    #: Time between consecutive steps.
+    gaps: tuple[float, ...]
 
 
 def drive_engine(engine: Engine, specs: Sequence[GenerationSpec]) -> EngineRun:
@@ -272,13 +275,17 @@ def drive_engine(engine: Engine, specs: Sequence[GenerationSpec]) -> EngineRun:
     pending = {spec.job_id for spec in specs}
     tokens = 0
     decode_steps: list[float] = []
+    gaps: list[float] = []
     submit: Sequence[GenerationSpec] = specs
-    start = time.perf_counter()
+    start = last_end = time.perf_counter()
     while pending:
         before = time.perf_counter()
+        if submit is not specs:
+            gaps.append(before - last_end)
         updates = engine.step(submit, [])
+        last_end = time.perf_counter()
         if not submit:
-            decode_steps.append(time.perf_counter() - before)
+            decode_steps.append(last_end - before)
         submit = ()
         for update in updates:
             if isinstance(update, Failed):
@@ -286,7 +293,7 @@ def drive_engine(engine: Engine, specs: Sequence[GenerationSpec]) -> EngineRun:
             if isinstance(update, Finished):
                 pending.discard(update.job_id)
                 tokens += update.generated_tokens
-    return EngineRun(time.perf_counter() - start, tokens, tuple(decode_steps))
+    return EngineRun(time.perf_counter() - start, tokens, tuple(decode_steps), tuple(gaps))
 
 
 async def stream_to_final(client: RawClient, frame: dict[str, Any]) -> tuple[dict[str, Any], int]:
@@ -302,7 +309,9 @@ async def stream_to_final(client: RawClient, frame: dict[str, Any]) -> tuple[dic
     return final, len(frames) - 1
 
 
-async def socket_run(clients: Sequence[RawClient], max_new_tokens: int, tag: str) -> EngineRun:
+async def socket_run(
+    timed: TimedEngine, clients: Sequence[RawClient], max_new_tokens: int, tag: str
+) -> EngineRun:
     """All ``clients`` send one infer at once; wall time to the last final frame."""
     tokens = 0
 
@@ -315,7 +324,10 @@ async def socket_run(clients: Sequence[RawClient], max_new_tokens: int, tag: str
     async with trio.open_nursery() as nursery:
         for index, client in enumerate(clients):
             nursery.start_soon(one, index, client)
-    return EngineRun(time.perf_counter() - start, tokens, ())
+    elapsed = time.perf_counter() - start
+    steps = [s for s in timed.steps if s.started >= start]
+    gaps = [b.started - (a.started + a.seconds) for a, b in itertools.pairwise(steps)]
+    return EngineRun(elapsed, tokens, (), tuple(gaps))
 
 
 @attrs.frozen
@@ -329,6 +341,11 @@ class ThroughputResult:
     ratios: tuple[float, ...]
     #: Median decode step of the engine-alone runs.
     engine_decode_step: float
+    #: Time between the end of one engine step and the start of the next, per
+    #: side: the engine-alone loop's own cost, and the server's (the thread
+    #: hand-offs, routing the updates, starting the next step).
+    engine_gaps: LatencySummary
+    socket_gaps: LatencySummary
 
 
 @asynccontextmanager
@@ -355,7 +372,7 @@ async def open_clients(url: str, count: int) -> AsyncIterator[list[RawClient]]:
 
 
 async def measure_throughput(
-    engine: Engine,
+    timed: TimedEngine,
     server: Server,
     url: str,
     clients: int,
@@ -363,15 +380,18 @@ async def measure_throughput(
     rounds: int,
     say: Callable[[str], None],
 ) -> ThroughputResult:
+    engine = timed.engine
     engine_tps: list[float] = []
     socket_tps: list[float] = []
     steps: list[float] = []
+    engine_gaps: list[float] = []
+    socket_gaps: list[float] = []
     async with open_clients(url, clients) as connections:
         # Warm-up, both sides: first calls, allocations, cache growth.
         await trio.to_thread.run_sync(
             drive_engine, engine, engine_specs(engine, server, clients, 4)
         )
-        await socket_run(connections, 4, f"warm{clients}")
+        await socket_run(timed, connections, 4, f"warm{clients}")
         for round_ in range(rounds):
             # Alternate which side goes first, so that a trend in the machine's
             # load does not favour one side.
@@ -381,9 +401,12 @@ async def measure_throughput(
                     specs = engine_specs(engine, server, clients, max_new_tokens)
                     run = await trio.to_thread.run_sync(drive_engine, engine, specs)
                     steps.extend(run.decode_steps)
+                    engine_gaps.extend(run.gaps)
                     engine_tps.append(run.tokens / run.seconds)
                 else:
-                    run = await socket_run(connections, max_new_tokens, f"r{round_}c{clients}")
+                    tag = f"r{round_}c{clients}"
+                    run = await socket_run(timed, connections, max_new_tokens, tag)
+                    socket_gaps.extend(run.gaps)
                     socket_tps.append(run.tokens / run.seconds)
             say(
                 f"  {clients} client(s), round {round_ + 1}/{rounds}: engine "
@@ -396,6 +419,8 @@ async def measure_throughput(
         socket_tps=tuple(socket_tps),
         ratios=tuple(s / e for s, e in zip(socket_tps, engine_tps, strict=True)),
         engine_decode_step=median(steps),
+        engine_gaps=LatencySummary.of(engine_gaps),
+        socket_gaps=LatencySummary.of(socket_gaps),
     )
 
 
@@ -753,13 +778,13 @@ async def run_server_bench(
             memory_result = await measure_memory(server, url, scale.idle_connections)
         say("throughput: 1 client")
         throughput.append(
-            await measure_throughput(engine, server, url, 1, scale.single_tokens, scale.rounds, say)
+            await measure_throughput(timed, server, url, 1, scale.single_tokens, scale.rounds, say)
         )
         for clients in scale.aggregate_clients:
             say(f"throughput: {clients} clients")
             throughput.append(
                 await measure_throughput(
-                    engine,
+                    timed,
                     server,
                     url,
                     clients,
@@ -801,8 +826,8 @@ async def run_server_bench(
 # --- Markdown -----------------------------------------------------------------------------
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:.1f}"
+def _ms(seconds: float, digits: int = 1) -> str:
+    return f"{seconds * 1000:.{digits}f}"
 
 
 def _met(ok: bool) -> str:
@@ -819,8 +844,9 @@ def format_server_tables(results: ServerResults) -> str:
         "spread = lowest-highest round.",
         "",
         "| clients | tokens each | engine alone tok/s | through socket tok/s "
-        "| ratio | ratio spread | goal |",
-        "|---|---|---|---|---|---|---|",
+        "| ratio | ratio spread | goal | decode step ms | gap between steps ms, "
+        "engine alone / server (p50, p99) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for t in results.throughput:
         ratio = median(t.ratios)
@@ -828,7 +854,10 @@ def format_server_tables(results: ServerResults) -> str:
         lines.append(
             f"| {t.clients} | {t.tokens_per_client} | {median(t.engine_tps):.1f} "
             f"| {median(t.socket_tps):.1f} | {ratio:.3f} "
-            f"| {min(t.ratios):.3f}-{max(t.ratios):.3f} | {goal} |"
+            f"| {min(t.ratios):.3f}-{max(t.ratios):.3f} | {goal} "
+            f"| {_ms(t.engine_decode_step)} "
+            f"| {_ms(t.engine_gaps.p50, 2)}, {_ms(t.engine_gaps.p99, 2)} / "
+            f"{_ms(t.socket_gaps.p50, 2)}, {_ms(t.socket_gaps.p99, 2)} |"
         )
     lines += [
         "",
