@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -50,6 +51,29 @@ def test_embed_serves_answers_and_shuts_down(model_dir: Path) -> None:
     assert any(line.startswith("INFO embed: connections ") for line in log)
     # ...and the cancellation ended the server before the engine was closed.
     assert log[-1] == "INFO embed: the server has shut down"
+
+
+def test_batch_uses_the_scheduler_alone(model_dir: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "batch.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=ROOT,
+        env=example_env(),
+    )
+    assert result.returncode == 0, result.stderr
+    *answers, summary = result.stdout.splitlines()
+    assert len(answers) == 3
+    assert answers[0].startswith("What is the capital of France? -> ")
+    assert "Paris" in answers[0]
+    assert all(" -> " in line and not line.endswith(" -> ") for line in answers)
+    found = re.fullmatch(r"3 jobs, (\d+) tokens in (\d+) engine steps", summary)
+    assert found, summary
+    tokens, steps = map(int, found.groups())
+    # Three jobs that ran together: one batched step serves all of them.
+    assert steps < tokens
 
 
 async def run_against_server(engine: CpuEngine, command: list[str]) -> str:
@@ -109,5 +133,5 @@ async def test_javascript_client(cpu_engine: CpuEngine) -> None:
 
 
 def test_every_example_is_tested() -> None:
-    tested = {"embed.py", "raw_websockets.py", "ask.js"}
+    tested = {"embed.py", "batch.py", "raw_websockets.py", "ask.js"}
     assert {path.name for path in EXAMPLES.iterdir() if path.is_file()} == tested
