@@ -132,6 +132,22 @@ async def test_javascript_client(cpu_engine: CpuEngine) -> None:
     assert end.startswith("[eos, ")
 
 
+@pytest.mark.parametrize(
+    ("doc", "example"),
+    [
+        ("embedding.md", "embed.py"),
+        ("embedding.md", "batch.py"),
+        ("quickstart.md", "raw_websockets.py"),
+        ("quickstart.md", "ask.js"),
+    ],
+)
+def test_docs_show_the_examples_verbatim(doc: str, example: str) -> None:
+    # What the docs show is what the tests above run.
+    fence = "```python\n" if example.endswith(".py") else "```js\n"
+    text = (EXAMPLES / example).read_text()
+    assert fence + text + "```\n" in (ROOT / "docs" / doc).read_text()
+
+
 def test_every_example_is_tested() -> None:
     tested = {"embed.py", "batch.py", "raw_websockets.py", "ask.js"}
     assert {path.name for path in EXAMPLES.iterdir() if path.is_file()} == tested
