@@ -26,7 +26,7 @@ from trioserve import (
 
 QUESTIONS = [
     "What is the capital of France?",
-    "Name a primary colour.",
+    "What is the capital of Japan?",
     "What is 2 + 2?",
 ]
 
