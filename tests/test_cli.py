@@ -142,6 +142,14 @@ def test_a_busy_port_is_one_clear_error_before_the_model_loads() -> None:
     assert "trioserve.engine" not in result.stderr
 
 
+def test_an_address_of_another_machine_is_one_clear_error() -> None:
+    # 192.0.2.0/24 is reserved for documentation: never an address of this machine.
+    result = run_cli(*START, "--host", "192.0.2.1", "--port", "7862")
+    line = assert_one_clean_error(result, 1)
+    assert line.startswith("trioserve: error: cannot listen on 192.0.2.1:7862")
+    assert "trioserve.engine" not in result.stderr
+
+
 @attrs.define
 class Started:
     process: trio.Process
