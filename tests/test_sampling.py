@@ -231,9 +231,14 @@ def test_penalties_change_exactly_the_ids_in_counts(
     touched = counts > 0
     shift = s.freq_pen * counts[touched] + s.pres_pen
     rep_moves = (s.rep_pen != 1) & (logits[touched] != 0)
-    expect_change = rep_moves | (shift != 0)
     changed = got[touched] != logits[touched]
-    assert np.all(changed[expect_change & (np.abs(shift) > 1e-3)])
+    # Each penalty alone always moves the ids it touches; together they can
+    # cancel out (rep_pen 0.5 doubles a logit of 1.0, pres_pen 1.0 takes the
+    # 1.0 back), which the comparison with the reference above covers.
+    if s.rep_pen == 1:
+        assert np.all(changed[np.abs(shift) > 1e-3])
+    elif s.freq_pen == 0 and s.pres_pen == 0:
+        assert np.all(changed[rep_moves])
     if s.rep_pen > 1 and s.freq_pen >= 0 and s.pres_pen >= 0:
         assert np.all(got[touched] <= logits[touched])
 
