@@ -45,9 +45,9 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict over the package, the tests and this file."""
+    """mypy --strict over the package, the tests, the doc examples and this file."""
     install_project(session, "typing", "bench")
-    session.run("mypy", "trioserve", "tests", "noxfile.py")
+    session.run("mypy", "trioserve", "tests", "noxfile.py", "docs/examples")
 
 
 @nox.session

@@ -237,24 +237,26 @@ def test_multibyte_output_never_streams_replacement_characters(
 
 
 def test_text_alone_equals_text_beside_seven_others(cpu_engine: CpuEngine) -> None:
-    """Holds in bfloat16 on this engine: the batched decode gives each row the
-    same greedy tokens as a batch of one."""
+    """Holds in bfloat16 (the default): each job's greedy tokens do not depend
+    on the other rows of its batch."""
     questions = [
         "What is the capital of France?",
         "Give me three tips for staying healthy.",
         "Write a haiku about the sea.",
         "What is 2+2?",
         "Name a color.",
-        "Who wrote Hamlet?",
+        "Who wrote Hamlet? Answer in one long sentence with the year.",
         "Translate 'hello' to Spanish.",
         "What is Python?",
     ]
-    specs = [make_spec(cpu_engine, chat(q), 12) for q in questions]
+    specs = [make_spec(cpu_engine, chat(q), 16) for q in questions]
     together = run_all(cpu_engine, specs)
-    for spec in (specs[1], specs[6]):
+    for spec in specs:
         alone = run_one(cpu_engine, attrs.evolve(spec, job_id=next(_ids)))
-        assert alone.text == together[spec.job_id].text
-        assert alone.finished.generated_tokens == together[spec.job_id].finished.generated_tokens
+        assert alone.chunks == together[spec.job_id].chunks
+        assert alone.finished == attrs.evolve(
+            together[spec.job_id].finished, job_id=alone.end.job_id
+        )
 
 
 def test_token_healing_continues_a_cut_word(cpu_engine: CpuEngine) -> None:

@@ -51,6 +51,7 @@ PUBLIC = {
     "TrioserveError": "trioserve.errors",
     "ConfigError": "trioserve.errors",
     "ModelError": "trioserve.errors",
+    "ListenError": "trioserve.errors",
     "EngineError": "trioserve.errors",
     "__version__": "trioserve._version",
 }
@@ -84,6 +85,7 @@ def test_errors_share_one_base() -> None:
     for error in (
         trioserve.ConfigError,
         trioserve.ModelError,
+        trioserve.ListenError,
         trioserve.EngineError,
         trioserve.ServerError,
         trioserve.ConnectionFailed,

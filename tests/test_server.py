@@ -546,3 +546,16 @@ async def test_keepalive_keeps_live_peers_and_closes_silent_ones() -> None:
             while await stream.receive_some():
                 pass
         await stream.aclose()
+
+
+async def test_a_busy_port_is_one_clear_error() -> None:
+    from trioserve.errors import ListenError
+    from trioserve.server import serve
+
+    with trio.socket.socket() as taken:
+        await taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(ListenError, match=f"cannot listen on 127.0.0.1:{port}"):
+                await nursery.start(serve, ScriptedEngine(), ServerConfig(port=port))

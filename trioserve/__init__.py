@@ -34,7 +34,7 @@ from .engine.base import (
     TextUpdate,
     Update,
 )
-from .errors import ConfigError, EngineError, ModelError, TrioserveError
+from .errors import ConfigError, EngineError, ListenError, ModelError, TrioserveError
 from .protocol import InferChunk, InferFinal, ProtocolError
 from .scheduler import Job, QueueFull, Scheduler, SchedulerClosed, SchedulerStatistics
 from .server import Listening, Server, ServerConfig, ServerStatistics, serve
@@ -66,6 +66,7 @@ __all__ = [
     "InferFinal",
     "InferStream",
     "Job",
+    "ListenError",
     "Listening",
     "ModelError",
     "ProtocolError",

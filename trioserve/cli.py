@@ -21,7 +21,7 @@ import trio
 from ._version import __version__
 from .engine import ENGINE_NAMES, EngineOptions, load_engine
 from .engine.base import Engine
-from .errors import ConfigError, TrioserveError
+from .errors import ConfigError, ListenError, TrioserveError
 from .server import Listening, Server, ServerConfig
 
 __all__ = ["build_parser", "main"]
@@ -233,12 +233,9 @@ def _configs(args: argparse.Namespace) -> tuple[EngineOptions, ServerConfig]:
     return engine, server
 
 
-async def run_until_signalled(
-    engine: Engine, config: ServerConfig, started: list[Listening] | None = None
-) -> None:
+async def run_until_signalled(engine: Engine, config: ServerConfig) -> None:
     """Serve until SIGINT or SIGTERM: the first starts the graceful shutdown,
-    a second one interrupts everything at once. ``started`` receives the
-    address once the server listens."""
+    a second one interrupts everything at once."""
     server = Server(engine, config)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
@@ -250,8 +247,6 @@ async def run_until_signalled(
                 nursery.cancel_scope.cancel()
 
             listening = await nursery.start(run_server)
-            if started is not None:
-                started.append(listening)
             info = engine.info
             print(
                 f"trioserve {__version__} listening on {listening.url} "
@@ -274,15 +269,11 @@ async def run_until_signalled(
                     server.abort()
 
 
-def _first_oserror(group: BaseException) -> OSError | None:
-    if isinstance(group, OSError):
-        return group
-    if isinstance(group, BaseExceptionGroup):
-        for inner in group.exceptions:
-            found = _first_oserror(inner)
-            if found is not None:
-                return found
-    return None
+def _unwrap(error: BaseException) -> BaseException:
+    """The one error inside nested single-error groups (trio's nurseries wrap)."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
 
 
 def _cannot_listen(host: str, port: int) -> OSError | None:
@@ -351,14 +342,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrioserveError as exc:
         print(f"trioserve: error: {exc}", file=sys.stderr)
         return EXIT_FAILURE
-    started: list[Listening] = []
     try:
-        trio.run(run_until_signalled, engine, server_config, started)
+        trio.run(run_until_signalled, engine, server_config)
     except BaseException as exc:
-        oserror = _first_oserror(exc)
-        if oserror is None or started:
+        # The port was taken between the check above and the server's bind.
+        error = _unwrap(exc)
+        if not isinstance(error, ListenError):
             raise
-        _listen_error(server_config, oserror)
+        print(f"trioserve: error: {error}", file=sys.stderr)
         return EXIT_FAILURE
     finally:
         engine.close()

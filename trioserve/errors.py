@@ -23,3 +23,7 @@ class ModelError(TrioserveError):
 
 class EngineError(TrioserveError):
     """An engine failed as a whole (not just one job) or cannot be created."""
+
+
+class ListenError(TrioserveError):
+    """The server cannot listen on its address (port in use, unknown host)."""

@@ -35,7 +35,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection, WebSocketReque
 from . import protocol as p
 from ._version import __version__
 from .engine.base import Engine, Failed, Finished, GenerationSpec, TextUpdate
-from .errors import ConfigError
+from .errors import ConfigError, ListenError
 from .scheduler import Job, QueueFull, Scheduler, SchedulerClosed, SchedulerStatistics
 
 __all__ = ["Listening", "Server", "ServerConfig", "ServerStatistics", "serve"]
@@ -45,6 +45,13 @@ log = logging.getLogger("trioserve.server")
 MiB = 1024 * 1024
 _LOOPBACK_ORIGIN = re.compile(r"^http://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?$")
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+
+def _leaf_oserror(error: BaseException) -> OSError | None:
+    """The OSError inside nested exception groups, if that is all they hold."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error if isinstance(error, OSError) else None
 
 
 def _positive(name: str) -> Any:
@@ -121,7 +128,8 @@ async def serve(
     """Serve ``engine`` over WebSocket until cancelled.
 
     Use it as ``listening = await nursery.start(serve, engine, config)``: it
-    reports where it listens once the port is bound (``port=0`` picks one).
+    reports where it listens once the port is bound (``port=0`` picks one), or
+    raises :class:`~trioserve.errors.ListenError` when it cannot bind.
     The caller owns ``engine`` and closes it after ``serve`` returns.
 
     Cancellation: cancelling ``serve`` starts a graceful shutdown rather than an
@@ -193,15 +201,25 @@ class Server:
                 "can use the model (set --api-key or TRIOSERVE_API_KEY)",
                 config.host,
             )
-        async with trio.open_nursery() as outer:
-            # The work runs shielded from the host's cancellation, which only
-            # this task sees: it turns it into a graceful shutdown.
-            listening = await outer.start(self._run_work)
-            task_status.started(listening)
-            try:
-                await trio.sleep_forever()
-            finally:
-                self.begin_shutdown()
+        started = False
+        try:
+            async with trio.open_nursery() as outer:
+                # The work runs shielded from the host's cancellation, which only
+                # this task sees: it turns it into a graceful shutdown.
+                listening = await outer.start(self._run_work)
+                started = True
+                task_status.started(listening)
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    self.begin_shutdown()
+        except BaseExceptionGroup as group:
+            cause = None if started else _leaf_oserror(group)
+            if cause is None:
+                raise
+            raise ListenError(
+                f"cannot listen on {config.host}:{config.port}: {cause.strerror or cause}"
+            ) from group
 
     def begin_shutdown(self) -> None:
         """Stop accepting connections and start the graceful shutdown.

@@ -265,6 +265,8 @@ class EngineRun:
     decode_steps: tuple[float, ...]
     #: Time between consecutive steps.
     gaps: tuple[float, ...]
+    #: Seconds spent inside ``engine.step``.
+    busy: float
 
 
 def drive_engine(engine: Engine, specs: Sequence[GenerationSpec]) -> EngineRun:
@@ -293,7 +295,8 @@ def drive_engine(engine: Engine, specs: Sequence[GenerationSpec]) -> EngineRun:
             if isinstance(update, Finished):
                 pending.discard(update.job_id)
                 tokens += update.generated_tokens
-    return EngineRun(time.perf_counter() - start, tokens, tuple(decode_steps), tuple(gaps))
+    elapsed = time.perf_counter() - start
+    return EngineRun(elapsed, tokens, tuple(decode_steps), tuple(gaps), elapsed - sum(gaps))
 
 
 async def stream_to_final(client: RawClient, frame: dict[str, Any]) -> tuple[dict[str, Any], int]:
@@ -327,7 +330,8 @@ async def socket_run(
     elapsed = time.perf_counter() - start
     steps = [s for s in timed.steps if s.started >= start]
     gaps = [b.started - (a.started + a.seconds) for a, b in itertools.pairwise(steps)]
-    return EngineRun(elapsed, tokens, (), tuple(gaps))
+    busy = sum(s.seconds for s in steps)
+    return EngineRun(elapsed, tokens, (), tuple(gaps), busy)
 
 
 @attrs.frozen
@@ -346,6 +350,12 @@ class ThroughputResult:
     #: hand-offs, routing the updates, starting the next step).
     engine_gaps: LatencySummary
     socket_gaps: LatencySummary
+    #: Share of each run's wall time spent inside engine steps, per round.
+    #: Their ratio measures the server's cost with each run's own step time
+    #: as the yardstick, so it is far less noisy than the tok/s ratio (but it
+    #: misses whatever the server makes the steps themselves slower by).
+    engine_busy: tuple[float, ...]
+    socket_busy: tuple[float, ...]
 
 
 @asynccontextmanager
@@ -386,6 +396,8 @@ async def measure_throughput(
     steps: list[float] = []
     engine_gaps: list[float] = []
     socket_gaps: list[float] = []
+    engine_busy: list[float] = []
+    socket_busy: list[float] = []
     async with open_clients(url, clients) as connections:
         # Warm-up, both sides: first calls, allocations, cache growth.
         await trio.to_thread.run_sync(
@@ -402,11 +414,13 @@ async def measure_throughput(
                     run = await trio.to_thread.run_sync(drive_engine, engine, specs)
                     steps.extend(run.decode_steps)
                     engine_gaps.extend(run.gaps)
+                    engine_busy.append(run.busy / run.seconds)
                     engine_tps.append(run.tokens / run.seconds)
                 else:
                     tag = f"r{round_}c{clients}"
                     run = await socket_run(timed, connections, max_new_tokens, tag)
                     socket_gaps.extend(run.gaps)
+                    socket_busy.append(run.busy / run.seconds)
                     socket_tps.append(run.tokens / run.seconds)
             say(
                 f"  {clients} client(s), round {round_ + 1}/{rounds}: engine "
@@ -421,6 +435,8 @@ async def measure_throughput(
         engine_decode_step=median(steps),
         engine_gaps=LatencySummary.of(engine_gaps),
         socket_gaps=LatencySummary.of(socket_gaps),
+        engine_busy=tuple(engine_busy),
+        socket_busy=tuple(socket_busy),
     )
 
 
@@ -844,9 +860,9 @@ def format_server_tables(results: ServerResults) -> str:
         "spread = lowest-highest round.",
         "",
         "| clients | tokens each | engine alone tok/s | through socket tok/s "
-        "| ratio | ratio spread | goal | decode step ms | gap between steps ms, "
-        "engine alone / server (p50, p99) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| ratio | ratio spread | goal | in-step share, engine alone / socket "
+        "| decode step ms | gap between steps ms, engine alone / server (p50, p99) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t in results.throughput:
         ratio = median(t.ratios)
@@ -855,6 +871,7 @@ def format_server_tables(results: ServerResults) -> str:
             f"| {t.clients} | {t.tokens_per_client} | {median(t.engine_tps):.1f} "
             f"| {median(t.socket_tps):.1f} | {ratio:.3f} "
             f"| {min(t.ratios):.3f}-{max(t.ratios):.3f} | {goal} "
+            f"| {median(t.engine_busy):.3f} / {median(t.socket_busy):.3f} "
             f"| {_ms(t.engine_decode_step)} "
             f"| {_ms(t.engine_gaps.p50, 2)}, {_ms(t.engine_gaps.p99, 2)} / "
             f"{_ms(t.socket_gaps.p50, 2)}, {_ms(t.socket_gaps.p99, 2)} |"

@@ -1,11 +1,17 @@
 """The embedded CPU engine: a compact torch Llama with continuous batching.
 
 Each :meth:`CpuEngine.step` applies cancellations and new jobs, admits waiting
-jobs into free slots in arrival order, runs prefill chunks for new jobs (at
-most :attr:`CpuEngine.prefill_chunk` prompt tokens per step, so that one long
-prompt delays the running jobs' next token by one chunk, not by the whole
-prompt), then one batched decode forward for every job that has a token to
-feed, and samples all the step's tokens in one call.
+jobs into free slots in arrival order, runs prefill chunks for new jobs (about
+:attr:`CpuEngine.prefill_chunk` prompt tokens per step, so that one long prompt
+delays the running jobs' next token by one chunk, not by the whole prompt),
+then one batched decode forward for every job that has a token to feed, and
+samples all the step's tokens in one call.
+
+A job's greedy text is the same alone and beside others in bfloat16: prefill
+chunk boundaries do not depend on the other jobs, decode rows attend over
+their own (block-rounded) length, and bfloat16 matmuls on CPU give each row
+the same result whatever the batch size. (float32 matmuls do not, so float32
+greedy text may differ in late tokens between batch sizes.)
 
 Used slots are kept packed at the front of the KV cache (a finished job's slot
 is refilled by moving the last one into it), so the batched decode attends to
@@ -83,7 +89,8 @@ class CpuEngine:
     _rope: tuple[Tensor, Tensor]
     _info: EngineInfo
     _device: torch.device
-    #: Prompt tokens prefilled per step, over all new jobs.
+    #: Prompt tokens per prefill chunk, and the prefill budget of one step
+    #: over all new jobs (a step runs at least one chunk, and never splits one).
     prefill_chunk: int = 512
     _waiting: deque[GenerationSpec] = attrs.field(factory=deque)
     _slots: list[_Job] = attrs.field(factory=list)
@@ -250,8 +257,12 @@ class CpuEngine:
         for job in prefilling:
             if budget <= 0:
                 break
+            # Chunks end at multiples of prefill_chunk whatever else runs, so
+            # that a job's numbers (hence its greedy text) do not depend on
+            # which jobs arrived with it.
             start = job.cached
-            chunk = job.prompt[start : start + budget]
+            end = min((start // self.prefill_chunk + 1) * self.prefill_chunk, len(job.prompt))
+            chunk = job.prompt[start:end]
             budget -= len(chunk)
             try:
                 hidden = llama.forward(

@@ -321,12 +321,68 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
 
 
-def _slot_rows(cache: Tensor, slots: Tensor, first: int | None, length: int) -> Tensor:
-    """cache [S, K, T, E] -> [B, K, length, E] for the rows ``slots``: a view when
-    the slots are consecutive (the usual case), a gather otherwise."""
-    if first is not None:
-        return cache[first : first + slots.shape[0], :, :length]
-    return cache[slots, :, :length]
+@attrs.frozen
+class _Span:
+    """Consecutive rows of a forward pass that attend over the same length."""
+
+    rows: slice
+    #: The rows' first cache slot when their slots are consecutive (a view of
+    #: the cache then serves them), else None and ``slots`` is gathered.
+    first_slot: int | None
+    slots: Tensor  # [n]
+    length: int
+    mask: Tensor  # [n, 1, G * C, length] bool: True where a query sees a key
+
+
+def _spans(
+    positions: Tensor, slots: list[int], g: int, cache: KVCache, *, bucket: bool
+) -> list[_Span]:
+    """Split the rows into runs that attend over one length each.
+
+    Prefill (one row) attends over exactly its positions. Decode rows attend
+    over their own length rounded up to the cache block, never over the
+    batch's longest: the attention kernel's sums then see the same masked
+    padding whether a row runs alone or beside others, so a job's greedy text
+    does not depend on its companions (with bfloat16, whose matmuls are
+    batch-invariant on CPU).
+    """
+    b, c = positions.shape
+    ends = (positions.amax(dim=1) + 1).tolist()  # [B]
+    if bucket:
+        block = cache.block
+        ends = [min(-(-n // block) * block, cache.length) for n in ends]
+    else:
+        ends = [max(ends)] * b
+    device = positions.device
+    spans: list[_Span] = []
+    r0 = 0
+    for r1 in range(1, b + 1):
+        if r1 < b and ends[r1] == ends[r0]:
+            continue
+        length = ends[r0]
+        run = slots[r0:r1]
+        consecutive = run == list(range(run[0], run[0] + len(run)))
+        visible = torch.arange(length, device=device) <= positions[r0:r1, :, None]  # [n, C, T]
+        n = r1 - r0
+        spans.append(
+            _Span(
+                rows=slice(r0, r1),
+                first_slot=run[0] if consecutive else None,
+                slots=torch.tensor(run, device=device),
+                length=length,
+                mask=visible[:, None].expand(n, g, c, length).reshape(n, 1, g * c, length),
+            )
+        )
+        r0 = r1
+    return spans
+
+
+def _span_rows(cache: Tensor, span: _Span) -> Tensor:
+    """cache [S, K, T, E] -> [n, K, span.length, E] for the span's slots."""
+    if span.first_slot is not None:
+        n = span.rows.stop - span.rows.start
+        return cache[span.first_slot : span.first_slot + n, :, : span.length]
+    return cache[span.slots, :, : span.length]
 
 
 def attention(
@@ -336,11 +392,10 @@ def attention(
     layer_index: int,
     cache: KVCache,
     slots: Tensor,
-    first_slot: int | None,
     positions: Tensor,
     cos: Tensor,
     sin: Tensor,
-    mask: Tensor,
+    spans: list[_Span],
 ) -> Tensor:
     b, c, _ = x.shape  # x [B, C, D]
     h, k, e = config.n_heads, config.n_kv_heads, config.head_dim
@@ -352,12 +407,18 @@ def attention(
     rows = slots[:, None].expand(b, c)
     cache.k[layer_index][rows, :, positions] = new_k
     cache.v[layer_index][rows, :, positions] = new_v
-    length = mask.shape[-1]
-    keys = _slot_rows(cache.k[layer_index], slots, first_slot, length)  # [B, K, T, E]
-    values = _slot_rows(cache.v[layer_index], slots, first_slot, length)
     # [B, C, H, E] -> [B, K, G * C, E]: the G query heads of a KV head become rows.
     q = q.permute(0, 2, 1, 3).reshape(b, k, g * c, e)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, K, G * C, E]
+    outs = [
+        F.scaled_dot_product_attention(
+            q[span.rows],
+            _span_rows(cache.k[layer_index], span),  # [n, K, T, E]
+            _span_rows(cache.v[layer_index], span),
+            attn_mask=span.mask,
+        )
+        for span in spans
+    ]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [B, K, G * C, E]
     out = out.view(b, k, g, c, e).permute(0, 3, 1, 2, 4).reshape(b, c, h * e)
     return linear(out, layer.wo)
 
@@ -383,20 +444,14 @@ def forward(
     own slot's positions up to its own position; the cache must already fit
     ``max(positions) + 1`` positions (:meth:`KVCache.fit`).
     """
-    b, c = tokens.shape
+    c = tokens.shape[1]
     g = config.n_heads // config.n_kv_heads
-    slot_list = slots.tolist()
-    first = slot_list[0] if slot_list == list(range(slot_list[0], slot_list[0] + b)) else None
-    length = int(positions.max()) + 1
-    # Query (b, c) sees key t when t <= its position; one mask row per query
-    # row of the grouped layout, [B, 1, G * C, T].
-    visible = torch.arange(length, device=tokens.device) <= positions[:, :, None]  # [B, C, T]
-    mask = visible[:, None].expand(b, g, c, length).reshape(b, 1, g * c, length)
+    spans = _spans(positions, slots.tolist(), g, cache, bucket=c == 1)
     cos, sin = (table[positions][:, :, None, :] for table in rope)  # [B, C, 1, E/2]
     x = F.embedding(tokens, weights.embed)  # [B, C, D]
     for i, layer in enumerate(weights.layers):
         h = rms_norm(x, layer.attn_norm, config.rms_norm_eps)
-        x = x + attention(h, layer, config, i, cache, slots, first, positions, cos, sin, mask)
+        x = x + attention(h, layer, config, i, cache, slots, positions, cos, sin, spans)
         x = x + mlp(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), layer)
     return rms_norm(x[:, -1], weights.norm, config.rms_norm_eps)
 
