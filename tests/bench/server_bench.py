@@ -104,11 +104,11 @@ class ServerScale:
 
 
 FULL = ServerScale(
-    rounds=9,
-    single_tokens=32,
+    rounds=15,
+    single_tokens=24,
     aggregate_clients=(8, 32),
     aggregate_rounds=5,
-    aggregate_tokens=24,
+    aggregate_tokens=16,
     stop_trials=60,
     stop_after_chunks=3,
     echo_samples=400,
@@ -116,8 +116,8 @@ FULL = ServerScale(
     idle_connections=1000,
 )
 QUICK = ServerScale(
-    rounds=3,
-    single_tokens=16,
+    rounds=4,
+    single_tokens=12,
     aggregate_clients=(8, 32),
     aggregate_rounds=2,
     aggregate_tokens=8,
