@@ -299,6 +299,12 @@ def test_cancelling_frees_slots_for_waiting_jobs(cpu_engine: CpuEngine) -> None:
     assert cpu_engine.cache_bytes == 0
 
 
+def test_a_job_cancelled_as_it_is_submitted_never_runs(cpu_engine: CpuEngine) -> None:
+    spec = make_spec(cpu_engine, chat("Name a color."), 4)
+    assert cpu_engine.step([spec], [spec.job_id]) == []
+    assert cpu_engine.step([], []) == []
+
+
 def test_over_long_spec_fails_alone(cpu_engine: CpuEngine) -> None:
     context = cpu_engine.info.context_length
     ok = make_spec(cpu_engine, chat("Name a color."), 4)

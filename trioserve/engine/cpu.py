@@ -222,9 +222,12 @@ class CpuEngine:
         cancel: Sequence[int],
     ) -> list[Update]:
         updates: list[Update] = []
-        if cancel:
-            self._cancel(set(cancel))
+        cancelled = set(cancel)
+        if cancelled:
+            self._cancel(cancelled)
         for spec in submit:
+            if spec.job_id in cancelled:
+                continue  # stopped before it was ever run: no update at all
             problem = self._spec_problem(spec)
             if problem is None:
                 self._waiting.append(spec)
