@@ -265,8 +265,9 @@ class EngineRun:
     decode_steps: tuple[float, ...]
     #: Time between consecutive steps.
     gaps: tuple[float, ...]
-    #: Seconds spent inside ``engine.step``.
+    #: Seconds spent inside ``engine.step``, and how many steps ran.
     busy: float
+    steps: int
 
 
 def drive_engine(engine: Engine, specs: Sequence[GenerationSpec]) -> EngineRun:
@@ -296,7 +297,8 @@ def drive_engine(engine: Engine, specs: Sequence[GenerationSpec]) -> EngineRun:
                 pending.discard(update.job_id)
                 tokens += update.generated_tokens
     elapsed = time.perf_counter() - start
-    return EngineRun(elapsed, tokens, tuple(decode_steps), tuple(gaps), elapsed - sum(gaps))
+    busy = elapsed - sum(gaps)
+    return EngineRun(elapsed, tokens, tuple(decode_steps), tuple(gaps), busy, len(gaps) + 1)
 
 
 async def stream_to_final(client: RawClient, frame: dict[str, Any]) -> tuple[dict[str, Any], int]:
@@ -331,7 +333,7 @@ async def socket_run(
     steps = [s for s in timed.steps if s.started >= start]
     gaps = [b.started - (a.started + a.seconds) for a, b in itertools.pairwise(steps)]
     busy = sum(s.seconds for s in steps)
-    return EngineRun(elapsed, tokens, (), tuple(gaps), busy)
+    return EngineRun(elapsed, tokens, (), tuple(gaps), busy, len(steps))
 
 
 @attrs.frozen
@@ -356,6 +358,10 @@ class ThroughputResult:
     #: misses whatever the server makes the steps themselves slower by).
     engine_busy: tuple[float, ...]
     socket_busy: tuple[float, ...]
+    #: Engine steps per run, per round: more on the socket side when the
+    #: clients' requests reach the engine in more than one step.
+    engine_steps: tuple[int, ...]
+    socket_steps: tuple[int, ...]
 
 
 @asynccontextmanager
@@ -398,6 +404,8 @@ async def measure_throughput(
     socket_gaps: list[float] = []
     engine_busy: list[float] = []
     socket_busy: list[float] = []
+    engine_steps: list[int] = []
+    socket_steps: list[int] = []
     async with open_clients(url, clients) as connections:
         # Warm-up, both sides: first calls, allocations, cache growth.
         await trio.to_thread.run_sync(
@@ -415,12 +423,14 @@ async def measure_throughput(
                     steps.extend(run.decode_steps)
                     engine_gaps.extend(run.gaps)
                     engine_busy.append(run.busy / run.seconds)
+                    engine_steps.append(run.steps)
                     engine_tps.append(run.tokens / run.seconds)
                 else:
                     tag = f"r{round_}c{clients}"
                     run = await socket_run(timed, connections, max_new_tokens, tag)
                     socket_gaps.extend(run.gaps)
                     socket_busy.append(run.busy / run.seconds)
+                    socket_steps.append(run.steps)
                     socket_tps.append(run.tokens / run.seconds)
             say(
                 f"  {clients} client(s), round {round_ + 1}/{rounds}: engine "
@@ -437,6 +447,8 @@ async def measure_throughput(
         socket_gaps=LatencySummary.of(socket_gaps),
         engine_busy=tuple(engine_busy),
         socket_busy=tuple(socket_busy),
+        engine_steps=tuple(engine_steps),
+        socket_steps=tuple(socket_steps),
     )
 
 
@@ -861,8 +873,9 @@ def format_server_tables(results: ServerResults) -> str:
         "",
         "| clients | tokens each | engine alone tok/s | through socket tok/s "
         "| ratio | ratio spread | goal | in-step share, engine alone / socket "
+        "| steps per run, engine alone / socket "
         "| decode step ms | gap between steps ms, engine alone / server (p50, p99) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t in results.throughput:
         ratio = median(t.ratios)
@@ -872,6 +885,7 @@ def format_server_tables(results: ServerResults) -> str:
             f"| {median(t.socket_tps):.1f} | {ratio:.3f} "
             f"| {min(t.ratios):.3f}-{max(t.ratios):.3f} | {goal} "
             f"| {median(t.engine_busy):.3f} / {median(t.socket_busy):.3f} "
+            f"| {median(t.engine_steps):.0f} / {median(t.socket_steps):.0f} "
             f"| {_ms(t.engine_decode_step)} "
             f"| {_ms(t.engine_gaps.p50, 2)}, {_ms(t.engine_gaps.p99, 2)} / "
             f"{_ms(t.socket_gaps.p50, 2)}, {_ms(t.socket_gaps.p99, 2)} |"
