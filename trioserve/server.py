@@ -241,8 +241,10 @@ class Server:
                 await nursery.start(self.scheduler.run)
                 nursery.start_soon(self._shutdown_when_asked)
                 ws_server = await nursery.start(self._run_listener, nursery)
+                # A name such as "localhost" may bind several addresses (with
+                # port 0, on different ports): report the first.
                 listener = ws_server.listeners[0]
-                task_status.started(Listening(host=str(listener.address), port=ws_server.port))
+                task_status.started(Listening(host=str(listener.address), port=listener.port))
 
     async def _run_listener(
         self, handler_nursery: trio.Nursery, *, task_status: trio.TaskStatus[Any]
