@@ -331,17 +331,29 @@ class _Span:
     first_slot: int | None
     slots: Tensor  # [n]
     length: int
-    mask: Tensor  # [n, 1, G * C, length] bool: True where a query sees a key
+    #: [n, 1, G * C, length] in the model dtype: 0 where a query sees a key,
+    #: -inf elsewhere (built once per forward, not by each layer's attention).
+    mask: Tensor
+
+
+#: Decode rows attend over their length rounded up to this (see :func:`_spans`).
+ATTENTION_BUCKET = 64
 
 
 def _spans(
-    positions: Tensor, slots: list[int], g: int, cache: KVCache, *, bucket: bool
+    positions: Tensor,
+    slots: list[int],
+    g: int,
+    cache: KVCache,
+    dtype: torch.dtype,
+    *,
+    bucket: bool,
 ) -> list[_Span]:
     """Split the rows into runs that attend over one length each.
 
     Prefill (one row) attends over exactly its positions. Decode rows attend
-    over their own length rounded up to the cache block, never over the
-    batch's longest: the attention kernel's sums then see the same masked
+    over their own length rounded up to :data:`ATTENTION_BUCKET`, never over
+    the batch's longest: the attention kernel's sums then see the same masked
     padding whether a row runs alone or beside others, so a job's greedy text
     does not depend on its companions (with bfloat16, whose matmuls are
     batch-invariant on CPU).
@@ -349,8 +361,8 @@ def _spans(
     b, c = positions.shape
     ends = (positions.amax(dim=1) + 1).tolist()  # [B]
     if bucket:
-        block = cache.block
-        ends = [min(-(-n // block) * block, cache.length) for n in ends]
+        step = ATTENTION_BUCKET
+        ends = [min(-(-n // step) * step, cache.length) for n in ends]
     else:
         ends = [max(ends)] * b
     device = positions.device
@@ -363,6 +375,9 @@ def _spans(
         run = slots[r0:r1]
         consecutive = run == list(range(run[0], run[0] + len(run)))
         visible = torch.arange(length, device=device) <= positions[r0:r1, :, None]  # [n, C, T]
+        bias = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(
+            ~visible, float("-inf")
+        )
         n = r1 - r0
         spans.append(
             _Span(
@@ -370,7 +385,7 @@ def _spans(
                 first_slot=run[0] if consecutive else None,
                 slots=torch.tensor(run, device=device),
                 length=length,
-                mask=visible[:, None].expand(n, g, c, length).reshape(n, 1, g * c, length),
+                mask=bias[:, None].expand(n, g, c, length).reshape(n, 1, g * c, length),
             )
         )
         r0 = r1
@@ -446,7 +461,7 @@ def forward(
     """
     c = tokens.shape[1]
     g = config.n_heads // config.n_kv_heads
-    spans = _spans(positions, slots.tolist(), g, cache, bucket=c == 1)
+    spans = _spans(positions, slots.tolist(), g, cache, weights.embed.dtype, bucket=c == 1)
     cos, sin = (table[positions][:, :, None, :] for table in rope)  # [B, C, 1, E/2]
     x = F.embedding(tokens, weights.embed)  # [B, C, D]
     for i, layer in enumerate(weights.layers):
