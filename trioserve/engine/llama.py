@@ -32,7 +32,6 @@ from torch import Tensor
 from trioserve.errors import ModelError
 
 __all__ = [
-    "REFINE_TOP",
     "KVCache",
     "LayerWeights",
     "LlamaConfig",
@@ -471,26 +470,27 @@ def forward(
     return rms_norm(x[:, -1], weights.norm, config.rms_norm_eps)
 
 
-#: Candidates whose logits are recomputed in float32 (see :func:`logits`).
-REFINE_TOP = 32
-
-
 def logits(weights: LlamaWeights, hidden: Tensor) -> Tensor:
     """hidden [B, D] -> float32 logits [B, V].
 
     A bfloat16 matmul rounds its output to bfloat16, whose step is 0.125 at
     the logit sizes of a confident model: enough to flip a greedy choice
     between close candidates (SmolLM2 then answers a different first word).
-    Recomputing the top candidates in float32 costs far less than a float32
-    vocabulary projection and makes the choices that matter exact.
+    Every candidate that rounding could have put below the best (those within
+    two rounding steps of a row's maximum) is recomputed in float32: usually a
+    handful of dot products, far cheaper than a float32 vocabulary projection,
+    and the choices that matter become exact.
     """
     out = linear(hidden, weights.lm_head).float()  # [B, V]
     if hidden.dtype == torch.float32:
         return out
-    top = out.topk(min(REFINE_TOP, out.shape[-1]), dim=-1).indices  # [B, R]
-    rows = weights.lm_head[top].float()  # [B, R, D]
-    exact = torch.einsum("bd,brd->br", hidden.float(), rows)  # [B, R]
-    return out.scatter_(1, top, exact)
+    top = out.amax(dim=-1, keepdim=True)  # [B, 1]
+    # Two bfloat16 steps at the row maximum's magnitude (8-bit mantissa).
+    margin = torch.clamp(top.abs() * 2.0**-6, min=0.25)
+    rows, cols = (out >= top - margin).nonzero(as_tuple=True)  # [N] each
+    exact = (hidden[rows].float() * weights.lm_head[cols].float()).sum(-1)  # [N]
+    out[rows, cols] = exact
+    return out
 
 
 def decode_logits(
