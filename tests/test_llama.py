@@ -277,3 +277,49 @@ def test_unsupported_architecture_is_named() -> None:
         )
     with pytest.raises(ModelError, match=r"lacks .num_attention_heads"):
         llama.LlamaConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 10})
+
+
+def test_packed_bfloat16_weights_give_the_plain_results_bit_for_bit() -> None:
+    plain = random_weights(CONFIG, seed=4)
+    bf16_layers = [
+        llama.LayerWeights(
+            **{k: v.bfloat16() for k, v in attrs.asdict(layer, recurse=False).items()}
+        )
+        for layer in plain.layers
+    ]
+    embed = plain.embed.bfloat16()
+    unpacked = llama.LlamaWeights(
+        embed=embed, layers=bf16_layers, norm=plain.norm.bfloat16(), lm_head=embed
+    )
+    pack = llama._packer(embed)
+    packed = llama.LlamaWeights(
+        embed=embed,
+        layers=[
+            attrs.evolve(
+                layer,
+                wqkv=pack(layer.wqkv),
+                wo=pack(layer.wo),
+                w_gate_up=pack(layer.w_gate_up),
+                w_down=pack(layer.w_down),
+            )
+            for layer in bf16_layers
+        ],
+        norm=unpacked.norm,
+        lm_head=embed,
+        lm_head_packed=pack(embed),
+    )
+    if not packed.layers[0].wqkv.is_mkldnn:
+        pytest.skip("this torch build does not pack weights (no exact oneDNN kernel)")
+    rope = llama.rope_tables(CONFIG, 64, CPU)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]])
+    positions = torch.arange(8).expand(2, 8)
+    results = []
+    with torch.inference_mode():
+        for weights in (unpacked, packed):
+            cache = llama.KVCache(
+                CONFIG.n_layers, CONFIG.n_kv_heads, CONFIG.head_dim, torch.bfloat16, CPU
+            )
+            cache.fit(2, 8)
+            hidden = llama.forward(weights, CONFIG, cache, rope, ids, positions, torch.arange(2))
+            results.append(llama.logits(weights, hidden))
+    assert torch.equal(results[0], results[1])

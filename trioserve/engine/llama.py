@@ -176,6 +176,9 @@ class LlamaWeights:
     layers: list[LayerWeights]
     norm: Tensor  # [D]
     lm_head: Tensor  # [V, D]; the same tensor as embed when tied
+    #: lm_head in oneDNN's packed layout for the vocabulary projection (the
+    #: plain one stays for the embedding and the float32 refinement).
+    lm_head_packed: Tensor | None = None
 
     @classmethod
     def load(
@@ -210,26 +213,80 @@ class LlamaWeights:
     def _assemble(
         cls, config: LlamaConfig, take: Callable[[str], Tensor], *, untied: bool
     ) -> LlamaWeights:
+        embed = take("model.embed_tokens.weight")
+        pack = _packer(embed)
         layers = []
         for i in range(config.n_layers):
             p = f"model.layers.{i}."
             layers.append(
                 LayerWeights(
                     attn_norm=take(p + "input_layernorm.weight"),
-                    wqkv=torch.cat(
-                        [take(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
-                    ).contiguous(),
-                    wo=take(p + "self_attn.o_proj.weight"),
+                    wqkv=pack(torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])),
+                    wo=pack(take(p + "self_attn.o_proj.weight")),
                     mlp_norm=take(p + "post_attention_layernorm.weight"),
-                    w_gate_up=torch.cat(
-                        [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-                    ).contiguous(),
-                    w_down=take(p + "mlp.down_proj.weight"),
+                    w_gate_up=pack(
+                        torch.cat(
+                            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+                        )
+                    ),
+                    w_down=pack(take(p + "mlp.down_proj.weight")),
                 )
             )
-        embed = take("model.embed_tokens.weight")
         lm_head = take("lm_head.weight") if untied and not config.tie_word_embeddings else embed
-        return cls(embed=embed, layers=layers, norm=take("model.norm.weight"), lm_head=lm_head)
+        packed = pack(lm_head)
+        return cls(
+            embed=embed,
+            layers=layers,
+            norm=take("model.norm.weight"),
+            lm_head=lm_head,
+            lm_head_packed=packed if packed is not lm_head else None,
+        )
+
+
+#: Rows the packed layout is tuned for; any row count works.
+_PACK_ROWS_HINT = 8
+
+
+def _packer(like: Tensor) -> Callable[[Tensor], Tensor]:
+    """A function that puts weights into oneDNN's packed layout where that is
+    exact, else leaves them as they are.
+
+    On CPU, bfloat16 matmuls against packed weights run 1.5 to 2 times faster
+    at the few rows of a batched decode step than ``F.linear`` does. The probe
+    checks that the packed kernel gives bit for bit what ``F.linear`` and
+    ``torch.mv`` give at every row count, so that batch-invariant greedy text
+    (see :func:`_spans`) survives; on builds without oneDNN, on other devices
+    or dtypes, weights stay plain.
+    """
+
+    def plain(w: Tensor) -> Tensor:
+        return w
+
+    if like.device.type != "cpu" or like.dtype != torch.bfloat16:
+        return plain
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return plain
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(96, like.shape[1], generator=generator).to(like.dtype)
+    x = torch.randn(8, like.shape[1], generator=generator).to(like.dtype)
+    try:
+        packed = _mkldnn_pack(w)
+        same = all(
+            torch.equal(_mkldnn_linear(x[:n], packed), F.linear(x[:n], w)) for n in (1, 3, 8)
+        ) and torch.equal(_mkldnn_linear(x[:1], packed)[0], torch.mv(w, x[0]))
+    except (RuntimeError, AttributeError):
+        return plain
+    return _mkldnn_pack if same else plain
+
+
+def _mkldnn_pack(w: Tensor) -> Tensor:
+    packed: Tensor = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_ROWS_HINT)
+    return packed
+
+
+def _mkldnn_linear(x: Tensor, packed: Tensor) -> Tensor:
+    out: Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return out
 
 
 @attrs.define(eq=False)
@@ -298,9 +355,14 @@ class KVCache:
 
 
 def linear(x: Tensor, w: Tensor) -> Tensor:
-    """x [..., in] @ w[out, in].T. A single row goes through ``torch.mv``: on
-    CPUs its bfloat16 kernel streams the weight about twice as fast as the
-    matrix-matrix path does for one row, and decoding one job is exactly that."""
+    """x [..., in] @ w[out, in].T, for plain or packed (:func:`_packer`) weights.
+
+    With plain weights a single row goes through ``torch.mv``: on CPUs its
+    bfloat16 kernel streams the weight about twice as fast as the
+    matrix-matrix path does for one row, and decoding one job is exactly that.
+    """
+    if w.is_mkldnn:
+        return _mkldnn_linear(x.contiguous(), w)
     if x.numel() == x.shape[-1]:
         return torch.mv(w, x.reshape(-1)).view(*x.shape[:-1], w.shape[0])
     return F.linear(x, w)
@@ -481,7 +543,8 @@ def logits(weights: LlamaWeights, hidden: Tensor) -> Tensor:
     handful of dot products, far cheaper than a float32 vocabulary projection,
     and the choices that matter become exact.
     """
-    out = linear(hidden, weights.lm_head).float()  # [B, V]
+    projection = weights.lm_head if weights.lm_head_packed is None else weights.lm_head_packed
+    out = linear(hidden, projection).float()  # [B, V]
     if hidden.dtype == torch.float32:
         return out
     top = out.amax(dim=-1, keepdim=True)  # [B, 1]
