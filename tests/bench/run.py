@@ -47,6 +47,16 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def memory_total() -> str:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return f"{int(line.split()[1]) / 2**20:.1f} GiB"
+    except OSError:
+        pass
+    return "unknown"
+
+
 def load_average() -> str:
     try:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -59,7 +69,7 @@ def machine(dtype: str) -> str:
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return "\n".join(
         [
-            f"- CPU: {cpu_model()}, nproc {usable}",
+            f"- CPU: {cpu_model()}, nproc {usable}, memory {memory_total()}",
             f"- torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {dtype}",
             f"- Python {platform.python_version()}, {platform.system()} {platform.release()}",
             f"- load average at start (1/5/15 min): {load_average()}",
