@@ -370,8 +370,8 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     # In float32: bfloat16's 8-bit mantissa loses too much in the mean of squares.
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+    # The fused kernel: one op instead of five, 30 layers x 2 norms per step.
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x) * weight
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
