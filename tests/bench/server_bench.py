@@ -333,7 +333,8 @@ async def socket_run(
     steps = [s for s in timed.steps if s.started >= start]
     gaps = [b.started - (a.started + a.seconds) for a, b in itertools.pairwise(steps)]
     busy = sum(s.seconds for s in steps)
-    return EngineRun(elapsed, tokens, (), tuple(gaps), busy, len(steps))
+    decode_steps = tuple(s.seconds for s in steps if not s.submitted and s.updates)
+    return EngineRun(elapsed, tokens, decode_steps, tuple(gaps), busy, len(steps))
 
 
 @attrs.frozen
@@ -345,8 +346,11 @@ class ThroughputResult:
     socket_tps: tuple[float, ...]
     #: socket / engine, per round.
     ratios: tuple[float, ...]
-    #: Median decode step of the engine-alone runs.
+    #: Median decode step of the engine-alone runs, and of the same engine's
+    #: steps behind the server: longer there when the trio thread's work
+    #: (frames, and the in-process clients) keeps the step waiting for the GIL.
     engine_decode_step: float
+    socket_decode_step: float
     #: Time between the end of one engine step and the start of the next, per
     #: side: the engine-alone loop's own cost, and the server's (the thread
     #: hand-offs, routing the updates, starting the next step).
@@ -400,6 +404,7 @@ async def measure_throughput(
     engine_tps: list[float] = []
     socket_tps: list[float] = []
     steps: list[float] = []
+    served_steps: list[float] = []
     engine_gaps: list[float] = []
     socket_gaps: list[float] = []
     engine_busy: list[float] = []
@@ -429,6 +434,7 @@ async def measure_throughput(
                     tag = f"r{round_}c{clients}"
                     run = await socket_run(timed, connections, max_new_tokens, tag)
                     socket_gaps.extend(run.gaps)
+                    served_steps.extend(run.decode_steps)
                     socket_busy.append(run.busy / run.seconds)
                     socket_steps.append(run.steps)
                     socket_tps.append(run.tokens / run.seconds)
@@ -443,6 +449,7 @@ async def measure_throughput(
         socket_tps=tuple(socket_tps),
         ratios=tuple(s / e for s, e in zip(socket_tps, engine_tps, strict=True)),
         engine_decode_step=median(steps),
+        socket_decode_step=median(served_steps),
         engine_gaps=LatencySummary.of(engine_gaps),
         socket_gaps=LatencySummary.of(socket_gaps),
         engine_busy=tuple(engine_busy),
@@ -874,7 +881,8 @@ def format_server_tables(results: ServerResults) -> str:
         "| clients | tokens each | engine alone tok/s | through socket tok/s "
         "| ratio | ratio spread | goal | in-step share, engine alone / socket "
         "| steps per run, engine alone / socket "
-        "| decode step ms | gap between steps ms, engine alone / server (p50, p99) |",
+        "| decode step ms, engine alone / socket "
+        "| gap between steps ms, engine alone / server (p50, p99) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t in results.throughput:
@@ -886,7 +894,7 @@ def format_server_tables(results: ServerResults) -> str:
             f"| {min(t.ratios):.3f}-{max(t.ratios):.3f} | {goal} "
             f"| {median(t.engine_busy):.3f} / {median(t.socket_busy):.3f} "
             f"| {median(t.engine_steps):.0f} / {median(t.socket_steps):.0f} "
-            f"| {_ms(t.engine_decode_step)} "
+            f"| {_ms(t.engine_decode_step)} / {_ms(t.socket_decode_step)} "
             f"| {_ms(t.engine_gaps.p50, 2)}, {_ms(t.engine_gaps.p99, 2)} / "
             f"{_ms(t.socket_gaps.p50, 2)}, {_ms(t.socket_gaps.p99, 2)} |"
         )
