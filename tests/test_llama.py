@@ -252,9 +252,11 @@ def test_llama3_rope_scaling_keeps_high_and_slows_low_frequencies() -> None:
     assert scaled.rope_scaling is not None
     cos_base, sin_base = llama.rope_tables(base, 2, CPU)
     cos_scaled, sin_scaled = llama.rope_tables(scaled, 2, CPU)
-    freq_base = torch.atan2(sin_base[1], cos_base[1])
-    freq_scaled = torch.atan2(sin_scaled[1], cos_scaled[1])
-    # Position 1's angle is the frequency itself.
+    # Position 1's angles are the frequencies (the second half of the tables
+    # holds +sin).
+    half = base.head_dim // 2
+    freq_base = torch.atan2(sin_base[1, half:], cos_base[1, half:])
+    freq_scaled = torch.atan2(sin_scaled[1, half:], cos_scaled[1, half:])
     assert math.isclose(float(freq_scaled[0]), float(freq_base[0]), rel_tol=1e-6)
     assert math.isclose(float(freq_scaled[-1]), float(freq_base[-1]) / 8, rel_tol=1e-4)
     assert bool((freq_scaled <= freq_base + 1e-7).all())

@@ -132,7 +132,10 @@ def _rope_scaling(raw: Any) -> RopeScaling | None:
 
 
 def rope_tables(config: LlamaConfig, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """cos and sin of every position's rotary angles, float32 [length, E/2]."""
+    """Rotary tables, float32 [length, E]: cos of every position's angles, and
+    sin with the sign of its half folded in (-sin for the first half), each
+    repeated over the two halves of a head, so that :func:`apply_rope` is a
+    multiply and a fused multiply-add."""
     half = config.head_dim // 2
     inv_freq = 1.0 / (
         config.rope_theta ** (torch.arange(half, dtype=torch.float64, device=device) / half)
@@ -157,7 +160,8 @@ def rope_tables(config: LlamaConfig, length: int, device: torch.device) -> tuple
             torch.where(wavelen < high_wavelen, inv_freq, blended),
         )
     angles = torch.outer(torch.arange(length, dtype=torch.float64, device=device), inv_freq)
-    return angles.cos().float(), angles.sin().float()
+    cos, sin = angles.cos().float(), angles.sin().float()
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
 @attrs.define(eq=False)
@@ -375,11 +379,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, C, heads, E]; cos, sin [B, C, 1, E/2]; the two halves of each head
-    rotate as pairs (Hugging Face's layout)."""
+    """x [B, C, heads, E]; cos, sin [B, C, 1, E] from :func:`rope_tables`. The two
+    halves of each head rotate as pairs (Hugging Face's layout):
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
     xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+    swapped = xf.view(*xf.shape[:-1], 2, -1).flip(-2).view(xf.shape)  # (x2, x1)
+    return torch.addcmul(xf * cos, swapped, sin).type_as(x)
 
 
 @attrs.frozen
@@ -523,7 +528,7 @@ def forward(
     c = tokens.shape[1]
     g = config.n_heads // config.n_kv_heads
     spans = _spans(positions, slots.tolist(), g, cache, weights.embed.dtype, bucket=c == 1)
-    cos, sin = (table[positions][:, :, None, :] for table in rope)  # [B, C, 1, E/2]
+    cos, sin = (table[positions][:, :, None, :] for table in rope)  # [B, C, 1, E]
     x = F.embedding(tokens, weights.embed)  # [B, C, D]
     for i, layer in enumerate(weights.layers):
         h = rms_norm(x, layer.attn_norm, config.rms_norm_eps)
