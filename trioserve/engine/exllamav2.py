@@ -45,6 +45,7 @@ from trioserve.engine.base import (
     TextUpdate,
     Update,
 )
+from trioserve.engine.stops import earliest_stop
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError, ModelError
 
@@ -425,7 +426,7 @@ def updates_from_result(result: Mapping[str, Any], state: JobState, held_now: st
     else:
         # "end_filter" needs a grammar filter, which trioserve never sets.
         return Failed(job_id=state.job_id, message=f"exllamav2 ended the job for {reason!r}")
-    match = _first_stop_string(text, state.stop_strings)
+    match = earliest_stop(text, state.stop_strings)
     if match is not None:
         index, stop = match
         return _finished(state, result, text[:index], "stop_string", stop_string=stop)
@@ -451,17 +452,6 @@ def _finished(
         # ExLlamaV2's own count (new_tokens); it agrees with state.generated.
         generated_tokens=int(result.get("new_tokens", state.generated)),
     )
-
-
-def _first_stop_string(text: str, stop_strings: Sequence[str]) -> tuple[int, str] | None:
-    """The earliest stop string in ``text`` and where it starts; at one
-    position the one listed first wins."""
-    best: tuple[int, str] | None = None
-    for stop in stop_strings:
-        index = text.find(stop) if stop else -1
-        if index >= 0 and (best is None or index < best[0]):
-            best = (index, stop)
-    return best
 
 
 # -- the engine ----------------------------------------------------------------------

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from trioserve.engine.stops import earliest_stop, partial_stop_length
 from trioserve.errors import ConfigError, TrioserveError
 
 __all__ = ["StreamEndedError", "StreamPiece", "TextStream"]
@@ -253,39 +254,13 @@ class TextStream:
         if not self._stops:
             return StreamPiece(text)
         buffer = self._pending + text
-        match = self._earliest_match(buffer)
+        match = earliest_stop(buffer, self._stops)
         if match is not None:
             index, stop = match
             self._pending = self._tail = self._skip_buffer = ""
             self._ended = True
             self._stop_string = stop
             return StreamPiece(buffer[:index], stop)
-        keep = 0 if final else self._partial_match(buffer)
+        keep = 0 if final else partial_stop_length(buffer, self._stops)
         self._pending = buffer[len(buffer) - keep :]
         return StreamPiece(buffer[: len(buffer) - keep])
-
-    def _earliest_match(self, text: str) -> tuple[int, str] | None:
-        """The stop string that occurs first in ``text`` (the longest among
-        those that start at the same place) and where."""
-        best: tuple[int, str] | None = None
-        for stop in self._stops:
-            index = text.find(stop)
-            if index < 0:
-                continue
-            if best is None or (index, -len(stop)) < (best[0], -len(best[1])):
-                best = (index, stop)
-        return best
-
-    def _partial_match(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix
-        of some stop string (a match may still complete there)."""
-        longest = 0
-        for stop in self._stops:
-            # Only suffixes longer than the best so far matter, and a suffix
-            # must start with the stop string's first character.
-            first = max(len(text) - len(stop) + 1, 0)
-            for begin in range(first, len(text) - longest):
-                if text[begin] == stop[0] and stop.startswith(text[begin:]):
-                    longest = len(text) - begin
-                    break
-        return longest
