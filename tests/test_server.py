@@ -13,6 +13,7 @@ import pytest
 import trio
 import trio_websocket
 
+from trioserve.errors import ConfigError
 from trioserve.server import ServerConfig
 
 from .helpers import (
@@ -466,24 +467,58 @@ async def test_api_key_by_header_or_query_parameter() -> None:
             assert rejected.value.status_code == 401
 
 
+async def _origin_accepted(url: str, origin: bytes) -> bool:
+    try:
+        async with raw_client(url, extra_headers=[(b"Origin", origin)]) as ws:
+            assert await ws.request({"action": "echo"}) == {"action": "echo"}
+    except trio_websocket.ConnectionRejected as rejected:
+        assert rejected.status_code == 403
+        return False
+    return True
+
+
 async def test_origin_check() -> None:
+    loopback = (
+        b"http://localhost:3000",
+        b"http://127.0.0.1",
+        b"http://[::1]:8080",
+        b"https://localhost:5173",
+        b"HTTPS://LOCALHOST",
+    )
+    foreign = (b"https://evil.example", b"http://localhost.evil.example", b"null")
     async with running_server(ScriptedEngine()) as server:
-        for origin in (b"http://localhost:3000", b"http://127.0.0.1", b"http://[::1]:8080"):
-            async with raw_client(server.url, extra_headers=[(b"Origin", origin)]) as ws:
-                assert await ws.request({"action": "echo"}) == {"action": "echo"}
-        for origin in (b"https://evil.example", b"http://localhost.evil.example"):
-            with pytest.raises(trio_websocket.ConnectionRejected) as rejected:
-                async with raw_client(server.url, extra_headers=[(b"Origin", origin)]):
-                    pass
-            assert rejected.value.status_code == 403
+        for origin in loopback:
+            assert await _origin_accepted(server.url, origin), origin
+        for origin in foreign:
+            assert not await _origin_accepted(server.url, origin), origin
+    # --allowed-origin adds to the loopback origins.
     config = ServerConfig(host="127.0.0.1", port=0, allowed_origins=("https://app.example",))
     async with running_server(ScriptedEngine(), config) as server:
-        headers = [(b"Origin", b"https://app.example")]
-        async with raw_client(server.url, extra_headers=headers) as ws:
-            assert await ws.request({"action": "echo"}) == {"action": "echo"}
-        with pytest.raises(trio_websocket.ConnectionRejected):
-            async with raw_client(server.url, extra_headers=[(b"Origin", b"http://localhost")]):
-                pass
+        assert await _origin_accepted(server.url, b"https://app.example")
+        assert await _origin_accepted(server.url, b"http://localhost")
+        assert not await _origin_accepted(server.url, b"https://evil.example")
+    # ... unless the loopback default is removed ('--allowed-origin none').
+    config = ServerConfig(
+        host="127.0.0.1",
+        port=0,
+        allowed_origins=("https://app.example",),
+        allow_loopback_origins=False,
+    )
+    async with running_server(ScriptedEngine(), config) as server:
+        assert await _origin_accepted(server.url, b"https://app.example")
+        assert not await _origin_accepted(server.url, b"http://localhost")
+    # '*' allows any origin but null.
+    config = ServerConfig(host="127.0.0.1", port=0, allowed_origins=("*",))
+    async with running_server(ScriptedEngine(), config) as server:
+        assert await _origin_accepted(server.url, b"https://evil.example")
+        assert not await _origin_accepted(server.url, b"null")
+
+
+def test_allowed_origins_must_be_origins() -> None:
+    with pytest.raises(ConfigError, match="scheme://host"):
+        ServerConfig(allowed_origins=("app.example",))
+    with pytest.raises(ConfigError, match="scheme://host"):
+        ServerConfig(allowed_origins=("https://app.example/path",))
 
 
 async def test_shutdown_lets_jobs_finish_within_the_grace_period() -> None:

@@ -99,7 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         dest="allowed_origins",
         metavar="ORIGIN",
-        help="browser origin allowed to connect, repeatable (default: loopback origins only)",
+        help=(
+            "browser origin allowed to connect besides the loopback origins, repeatable; "
+            "'*' allows any, 'none' removes the loopback default"
+        ),
     )
     model = parser.add_argument_group("model and engine")
     model.add_argument(
@@ -221,7 +224,8 @@ def _configs(args: argparse.Namespace) -> tuple[EngineOptions, ServerConfig]:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
-        allowed_origins=tuple(args.allowed_origins) if args.allowed_origins else None,
+        allowed_origins=tuple(o for o in args.allowed_origins or () if o.lower() != "none"),
+        allow_loopback_origins=not any(o.lower() == "none" for o in args.allowed_origins or ()),
         max_message_bytes=args.max_message_bytes,
         max_requests_per_connection=args.max_requests_per_connection,
         max_waiting_jobs=args.max_waiting_jobs,

@@ -33,6 +33,7 @@ import trio  # noqa: E402
 from tests.bench import engine_bench, server_bench  # noqa: E402
 from trioserve.engine.cpu import DTYPES, CpuEngine  # noqa: E402
 from trioserve.engine.models import default_model_dir  # noqa: E402
+from trioserve.worker import open_engine_thread  # noqa: E402
 
 PARTS = ("engine", "server")
 
@@ -120,15 +121,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "server" in parts:
         scale = server_bench.QUICK if args.quick else server_bench.FULL
         say(f"server bench ({'quick' if args.quick else 'full'} scale)")
-        engine = CpuEngine.load(None, dtype=args.dtype, max_batch=max(32, *scale.aggregate_clients))
-        try:
-            server_results = trio.run(
-                lambda: server_bench.run_server_bench(
-                    engine, scale, memory=not args.no_memory, say=say
+        max_batch = max(32, *scale.aggregate_clients)
+
+        async def server_part() -> server_bench.ServerResults:
+            # Loaded, stepped and closed on one thread, as the CLI does.
+            async with open_engine_thread() as thread:
+                engine = await thread.run_sync(
+                    lambda: CpuEngine.load(None, dtype=args.dtype, max_batch=max_batch)
                 )
-            )
-        finally:
-            engine.close()
+                try:
+                    return await server_bench.run_server_bench(
+                        engine, scale, engine_thread=thread, memory=not args.no_memory, say=say
+                    )
+                finally:
+                    await thread.run_sync(engine.close)
+
+        server_results = trio.run(server_part)
         print("\n## Server\n")
         print(server_bench.format_server_tables(server_results))
     total = time.perf_counter() - begun

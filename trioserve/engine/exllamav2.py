@@ -627,6 +627,7 @@ class ExLlamaV2Engine:
             eos_token_ids=frozenset(eos),
             max_batch=plan.max_batch,
             batching=plan.paged,
+            max_token_chars=tokenizer.max_token_bytes,
         )
         engine = cls(
             info=info,
