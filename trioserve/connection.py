@@ -132,8 +132,15 @@ class Outbox:
         return item
 
     def close(self) -> None:
+        """Take no more items; what is queued is still handed out."""
         self.closed = True
         self._ready.set()
+
+    def discard(self) -> None:
+        """Close and drop what is queued (the client will not get it)."""
+        self.close()
+        self._items.clear()
+        self.bytes = 0
 
 
 class Connection:
@@ -148,6 +155,10 @@ class Connection:
         self._nursery: trio.Nursery | None = None
         self._closing = False
         self._writer_done = trio.Event()
+        #: Set once a wind-down (see _wind_down) has sent its close frame.
+        self._wound_down: trio.Event | None = None
+        #: trio.current_time() when the frame being written started, or None.
+        self._sending_since: float | None = None
         #: The close code and reason this side chose, if it closed the connection.
         self.close_code: int | None = None
 
@@ -159,7 +170,12 @@ class Connection:
                 self._nursery = nursery
                 nursery.start_soon(self._guard, self._writer, "writer")
                 nursery.start_soon(self._guard, self._keepalive, "keepalive")
+                nursery.start_soon(self._guard, self._send_watchdog, "send watchdog")
                 await self._reader()
+                if self._wound_down is not None:
+                    # The reader stopped because the connection is being wound
+                    # down: let the close frame go out first.
+                    await self._wound_down.wait()
                 nursery.cancel_scope.cancel()
         finally:
             # Disconnect: every infer of this connection was cancelled with the
@@ -207,7 +223,7 @@ class Connection:
     async def _abort(self, code: int, reason: str) -> None:
         """Close now with ``code`` and cancel everything of this connection."""
         self._closing = True
-        self.outbox.close()
+        self.outbox.discard()
         self._cancel()
         with trio.CancelScope(shield=True):
             await self._close_ws(code, reason)
@@ -221,14 +237,36 @@ class Connection:
             self.outbox.put(item)
         except OutboxOverflow as exc:
             log.info("closing connection %s: %s", self.peer, exc)
-            self._overflowed()
+            self._wind_down(1008, "too much unread output: read your frames")
 
-    def _overflowed(self) -> None:
-        # Synchronous callers: the close itself runs in the connection's nursery.
-        self.outbox.close()
-        if self._nursery is not None and not self._closing:
-            self._closing = True
-            self._nursery.start_soon(self._abort, 1008, "too much unread output: read your frames")
+    def _wind_down(self, code: int, reason: str) -> None:
+        """Give up on a client that does not read: synchronous.
+
+        Its requests are interrupted at once (their jobs cancelled, their
+        frames dropped) and the reader stops; the frame being written is
+        left to finish, so that the close frame with ``code`` can follow it
+        once the client reads again. If it does not within ``close_timeout``,
+        the socket is dropped. Cancelling the write instead would cut the
+        frame in half and leave no way to tell the client why.
+        """
+        if self._closing or self._nursery is None:
+            return
+        self._closing = True
+        self._wound_down = trio.Event()
+        self.outbox.discard()
+        for entry in self.requests:
+            entry.scope.cancel()
+        self._nursery.start_soon(self._close_after_writer, code, reason)
+
+    async def _close_after_writer(self, code: int, reason: str) -> None:
+        assert self._wound_down is not None
+        try:
+            with trio.move_on_after(self.server.config.close_timeout):
+                await self._writer_done.wait()
+            await self._close_ws(code, reason)
+        finally:
+            self._wound_down.set()
+            self._cancel()
 
     def _reply(self, reply: p.Reply) -> None:
         self._put(p.encode_reply(reply))
@@ -236,7 +274,6 @@ class Connection:
     # -- the writer and the keepalive ----------------------------------------------
 
     async def _writer(self) -> None:
-        config = self.server.config
         try:
             while True:
                 try:
@@ -246,16 +283,9 @@ class Connection:
                 frame = self._chunk_frame(item) if isinstance(item, InferEntry) else item
                 if frame is None:
                     continue
-                with trio.move_on_after(config.send_timeout) as stalled:
-                    await self.ws.send_message(frame)
-                if stalled.cancelled_caught:
-                    log.info(
-                        "closing connection %s: it accepted nothing for %.0f s",
-                        self.peer,
-                        config.send_timeout,
-                    )
-                    await self._abort(1008, "the client stopped reading")
-                    return
+                self._sending_since = trio.current_time()
+                await self.ws.send_message(frame)
+                self._sending_since = None
         except ConnectionClosed:
             self._cancel()
         finally:
@@ -277,6 +307,22 @@ class Connection:
                 echoed=request.echoed,
             )
         )
+
+    async def _send_watchdog(self) -> None:
+        """Wind down a client that accepts no byte of a frame for ``send_timeout``."""
+        timeout = self.server.config.send_timeout
+        while True:
+            since = self._sending_since
+            if since is None:
+                await trio.sleep(timeout)
+                continue
+            waited = trio.current_time() - since
+            if waited < timeout:
+                await trio.sleep(timeout - waited)
+                continue
+            log.info("closing connection %s: it accepted nothing for %.0f s", self.peer, waited)
+            self._wind_down(1008, "the client stopped reading")
+            return
 
     async def _keepalive(self) -> None:
         config = self.server.config
