@@ -736,15 +736,27 @@ class FrontDoor:
             except h11.RemoteProtocolError as exc:
                 await self._protocol_error(conn, exc)
             if isinstance(event, h11.Request):
+                # h11 bounds a head that is still incomplete; one that
+                # arrived whole in a single read is measured here.
+                size = len(event.method) + len(event.target) + 12
+                size += sum(len(name) + len(value) + 4 for name, value in event.headers)
+                if size > limits.max_head_bytes:
+                    await self._refuse(conn, Reject(431, "the request head is too large"))
+                if event.http_version not in (b"1.0", b"1.1"):
+                    await self._refuse(conn, Reject(505, "only HTTP/1.0 and HTTP/1.1 are served"))
                 return event
             if isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
                 raise _Close
             if event is not h11.NEED_DATA:  # pragma: no cover - h11 gives nothing else here
                 raise _Close
-            if self._draining and not started:
+            # Between requests a kept-alive connection is idle: drain closes
+            # it at once. A new connection's first request is read (and
+            # answered: a WebSocket upgrade gets 503 while draining).
+            idle = not started and conn.requests > 0
+            if idle and self._draining:
                 raise _Close
             scope = trio.CancelScope(deadline=deadline)
-            if not started:
+            if idle:
                 conn.idle_scope = scope
             try:
                 with scope:
@@ -753,7 +765,7 @@ class FrontDoor:
                 conn.idle_scope = None
             if scope.cancelled_caught:
                 if not started:
-                    raise _Close  # idle keep-alive connection, or drain: close quietly
+                    raise _Close  # no byte of a request came: close quietly
                 await self._refuse(conn, Reject(408, "the request head took too long to arrive"))
             conn.h11.receive_data(data)
             if data and not started:
