@@ -871,3 +871,13 @@ def attrs_evolve(limits: HTTPLimits, **changes: Any) -> HTTPLimits:
     import attrs
 
     return attrs.evolve(limits, **changes)
+
+
+async def test_targets_in_absolute_and_odd_forms() -> None:
+    async with running(door(App(), policy=AccessPolicy(api_key=KEY))) as port:
+        assert (await get(port, "http://test/health")).status == 200
+        assert (await get(port, "http://test/items/x?q=1", headers=AUTH)).json()["name"] == "x"
+        # "//health" is a path, not a host: it is not the public /health.
+        assert (await get(port, "//health")).status == 401
+        assert (await get(port, "//health", headers=AUTH)).status == 404
+        assert (await get(port, "*", method="OPTIONS")).status == 404

@@ -557,13 +557,17 @@ def _peer(stream: trio.abc.Stream) -> str:
 
 def _head_from(event: h11.Request, peer: str) -> RequestHead:
     target = event.target.decode("ascii", "replace")
-    split = urlsplit(target)
-    path = split.path or ("*" if target == "*" else "/")
+    if target.startswith(("http://", "https://")):  # absolute form (RFC 9112 3.2.2)
+        split = urlsplit(target)
+        path, query = split.path or "/", split.query
+    else:
+        # Origin form, split by hand: urlsplit would read "//x" as a host.
+        path, _, query = target.partition("?")
     return RequestHead(
         method=event.method.decode("ascii", "replace").upper(),
         target=target,
         path=path,
-        query=split.query,
+        query=query,
         headers=tuple((name.lower(), value) for name, value in event.headers),
         http_version=event.http_version.decode("ascii", "replace"),
         peer=peer,

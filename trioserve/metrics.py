@@ -218,7 +218,8 @@ class Metrics:
         )
         self._connections_total = Counter(
             "connections",
-            "Client connections accepted, by protocol.",
+            "Client connections accepted, by protocol (every connection starts as HTTP; "
+            "an upgraded one counts under websocket too).",
             ("protocol",),
             namespace=ns,
             registry=r,
