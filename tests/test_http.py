@@ -76,6 +76,7 @@ class App:
         router.add("GET", "/forever", self.forever)
         router.add("GET", "/break", self.breaking)
         router.add("GET", "/slow", self.slow)
+        router.add("GET", "/early-break", self.early_break)
         return router
 
     async def health(self, request: HTTPRequest) -> Response:
@@ -123,6 +124,15 @@ class App:
         async def write(out: BodyWriter) -> None:
             await out.send(b"data: 1\n\n")
             raise RuntimeError("a bug mid-stream")
+
+        return event_stream(write)
+
+    async def early_break(self, request: HTTPRequest) -> StreamingResponse:
+        async def write(out: BodyWriter) -> None:
+            try:
+                raise RuntimeError("a bug before the first byte")
+            finally:
+                self.stream_cancelled.set()
 
         return event_stream(write)
 
@@ -440,6 +450,27 @@ async def test_a_stream_that_breaks_closes_its_connection() -> None:
             # The chunked body never got its last chunk: the client can tell.
             assert not data.endswith(b"0\r\n\r\n")
         assert (await get(port)).status == 200
+
+
+async def test_a_stream_that_breaks_before_its_first_byte_is_a_500() -> None:
+    app = App()
+    async with running(door(app)) as port, connect(port) as client:
+        await client.send(request(path="/early-break"))
+        reply = await client.response()
+        assert reply is not None and reply.status == 500
+        assert app.stream_cancelled.is_set()
+        await client.send(request())
+        assert (reply := await client.response()) is not None and reply.status == 200
+
+
+async def test_head_of_a_stream_runs_its_writer_and_sends_no_body() -> None:
+    app = App()
+    async with running(door(app)) as port:
+        reply = await get(port, "/early-break", method="HEAD")
+        assert reply.status == 500
+        assert app.stream_cancelled.is_set()
+        head = await get(port, "/stream", method="HEAD")
+        assert head.status == 200 and head.body == b""
 
 
 # -- streaming and disconnects ---------------------------------------------------------------

@@ -325,8 +325,11 @@ class BodyWriter(Protocol):
 @attrs.frozen
 class StreamingResponse:
     """A response whose body is written as it is produced (chunked transfer
-    encoding). ``write`` is called with a :class:`BodyWriter` once the status
-    and headers are sent; when it returns, the body ends.
+    encoding). ``write`` is always called with a :class:`BodyWriter` (for a
+    HEAD request too, which discards the body), so that it can release what
+    the handler opened; the status line and headers go out with its first
+    ``send``. When it returns, the body ends. Should it raise before its first
+    ``send``, the client gets a 500 instead; after, the connection closes.
 
     Cancellation: ``write`` runs in a cancel scope that is cancelled when the
     client disconnects or the connection's writes time out; it must release
@@ -589,15 +592,35 @@ class _Connection:
 
 
 class _Writer:
-    """The :class:`BodyWriter` of one streamed response."""
+    """The :class:`BodyWriter` of one streamed response. The status line and
+    headers go out with the first piece of the body, so that a ``write`` that
+    fails before it sends anything can still be answered with a 500."""
 
-    def __init__(self, door: FrontDoor, conn: _Connection) -> None:
+    def __init__(
+        self, door: FrontDoor, conn: _Connection, response: h11.Response, discard: bool
+    ) -> None:
         self._door = door
         self._conn = conn
+        self._response: h11.Response | None = response
+        #: HEAD: the headers only.
+        self._discard = discard
+
+    @property
+    def started(self) -> bool:
+        return self._response is None
 
     async def send(self, data: bytes) -> None:
-        if data:
-            await self._door._send(self._conn, self._conn.h11.send(h11.Data(data=data)))
+        out = b""
+        if self._response is not None:
+            out = self._conn.h11.send(self._response) or b""
+            self._response = None
+        if data and not self._discard:
+            out += self._conn.h11.send(h11.Data(data=data)) or b""
+        await self._door._send(self._conn, out)
+
+    async def end(self) -> None:
+        await self.send(b"")
+        await self._door._send(self._conn, self._conn.h11.send(h11.EndOfMessage()))
 
 
 class FrontDoor:
@@ -1027,7 +1050,7 @@ class FrontDoor:
     ) -> bool:
         """Run the handler and send its response; False when the response
         could not be completed (the connection must close)."""
-        began = False
+        writer: list[_Writer] = []
         try:
             with scope:
                 try:
@@ -1041,8 +1064,7 @@ class FrontDoor:
                 if isinstance(response, Response):
                     await self._respond(conn, request.head, response, request.route)
                 else:
-                    began = True
-                    await self._stream(conn, request, response)
+                    await self._stream(conn, request, response, writer)
                 return True
         except ClientGone:
             raise
@@ -1055,6 +1077,7 @@ class FrontDoor:
                 conn.peer,
                 exc_info=exc,
             )
+            began = bool(writer) and writer[0].started
             if began or conn.h11.our_state is not h11.SEND_RESPONSE:
                 return False
             response = Response.error(500, "internal error", code="internal")
@@ -1063,24 +1086,26 @@ class FrontDoor:
         return False  # cancelled: the client left (the caller closes)
 
     async def _stream(
-        self, conn: _Connection, request: HTTPRequest, response: StreamingResponse
+        self,
+        conn: _Connection,
+        request: HTTPRequest,
+        response: StreamingResponse,
+        writer: list[_Writer],
     ) -> None:
         headers = self._headers(request.head, response.headers, response.content_type)
         if self._closing(conn):
             headers.append((b"connection", b"close"))
+        event = h11.Response(
+            status_code=response.status, headers=headers, reason=_reason(response.status)
+        )
+        out = _Writer(self, conn, event, discard=request.method == "HEAD")
+        writer.append(out)
+        # write is always called, even for HEAD (it discards the body), so
+        # that what the handler opened (an engine job) is released by it.
+        await response.write(out)
         self._requests += 1
         self._observer.http_response(request.route, response.status)
-        await self._send(
-            conn,
-            conn.h11.send(
-                h11.Response(
-                    status_code=response.status, headers=headers, reason=_reason(response.status)
-                )
-            ),
-        )
-        if request.method != "HEAD":
-            await response.write(_Writer(self, conn))
-        await self._send(conn, conn.h11.send(h11.EndOfMessage()))
+        await out.end()
 
     # -- WebSocket ----------------------------------------------------------------------
 
