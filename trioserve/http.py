@@ -62,6 +62,7 @@ import trio
 import trio_websocket
 
 from trioserve._version import __version__
+from trioserve._websocket import HandshakeAborted, accept_stream
 from trioserve.errors import TrioserveError
 from trioserve.openai_api import OpenAIError, error_body
 
@@ -95,7 +96,7 @@ _RECEIVE_SIZE: Final = 64 * KiB
 #: connection closes, so that a response sent before the body was read is
 #: not lost to a TCP reset.
 _LINGER_BYTES: Final = 256 * KiB
-_LOOPBACK_ORIGIN: Final = re.compile(r"^http://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?$")
+_LOOPBACK_ORIGIN: Final = re.compile(r"^https?://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?$")
 _TOKEN: Final = re.compile(rb"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _WS_KEY: Final = re.compile(rb"^[A-Za-z0-9+/]{22}==$")
 
@@ -164,8 +165,12 @@ class AccessPolicy:
     #: ``Authorization: Bearer <key>``; WebSocket handshakes may send it as
     #: ``?api_key=<key>`` instead (browsers cannot set headers on them).
     api_key: str | None = None
-    #: Origins a browser may connect from; None allows only loopback origins.
-    allowed_origins: tuple[str, ...] | None = None
+    #: Origins a browser may connect from besides the loopback ones
+    #: (``http``/``https`` on localhost, 127.0.0.1 or [::1], any port);
+    #: ``"*"`` allows every origin. ``null`` is never allowed.
+    allowed_origins: tuple[str, ...] = ()
+    #: Whether the loopback origins are allowed (``--allowed-origin none``).
+    allow_loopback_origins: bool = True
     #: Paths served without the key (health checks of load balancers).
     public_paths: frozenset[str] = frozenset({"/health", "/ready"})
 
@@ -174,9 +179,15 @@ class AccessPolicy:
             raise ValueError("api key must not be empty")
 
     def origin_allowed(self, origin: str) -> bool:
-        origin = origin.rstrip("/").lower()
-        if self.allowed_origins is None:
-            return _LOOPBACK_ORIGIN.match(origin) is not None
+        """protocol.md section 6: loopback origins (unless turned off), the
+        configured ones, or any with ``*``; ``null`` never."""
+        origin = origin.strip().rstrip("/").lower()
+        if origin == "null":
+            return False
+        if "*" in self.allowed_origins:
+            return True
+        if self.allow_loopback_origins and _LOOPBACK_ORIGIN.match(origin) is not None:
+            return True
         return origin in {a.rstrip("/").lower() for a in self.allowed_origins}
 
     def check_origin(self, head: RequestHead) -> Reject | None:
@@ -630,8 +641,8 @@ class FrontDoor:
     runs an accepted WebSocket connection until it ends (None: upgrades are
     refused with 404); ``admit_websocket(head)`` may refuse an upgrade that
     passed the policy (the server's connection cap, for instance) with a
-    :class:`Reject`. ``ws_options`` go to ``trio_websocket.wrap_server_stream``
-    (``max_message_size``, ``message_queue_size``, ``receive_buffer_size``).
+    :class:`Reject`. ``max_message_bytes`` bounds a WebSocket frame (UTF-8
+    bytes of a text frame; bigger closes the connection with 1009).
     """
 
     def __init__(
@@ -643,7 +654,7 @@ class FrontDoor:
         websocket_handler: WebSocketHandler | None = None,
         admit_websocket: Callable[[RequestHead], Reject | None] | None = None,
         observer: Observer | None = None,
-        ws_options: Mapping[str, Any] | None = None,
+        max_message_bytes: int = MiB,
     ) -> None:
         self.router = router
         self.policy = policy
@@ -651,7 +662,7 @@ class FrontDoor:
         self._websocket_handler = websocket_handler
         self._admit_websocket = admit_websocket
         self._observer: Observer = observer if observer is not None else _NoObserver()
-        self._ws_options = dict(ws_options or {})
+        self._max_message_bytes = max_message_bytes
         self._connections: set[_Connection] = set()
         self._websockets = 0
         self._requests = 0
@@ -1113,7 +1124,22 @@ class FrontDoor:
         reject = self._check_upgrade(head)
         if reject is not None:
             self._observer.handshake_rejected(reject.reason)
-            log.info("refused a websocket handshake from %s: %s", conn.peer, reject.message)
+            origin = head.header("origin")
+            log.info(
+                "refused a websocket handshake from %s: %s (%d)%s",
+                conn.peer,
+                reject.message,
+                reject.status,
+                "" if origin is None else f", origin {origin[:200]!r}",
+                extra={
+                    "fields": {
+                        "peer": conn.peer,
+                        "status": reject.status,
+                        "reason": reject.reason,
+                        "origin": None if origin is None else origin[:200],
+                    }
+                },
+            )
             await self._refuse(conn, reject, head)
         # The request's (empty) body and h11's pause after an upgrade request.
         body = await self._read_body(conn, head)
@@ -1181,12 +1207,12 @@ class FrontDoor:
         timeout = self.limits.websocket_handshake_timeout
         async with trio.open_nursery() as nursery:
             with trio.move_on_after(timeout) as scope:
-                request = await trio_websocket.wrap_server_stream(
-                    nursery, replay, **self._ws_options
-                )
                 try:
+                    request = await accept_stream(
+                        nursery, replay, max_message_bytes=self._max_message_bytes
+                    )
                     ws = await request.accept()
-                except trio_websocket.ConnectionClosed:
+                except (HandshakeAborted, trio_websocket.ConnectionClosed):
                     # The peer left during the handshake (issue 8, defect 1):
                     # that ends this connection, nothing else.
                     log.info("websocket peer %s left during the handshake", conn.peer)

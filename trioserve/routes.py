@@ -39,6 +39,7 @@ from trioserve.http import (
     StreamingResponse,
     event_stream,
 )
+from trioserve.inference import Tokenizing
 from trioserve.metrics import Metrics
 from trioserve.scheduler import Job, QueueFull, Scheduler, SchedulerClosed
 
@@ -172,15 +173,30 @@ class SchedulerBackend:
     model: oa.ModelLimits
     chat_template: ChatTemplate | None = None
     is_draining: Callable[[], bool] = lambda: False
+    #: The server's tokenizing (long texts off the event loop, GIL released,
+    #: on a limiter of its own); None: one of its own.
+    tokenizing: Tokenizing | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.tokenizing is None:
+            self.tokenizing = Tokenizing(self.engine)
 
     @property
     def draining(self) -> bool:
         return self.is_draining()
 
     async def encode(self, text: str) -> list[int]:
-        if len(text) > _THREAD_CHARS:
-            return await trio.to_thread.run_sync(self.engine.encode, text)
-        return self.engine.encode(text)
+        # Room first, so that a full server does not tokenize megabytes for nothing.
+        if not self.scheduler.has_room():
+            raise oa.OpenAIError(
+                503,
+                f"{self.scheduler.max_waiting} jobs are already waiting for the engine; "
+                "retry later",
+                code="overloaded",
+                retry_after=1,
+            )
+        assert self.tokenizing is not None
+        return await self.tokenizing.encode(text)
 
     def new_job_id(self) -> int:
         return self.scheduler.new_job_id()

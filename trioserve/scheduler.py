@@ -169,7 +169,8 @@ class Scheduler:
             raise ValueError(f"max_running_per_owner must be >= 1, got {max_running_per_owner!r}")
         self.max_running_per_owner = max_running_per_owner
         self.engine_thread = engine_thread
-        self._on_step = on_step
+        #: Called on the trio thread after each step (metrics); must not block.
+        self.on_step = on_step
         # Trio side: jobs admitted to the engine (in the inbox or stepping),
         # and jobs waiting, per owner in arrival order.
         self._running: dict[int, Job] = {}
@@ -530,9 +531,9 @@ class Scheduler:
             self._end(job, update)
         self._admit()
         self._notify_idle()
-        if self._on_step is not None:
+        if self.on_step is not None:
             try:
-                self._on_step(result.record)
+                self.on_step(result.record)
             except Exception:
                 log.exception("a step observer failed")
 

@@ -17,25 +17,27 @@ outside the cancelled scope. This module knows nothing of torch.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import attrs
 import trio
-from trio_websocket import ConnectionClosed, WebSocketRequest
+from trio_websocket import WebSocketConnection
 
+from . import openai_api as oa
 from . import protocol as p
 from ._version import __version__
-from ._websocket import HandshakeAborted, accept_stream
-from .connection import Connection, split_cancellation
-from .engine.base import Engine
-from .errors import ConfigError, ListenError
+from .chat_template import ChatTemplate, NoChatTemplate, load_chat_template
+from .connection import Connection
+from .engine.base import Engine, EngineInfo
+from .errors import ConfigError, ListenError, TrioserveError
+from .http import AccessPolicy, FrontDoor, HTTPLimits, Reject, RequestHead, Router, serve_front_door
 from .inference import Tokenizing
-from .scheduler import Scheduler, SchedulerStatistics
+from .metrics import Metrics
+from .routes import OpenAIRoutes, OpsRoutes, Readiness, SchedulerBackend
+from .scheduler import Scheduler, SchedulerStatistics, StepRecord
 from .worker import EngineThread, open_engine_thread
 
 __all__ = ["Listening", "Server", "ServerConfig", "ServerStatistics", "serve"]
@@ -214,10 +216,53 @@ class Server:
             max_running_per_owner=config.max_running_per_connection,
         )
         self.tokenizing = Tokenizing(engine)
+        self.metrics = Metrics()
+        self.metrics.set_model(model=info.model_name, engine=info.engine)
+        self.scheduler.on_step = self._on_step
+        self.chat_template = _load_template(info)
+        router = Router()
+        OpsRoutes(readiness=self.readiness, metrics=self.metrics, info=self._info_page).install(
+            router
+        )
+        OpenAIRoutes(
+            SchedulerBackend(
+                self.scheduler,
+                engine,
+                oa.ModelLimits(
+                    name=info.model_name,
+                    context_length=info.context_length,
+                    vocab_size=info.vocab_size,
+                    eos_token_ids=info.eos_token_ids,
+                    max_new_tokens=self.max_new_tokens,
+                ),
+                chat_template=self.chat_template,
+                is_draining=lambda: self._draining,
+                tokenizing=self.tokenizing,
+            ),
+            metrics=self.metrics,
+        ).install(router)
+        self.front_door = FrontDoor(
+            router,
+            policy=AccessPolicy(
+                api_key=config.api_key,
+                allowed_origins=config.allowed_origins,
+                allow_loopback_origins=config.allow_loopback_origins,
+            ),
+            limits=HTTPLimits(
+                max_body_bytes=config.max_message_bytes,
+                max_connections=config.max_connections,
+                head_timeout=config.handshake_timeout,
+                websocket_handshake_timeout=config.handshake_timeout,
+                send_timeout=config.send_timeout,
+            ),
+            websocket_handler=self._run_websocket,
+            admit_websocket=self._admit_websocket,
+            observer=self.metrics,
+            max_message_bytes=config.max_message_bytes,
+        )
         self._connections: set[Connection] = set()
-        #: TCP connections in the handshake or served: what max_connections bounds.
-        self._open = 0
         self._draining = False
+        self._ready = False
         self._work = trio.CancelScope(shield=True)
         self._listener_scope = trio.CancelScope()
         self._grace_scope = trio.CancelScope()
@@ -300,6 +345,7 @@ class Server:
         """
         self._draining = True
         self._listener_scope.cancel()
+        self.front_door.drain()
         self._shutdown_requested.set()
 
     def abort(self) -> None:
@@ -321,13 +367,15 @@ class Server:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.scheduler.run)
             nursery.start_soon(self._shutdown_when_asked, nursery.cancel_scope)
-            # Connections live in a nursery of their own: each is an exception
-            # boundary, and closing the listener must not cut them short.
+            # Connections live in a nursery of their own (the front door gives
+            # each an exception boundary), so that closing the listener does
+            # not cut them short.
             async with trio.open_nursery() as connections:
                 listeners = await nursery.start(self._run_listener, connections)
                 # A name such as "localhost" may bind several addresses (with
                 # port 0, on different ports): report the first.
                 host, port = listeners[0].socket.getsockname()[:2]
+                self._ready = True
                 task_status.started(Listening(host=str(host), port=int(port)))
                 await self._shutdown_requested.wait()
 
@@ -335,10 +383,10 @@ class Server:
         self, connections: trio.Nursery, *, task_status: trio.TaskStatus[Any]
     ) -> None:
         with self._listener_scope:
-            await trio.serve_tcp(
-                self._handle_stream,
+            await serve_front_door(
+                self.front_door,
+                self.config.host,
                 self.config.port,
-                host=self.config.host,
                 handler_nursery=connections,
                 task_status=task_status,
             )
@@ -346,6 +394,7 @@ class Server:
     async def _shutdown_when_asked(self, work: trio.CancelScope) -> None:
         """Let jobs finish within the grace period, interrupt the rest, close."""
         await self._shutdown_requested.wait()
+        self.front_door.drain()
         with self._grace_scope:
             self._grace_scope.deadline = trio.current_time() + self.config.shutdown_grace
             await self.scheduler.wait_idle()
@@ -358,149 +407,51 @@ class Server:
             async with trio.open_nursery() as nursery:
                 for connection in list(self._connections):
                     nursery.start_soon(connection.close, 1001, "server shutting down")
+                await self.front_door.wait_http_closed()
         work.cancel()
 
-    # -- handshake ----------------------------------------------------------------
+    # -- the front door's parts -------------------------------------------------------
 
-    async def _handle_stream(self, stream: trio.SocketStream) -> None:
-        """One TCP connection, from handshake to close: an exception boundary.
+    def readiness(self) -> Readiness:
+        """``/ready``: ready once listening, until the shutdown begins."""
+        if self._draining:
+            return "draining"
+        return "ready" if self._ready else "starting"
 
-        Nothing a peer does here (hang up mid-handshake, stay silent, break
-        the protocol) reaches the listener or another connection.
-        """
-        peer = _peer_name(stream)
-        self._open += 1
-        try:
-            async with trio.open_nursery() as nursery:
-                try:
-                    await self._handshake_and_serve(nursery, stream, peer)
-                finally:
-                    # Ends the WebSocket's reader task with the stream.
-                    nursery.cancel_scope.cancel()
-        except BaseException as exc:
-            fatal, rest = split_cancellation(exc)
-            if rest is not None:
-                log.error("connection %s failed", peer, exc_info=rest)
-            if fatal is not None:
-                raise fatal from None
-        finally:
-            self._open -= 1
-            with trio.CancelScope(shield=True), trio.move_on_after(self.config.close_timeout):
-                await stream.aclose()
-
-    async def _handshake_and_serve(
-        self, nursery: trio.Nursery, stream: trio.SocketStream, peer: str
-    ) -> None:
-        config = self.config
-        request: WebSocketRequest | None = None
-        with trio.move_on_after(config.handshake_timeout):
-            try:
-                request = await accept_stream(
-                    nursery, stream, max_message_bytes=config.max_message_bytes
-                )
-            except (HandshakeAborted, ConnectionClosed, trio.BrokenResourceError) as exc:
-                log.debug("handshake from %s abandoned: %s", peer, exc)
-                return
-        if request is None:
-            log.info(
-                "closing connection %s: no handshake within %.0f s", peer, config.handshake_timeout
+    def _admit_websocket(self, head: RequestHead) -> Reject | None:
+        if len(self._connections) >= self.config.max_connections:
+            return Reject(
+                503, "too many connections", "capacity", (("Retry-After", "1"),), "overloaded"
             )
-            return
-        rejection = self._check_handshake(request)
-        try:
-            if rejection is not None:
-                status, reason, extra = rejection
-                origin = _header(request, b"origin")
-                log.info(
-                    "rejected handshake from %s: %s (%d)%s",
-                    peer,
-                    reason,
-                    status,
-                    "" if origin is None else f", origin {origin!r}",
-                    extra={
-                        "fields": {
-                            "peer": peer,
-                            "status": status,
-                            "reason": reason,
-                            "origin": origin,
-                        }
-                    },
-                )
-                with trio.move_on_after(config.close_timeout):
-                    await request.reject(status, extra_headers=extra, body=f"{reason}\n".encode())
-                return
-            ws = await request.accept()
-        except (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
-            log.debug("peer %s went away during the handshake", peer)
-            return
-        connection = Connection(self, ws, peer)
+        return None
+
+    async def _run_websocket(self, ws: WebSocketConnection, head: RequestHead) -> None:
+        """Serve one accepted WebSocket connection until it ends."""
+        connection = Connection(self, ws, head.peer)
         self._connections.add(connection)
         try:
             await connection.run()
         finally:
             self._connections.discard(connection)
-            with trio.CancelScope(shield=True), trio.move_on_after(config.close_timeout):
-                await ws.aclose()
 
-    def _check_handshake(
-        self, request: WebSocketRequest
-    ) -> tuple[int, str, list[tuple[bytes, bytes]]] | None:
-        """``(status, reason, headers)`` to reject the handshake with, or None."""
-        origin = _header(request, b"origin")
-        if origin is not None and not self.origin_allowed(origin):
-            return 403, "origin not allowed", []
-        if self.config.api_key is not None and not self._authorized(request):
-            return (
-                401,
-                "missing or wrong api key",
-                [(b"WWW-Authenticate", b'Bearer realm="trioserve"')],
-            )
-        if self._draining:
-            return 503, "server shutting down", []
-        if self._open > self.config.max_connections:
-            return 503, "too many connections", [(b"Retry-After", b"1")]
+    def _on_step(self, record: StepRecord) -> None:
+        self.metrics.step(record.duration, record.batch)
+        stats = self.scheduler.statistics()
+        self.metrics.jobs(running=stats.running, waiting=stats.waiting)
+
+    def _info_page(self) -> dict[str, Any]:
+        info = self.engine.info
+        return {"model": info.model_name, "engine": info.engine}
+
+
+def _load_template(info: EngineInfo) -> ChatTemplate | None:
+    """The model's chat template, or None (chat routes then answer 400)."""
+    if info.model_dir is None:
         return None
-
-    def origin_allowed(self, origin: str) -> bool:
-        """protocol.md section 6: loopback origins (unless turned off), the
-        configured ones, or any with ``*``; ``null`` never."""
-        origin = origin.strip().rstrip("/").lower()
-        if origin == "null":
-            return False
-        config = self.config
-        if "*" in config.allowed_origins:
-            return True
-        if config.allow_loopback_origins and _LOOPBACK_ORIGIN.match(origin) is not None:
-            return True
-        return origin in {a.rstrip("/").lower() for a in config.allowed_origins}
-
-    def _authorized(self, request: WebSocketRequest) -> bool:
-        assert self.config.api_key is not None
-        expected = self.config.api_key.encode()
-        auth = _header(request, b"authorization") or ""
-        scheme, _, token = auth.encode("latin-1").partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), expected):
-            return True
-        for key in parse_qs(urlsplit(request.path).query).get("api_key", []):
-            if hmac.compare_digest(key.encode(), expected):
-                return True
-        return False
-
-
-def _header(request: WebSocketRequest, name: bytes) -> str | None:
-    """A request header as text (latin-1, as HTTP/1.1 headers are), or None."""
-    for key, value in request.headers:
-        if key.lower() == name:
-            return bytes(value).decode("latin-1")
-    return None
-
-
-def _peer_name(stream: trio.SocketStream) -> str:
     try:
-        address = stream.socket.getpeername()
-    except OSError:
-        return "unknown"
-    if isinstance(address, tuple) and len(address) >= 2:
-        host, port = address[0], address[1]
-        return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
-    return str(address)
+        return load_chat_template(info.model_dir)
+    except NoChatTemplate:
+        return None
+    except TrioserveError as exc:
+        log.warning("the model's chat template cannot be used: %s", exc)
+        return None

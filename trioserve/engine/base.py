@@ -68,6 +68,9 @@ class EngineInfo:
     #: None when unknown: lets the server tokenize only the tail of a prompt
     #: far longer than the context.
     max_token_chars: int | None = None
+    #: The model's Hugging Face directory, when it has one: the server reads
+    #: its chat template from there.
+    model_dir: str | None = None
 
 
 @attrs.frozen

@@ -628,6 +628,7 @@ class ExLlamaV2Engine:
             max_batch=plan.max_batch,
             batching=plan.paged,
             max_token_chars=tokenizer.max_token_bytes,
+            model_dir=str(model_dir),
         )
         engine = cls(
             info=info,
