@@ -16,7 +16,6 @@ benchmark (tests/bench/hostile_bench.py):
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -151,18 +150,21 @@ async def open_bystander(
 
 
 class EchoProbe:
-    """Sends ``echo`` back to back (``gap`` seconds apart) and keeps each
-    round-trip time. The client runs in the caller's process: when the server
-    is in that process too, a stalled event loop stalls the probe as well,
-    and its round trips measure exactly that."""
+    """Sends ``echo`` in a loop, ``gap`` seconds apart, and keeps how late each
+    cycle (sleep, send, reply) came back beyond its ``gap``: the longest is how
+    long the event loop stalled meanwhile, wherever in the cycle the stall
+    fell. The client runs in the caller's process: when the server is in that
+    process too, a stalled event loop stalls the probe as well, and that is
+    what it measures."""
 
     def __init__(self, url: str, *, gap: float = 0.01) -> None:
         self.url = url
         self.gap = gap
         self.round_trips: list[float] = []
+        self.lateness: list[float] = []
         self.failures: list[str] = []
         self.started = trio.Event()
-        self._pending_since: float | None = None
+        self._cycle_since: float | None = None
 
     async def run(self) -> None:
         try:
@@ -171,23 +173,32 @@ class EchoProbe:
                 serial = 0
                 while True:
                     serial += 1
-                    self._pending_since = time.perf_counter()
+                    self._cycle_since = begun = time.perf_counter()
+                    await trio.sleep(self.gap)
+                    sent = time.perf_counter()
                     await ws.send_message(json.dumps({"action": "echo", "request_id": serial}))
                     reply = json.loads(await ws.get_message())
-                    self.round_trips.append(time.perf_counter() - self._pending_since)
-                    self._pending_since = None
+                    now = time.perf_counter()
+                    self.round_trips.append(now - sent)
+                    self.lateness.append(now - begun - self.gap)
                     if reply != {"action": "echo", "request_id": serial}:
                         self.failures.append(f"wrong echo reply {reply!r}")
-                    await trio.sleep(self.gap)
         except trio_websocket.ConnectionClosed as exc:
             self.failures.append(f"connection closed: {exc.reason}")
         finally:
             self.started.set()
 
+    def reset(self) -> None:
+        """Forget what was measured so far."""
+        self.round_trips.clear()
+        self.lateness.clear()
+
     def longest(self) -> float:
-        """The longest round trip, counting one still unanswered."""
-        pending = 0.0 if self._pending_since is None else time.perf_counter() - self._pending_since
-        return max([pending, *self.round_trips]) if self.round_trips or pending else math.nan
+        """The longest stall seen, counting a cycle still under way."""
+        pending = 0.0
+        if self._cycle_since is not None:
+            pending = time.perf_counter() - self._cycle_since - self.gap
+        return max([pending, *self.lateness])
 
 
 @asynccontextmanager
