@@ -16,6 +16,7 @@ benchmark (tests/bench/hostile_bench.py):
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -24,7 +25,7 @@ from typing import Any
 import trio
 import trio_websocket
 
-__all__ = ["Bystander", "EchoProbe", "open_bystander", "open_echo_probe"]
+__all__ = ["Bystander", "EchoProbe", "open_bystander", "open_echo_probe", "random_words"]
 
 
 class Bystander:
@@ -214,3 +215,18 @@ async def open_echo_probe(url: str, *, gap: float = 0.01) -> AsyncIterator[EchoP
         yield probe
         nursery.cancel_scope.cancel()
     assert not probe.failures, f"the echo probe failed: {probe.failures[:5]}"
+
+
+def random_words(chars: int, seed: int = 0) -> str:
+    """Text of ``chars`` characters made of random lowercase words: what a
+    tokenizer really works through (a repeated sentence hits its cache)."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choices(letters, k=rng.randint(2, 9))) for _ in range(50_000)]
+    out: list[str] = []
+    size = 0
+    while size < chars:
+        word = rng.choice(words)
+        out.append(word)
+        size += len(word) + 1
+    return " ".join(out)[:chars]

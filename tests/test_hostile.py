@@ -45,7 +45,7 @@ from trioserve.server import Listening, Server, ServerConfig
 
 from . import wire
 from .helpers import EOS, ScriptedEngine, raw_client, wait_until
-from .hostile import open_bystander, open_echo_probe
+from .hostile import open_bystander, open_echo_probe, random_words
 
 if TYPE_CHECKING:
     from trioserve.engine.cpu import CpuEngine
@@ -513,21 +513,6 @@ async def test_a_burst_fills_free_engine_slots_not_just_the_queue() -> None:
 
 
 # --- defect 5: long texts freeze the event loop ---------------------------------------------------
-
-
-def random_words(chars: int, seed: int = 0) -> str:
-    """Text of ``chars`` characters made of random lowercase words: what a
-    tokenizer really works through (a repeated sentence hits its cache)."""
-    rng = random.Random(seed)
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    words = ["".join(rng.choices(letters, k=rng.randint(2, 9))) for _ in range(50_000)]
-    out: list[str] = []
-    size = 0
-    while size < chars:
-        word = rng.choice(words)
-        out.append(word)
-        size += len(word) + 1
-    return " ".join(out)[:chars]
 
 
 @pytest.fixture(scope="module")
