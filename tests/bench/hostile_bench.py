@@ -170,7 +170,6 @@ async def _infer_loop(url: str, result: RoundResult, until: float, tokens: int) 
                 temperature=0,
                 bann_bann=[EOS_ID],
                 request_id=serial,
-                compact_chunks=True,
             )
             sent = time.perf_counter()
             await ws.send_message(json.dumps(frame))
