@@ -113,9 +113,13 @@ class SoakClient:
             }
             return rid, frame, Pending("trim")
         if roll < 0.45:
-            bad = rng.choice(
-                [{"top_k": -1}, {"temprature": 1}, {"max_new_tokens": 0}, {"stream": "yes"}]
-            )
+            bads: list[dict[str, Any]] = [
+                {"top_k": -1},
+                {"temprature": 1},
+                {"max_new_tokens": 0},
+                {"stream": "yes"},
+            ]
+            bad = rng.choice(bads)
             frame = {"action": "infer", "text": "hi", "max_new_tokens": 4, **bad}
             return rid, frame, Pending("bad")
         stream = rng.random() < 0.6
