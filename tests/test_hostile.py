@@ -685,6 +685,68 @@ async def test_a_client_that_does_not_read_is_closed_and_memory_stays_bounded() 
     assert all(code in (1008, 1013) for code in closes), closes
 
 
+async def test_a_slow_but_live_reader_is_not_dropped_by_keepalive() -> None:
+    """Issue 8, defect 7: a reader blocked on the outgoing buffer stopped pong
+    processing, so keepalive dropped a client that was slow but alive. This
+    client reads 16 kB every 50 ms (far slower than its 4 streams produce),
+    answers every ping, and sends an echo every 100 ms; with pings every
+    0.2 s and a 1 s timeout it must stay connected and get every answer."""
+    engine = ScriptedEngine(step_delay=0.002, max_batch=8)
+    async with serving(engine, ping_interval=0.2, ping_timeout=1.0) as (_, listening):
+        ws = await wire.open_raw_websocket("127.0.0.1", listening.port, receive_buffer=16384)
+        for i in range(4):
+            await ws.send_json(infer("long", 10_000, stream=True, tag="x" * 20_000, request_id=i))
+        echoes_sent = echoes_back = 0
+        close_code: int | None = None
+        finals: list[dict[str, Any]] = []
+        stop_reply: dict[str, Any] | None = None
+        parser = wire.FrameParser()
+
+        async def handle(data: bytes) -> None:
+            nonlocal echoes_back, close_code, stop_reply
+            for frame in parser.feed(data):
+                if frame.opcode == wire.PING:
+                    await ws.send_raw(wire.build_frame(wire.PONG, frame.payload))
+                elif frame.opcode == wire.CLOSE:
+                    close_code = frame.close_code if frame.close_code is not None else -1
+                elif frame.opcode == wire.TEXT:
+                    reply = frame.json()
+                    if reply["action"] == "echo":
+                        echoes_back += 1
+                    elif reply["action"] == "stop":
+                        stop_reply = reply
+                    elif reply.get("response_type") != "chunk":
+                        finals.append(reply)
+
+        deadline = trio.current_time() + 4.0
+        next_echo = trio.current_time()
+        while trio.current_time() < deadline and close_code is None:
+            if trio.current_time() >= next_echo:
+                await ws.send_json({"action": "echo", "request_id": echoes_sent})
+                echoes_sent += 1
+                next_echo += 0.1
+            with trio.move_on_after(0.05):
+                data = await ws.stream.receive_some(16384)
+                if not data:
+                    close_code = close_code or -2
+                await handle(data)
+            await trio.sleep(0.05)
+        assert close_code is None, f"the server closed a live client with {close_code}"
+        # Now read at full speed: everything is still answered.
+        await ws.send_json({"action": "stop", "request_id": "s"})
+        with trio.fail_after(60):
+            while stop_reply is None and close_code is None:
+                data = await ws.stream.receive_some(65536)
+                if not data:
+                    break
+                await handle(data)
+        await ws.aclose()
+    assert close_code is None, f"the server closed a live client with {close_code}"
+    assert stop_reply is not None and stop_reply["stopped"] == 4, stop_reply
+    assert [f["stop_reason"] for f in finals] == ["interrupted"] * 4
+    assert echoes_back == echoes_sent
+
+
 # --- defect 8: no fairness ------------------------------------------------------------------------
 
 
