@@ -31,12 +31,14 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import pytest
 import trio
 import trio_websocket
@@ -82,8 +84,6 @@ def make_config(**options: Any) -> ServerConfig:
 
 
 def attrs_fields(cls: type) -> set[str]:
-    import attrs
-
     return {field.name for field in attrs.fields(cls)}
 
 
@@ -424,8 +424,6 @@ class GatedEngine(ScriptedEngine):
     """A scripted engine whose steps wait until the test opens the gate."""
 
     def __init__(self, **options: Any) -> None:
-        import threading
-
         super().__init__(**options)
         self.gate = threading.Event()
         self.in_step = threading.Event()
