@@ -53,7 +53,8 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks (tests/bench/); prints Markdown tables for docs/performance.md."""
+    """Benchmarks (tests/bench/); prints Markdown tables for docs/performance.md and
+    docs/reliability.md (the hostile-client bench: ``nox -s bench -- --only hostile``)."""
     install_project(session, "test", "bench")
     session.run("python", "tests/bench/run.py", *session.posargs)
 
