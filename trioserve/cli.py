@@ -165,8 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument(
         "--max-message-bytes",
         type=_positive_int,
-        default=8 * 1024 * 1024,
-        help="largest frame accepted; a larger one closes the connection with 1009",
+        default=None,
+        help=(
+            "largest frame or HTTP body accepted, in bytes; a larger frame closes the "
+            "connection with 1009 (default: 16 bytes per token of context, at least 256 KiB)"
+        ),
     )
     limits.add_argument(
         "--max-requests-per-connection",

@@ -341,7 +341,7 @@ class Connection:
     # -- requests -----------------------------------------------------------------
 
     async def _reader(self) -> None:
-        max_bytes = self.server.config.max_message_bytes
+        max_bytes = self.server.max_message_bytes
         while True:
             try:
                 message = await self.ws.get_message()

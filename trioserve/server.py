@@ -81,8 +81,12 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
     #: Whether loopback origins are allowed (``--allowed-origin none`` clears it).
     allow_loopback_origins: bool = True
-    #: Largest frame a client may send, in bytes (UTF-8 for text frames).
-    max_message_bytes: int = attrs.field(default=1 * MiB, validator=_positive("max message bytes"))
+    #: Largest frame (or HTTP body) a client may send, in bytes (UTF-8 for
+    #: text frames). None: 16 bytes per token of the model's context, at least
+    #: 256 KiB (a full 8,192-token context is about 40 KB of English text):
+    #: parsing and tokenizing a frame holds the GIL for a moment that grows
+    #: with its size, and every other client waits that moment.
+    max_message_bytes: int | None = None
     max_requests_per_connection: int = attrs.field(
         default=32, validator=_positive("max requests per connection")
     )
@@ -112,6 +116,8 @@ class ServerConfig:
     def __attrs_post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be in 0..65535, got {self.port!r}")
+        if self.max_message_bytes is not None and self.max_message_bytes < 1:
+            raise ConfigError(f"max message bytes must be > 0, got {self.max_message_bytes!r}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ConfigError(f"max new tokens must be >= 1, got {self.max_new_tokens!r}")
         if self.max_running_per_connection is not None and self.max_running_per_connection < 1:
@@ -128,6 +134,12 @@ class ServerConfig:
                     "allowed origins must look like scheme://host[:port] (or be '*'), "
                     f"got {origin!r}"
                 )
+
+
+def default_max_message_bytes(context_length: int) -> int:
+    """The frame limit for a model of ``context_length`` tokens (see
+    :attr:`ServerConfig.max_message_bytes`)."""
+    return max(256 * KiB, 16 * context_length)
 
 
 @attrs.frozen
@@ -210,6 +222,9 @@ class Server:
         self.max_new_tokens = min(
             config.max_new_tokens or info.context_length, info.context_length - 1
         )
+        self.max_message_bytes = config.max_message_bytes or default_max_message_bytes(
+            info.context_length
+        )
         self.scheduler = Scheduler(
             engine,
             max_waiting=config.max_waiting_jobs,
@@ -249,7 +264,7 @@ class Server:
                 allow_loopback_origins=config.allow_loopback_origins,
             ),
             limits=HTTPLimits(
-                max_body_bytes=config.max_message_bytes,
+                max_body_bytes=self.max_message_bytes,
                 max_connections=config.max_connections,
                 head_timeout=config.handshake_timeout,
                 websocket_handshake_timeout=config.handshake_timeout,
@@ -258,7 +273,7 @@ class Server:
             websocket_handler=self._run_websocket,
             admit_websocket=self._admit_websocket,
             observer=self.metrics,
-            max_message_bytes=config.max_message_bytes,
+            max_message_bytes=self.max_message_bytes,
         )
         self._connections: set[Connection] = set()
         self._draining = False
@@ -280,7 +295,7 @@ class Server:
                 batching=info.batching,
             ),
             p.Limits(
-                max_message_bytes=config.max_message_bytes,
+                max_message_bytes=self.max_message_bytes,
                 max_requests_per_connection=config.max_requests_per_connection,
                 max_waiting_jobs=config.max_waiting_jobs,
                 max_new_tokens=self.max_new_tokens,

@@ -180,7 +180,9 @@ class Tokenizer:
         other thread, the event loop's included, for seconds on a long text).
         """
         if len(text) > _GIL_FREE_CHARS:
-            return list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
+            # The fast variant computes no offsets: half the time, and a much
+            # smaller result to convert and free under the GIL afterwards.
+            return list(self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids)
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int] | Iterable[int]) -> str:
