@@ -88,6 +88,9 @@ class InferEntry:
     chunk_pending: bool = False
     #: Length of the response already sent in chunk frames.
     sent: int = 0
+    #: Why the request was interrupted, for metrics: ``stop``, ``shutdown``,
+    #: or (when nobody says) ``disconnect``.
+    cancel_cause: str | None = None
 
 
 class Outbox:
@@ -198,6 +201,7 @@ class Connection:
     def interrupt_all(self) -> None:
         for entry in self.requests:
             if not entry.generation.decided:
+                entry.cancel_cause = "shutdown"
                 entry.scope.cancel()
 
     async def wait_requests_done(self) -> None:
@@ -390,6 +394,7 @@ class Connection:
         server = self.server
         if isinstance(request, p.EchoRequest):
             self._reply(p.EchoReply(echoed=request.echoed))
+            self._log_request(request, quiet=True)
         elif isinstance(request, p.EstimateTokenRequest):
             ids = await server.tokenizing.encode(request.text)
             self._reply(p.EstimateTokenReply(num_tokens=len(ids), echoed=request.echoed))
@@ -403,8 +408,10 @@ class Connection:
         elif isinstance(request, p.StopRequest):
             stopped = await self._stop(request)
             self._reply(p.StopReply(stopped=stopped, echoed=request.echoed))
+            self._log_request(request, stopped=stopped)
         elif isinstance(request, p.InfoRequest):
             self._reply(server.info_reply(request.echoed))
+            self._log_request(request, quiet=True)
         else:  # pragma: no cover - decode_request returns only the above
             raise AssertionError(request)
 
@@ -436,7 +443,10 @@ class Connection:
                 echoed=request.echoed,
             )
         generation = Generation(
-            request=generation_request(request), received=trio.current_time(), owner=self
+            request=generation_request(request),
+            received=trio.current_time(),
+            owner=self,
+            observer=server.metrics,
         )
         entry = InferEntry(request, generation)
         generation.on_text = lambda _text: self._text_released(entry)
@@ -454,6 +464,7 @@ class Connection:
             e for e in self.requests if e.request.matches_stop(request) and not e.generation.decided
         ]
         for entry in targets:
+            entry.cancel_cause = "stop"
             entry.scope.cancel()
         # Their final frames go out before this stop's reply.
         for entry in targets:
@@ -593,16 +604,38 @@ class Connection:
             if generation.tokens_per_second is None
             else round(generation.tokens_per_second, 1),
         }
+        outcome: str = "internal"
         if isinstance(reply, p.InferFinal):
-            fields["stop_reason"] = reply.stop_reason
+            fields["stop_reason"] = outcome = reply.stop_reason
         elif isinstance(reply, p.ErrorReply):
-            fields["error_type"] = reply.error.type
+            fields["error_type"] = outcome = reply.error.type
+        metrics = self.server.metrics
+        metrics.request_finished(
+            api="websocket",
+            action="infer",
+            outcome=outcome,
+            prompt_tokens=generation.prompt_tokens,
+            generated_tokens=generation.generated_tokens,
+            duration=generation.total_s,
+        )
+        if generation.job is not None and generation.job.started_at is not None:
+            metrics.queue_wait(generation.queued_s)
+        if outcome == "interrupted":
+            metrics.cancelled(entry.cancel_cause or "disconnect")
         if self.server.config.log_prompts:
             fields["prompt"] = entry.request.custom_bos + entry.request.text
         access_log.info("infer done", extra={"fields": fields})
 
-    def _log_request(self, request: p.Request | None, **extra: Any) -> None:
-        if not access_log.isEnabledFor(logging.INFO):
+    def _log_request(self, request: p.Request | None, *, quiet: bool = False, **extra: Any) -> None:
+        """Count a quick action and log it (echo and info, which clients use
+        as pings, at DEBUG; the others at INFO)."""
+        self.server.metrics.request_finished(
+            api="websocket",
+            action=_action_name(request) or "unknown",
+            outcome=extra.get("error_type", "ok"),
+        )
+        level = logging.DEBUG if quiet and "error_type" not in extra else logging.INFO
+        if not access_log.isEnabledFor(level):
             return
         fields: dict[str, Any] = {
             "peer": self.peer,
@@ -613,7 +646,7 @@ class Connection:
             else None,
             **extra,
         }
-        access_log.info("%s done", fields["action"] or "request", extra={"fields": fields})
+        access_log.log(level, "%s done", fields["action"] or "request", extra={"fields": fields})
 
 
 def _action_name(request: p.Request | None) -> str | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Sequence
-from typing import Literal, TypeAlias
+from typing import Literal, Protocol, TypeAlias
 
 import attrs
 import trio
@@ -175,6 +175,14 @@ class Tokenizing:
 Outcome: TypeAlias = Literal["finished", "failed", "interrupted"]
 
 
+class GenerationObserver(Protocol):
+    """What a generation reports as it goes (``trioserve.metrics.Metrics`` is one)."""
+
+    def first_token(self, seconds: float, *, api: str) -> None: ...
+
+    def tokens(self, seconds: float, count: int = 1) -> None: ...
+
+
 @attrs.define(eq=False)
 class Generation:
     """One generation in flight: its prompt, job, text so far and timing.
@@ -204,6 +212,11 @@ class Generation:
     finished: Finished | None = None
     failure: str | None = None
     ended_at: float | None = None
+    #: Told of the first token and of the gaps between later ones (metrics),
+    #: under ``api``'s name.
+    observer: GenerationObserver | None = None
+    api: str = "websocket"
+    last_token_at: float | None = None
     #: Called with each piece of released text; the front end sets it.
     on_text: Callable[[str], None] = attrs.field(default=lambda _text: None, repr=False)
     _prompt_ids: list[int] = attrs.field(factory=list, init=False, repr=False)
@@ -278,9 +291,7 @@ class Generation:
         if isinstance(update, Failed):
             self._settle("failed", failure=update.message)
             return True
-        self.generated_tokens = update.generated_tokens
-        if self.first_token_at is None and update.generated_tokens > 0:
-            self.first_token_at = trio.current_time()
+        self._count_tokens(update.generated_tokens)
         if isinstance(update, TextUpdate):
             self.held = update.held
             self._release(update.text)
@@ -291,6 +302,23 @@ class Generation:
         self.finished = update
         self._settle("finished")
         return True
+
+    def _count_tokens(self, generated: int) -> None:
+        new = generated - self.generated_tokens
+        if new <= 0:
+            return
+        now = trio.current_time()
+        observer = self.observer
+        if self.first_token_at is None:
+            self.first_token_at = now
+            if observer is not None:
+                observer.first_token(now - self.received, api=self.api)
+                if new > 1:
+                    observer.tokens(0.0, new - 1)
+        elif observer is not None and self.last_token_at is not None:
+            observer.tokens(now - self.last_token_at, new)
+        self.last_token_at = now
+        self.generated_tokens = generated
 
     def _release(self, text: str) -> None:
         if text:
