@@ -600,6 +600,7 @@ class Connection:
             p.InferChunk(
                 chunk=chunk,
                 response=progress.response if request.stream_full else None,
+                util_text=None if request.compact_chunks else progress.util_text,
                 echoed=request.echoed,
             )
         )
@@ -616,6 +617,12 @@ class Connection:
                 "invalid_request", message, field=field, action="infer", echoed=echoed
             )
 
+        if request.messages is not None:
+            # Rendering a chat needs the model's chat template (issue 10).
+            raise invalid(
+                "this model has no chat template to render messages with: send the prompt as text",
+                "$.messages",
+            )
         if request.max_new_tokens > server.max_new_tokens:
             raise invalid(
                 f"max_new_tokens must be at most {server.max_new_tokens} for this model "
@@ -642,7 +649,7 @@ class Connection:
                     f"$.bann_bann[{index}]",
                 )
 
-        prompt = request.custom_bos + request.text
+        prompt = request.custom_bos + (request.text or "")
         ids = await self._encode(prompt)
         if not ids:
             raise invalid(
@@ -699,7 +706,7 @@ class Connection:
                 stop_token = finished.stop_token
         return p.InferFinal(
             response=progress.response,
-            util_text=progress.util_text or (request.custom_bos + request.text),
+            util_text=progress.util_text or (request.custom_bos + (request.text or "")),
             stop_reason=stop_reason,
             eos_reason=eos_reason,
             stop_string=stop_string,
