@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tests.strategies import json_values
 from trioserve import protocol as p
-from trioserve.protocol._json import json_depth_exceeds, json_size_exceeds
+from trioserve.protocol._json import _nesting_exceeds, json_depth_exceeds, json_size_exceeds
 
 
 def decode_error(frame: str | dict[str, Any]) -> p.ProtocolError:
@@ -58,6 +58,31 @@ def test_the_cap_counts_objects_and_arrays_together() -> None:
     assert decode_error('{"action":"echo","request_id":' + deeper + "}").error_type == (
         "invalid_json"
     )
+
+
+_tricky_text = st.text(alphabet='[]{}"\\ab\n', max_size=8)
+_tricky_json = st.recursive(
+    st.none() | st.integers() | _tricky_text,
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(_tricky_text, children, max_size=3)
+    ),
+    max_leaves=30,
+)
+
+
+def depth_of(value: Any) -> int:
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list):
+        return 1 + max((depth_of(v) for v in value), default=0)
+    return 0
+
+
+@given(_tricky_json, st.integers(0, 8), st.booleans())
+def test_the_bracket_scan_is_the_real_depth(value: Any, limit: int, ascii_only: bool) -> None:
+    text = json.dumps(value, ensure_ascii=ascii_only)
+    assert _nesting_exceeds(text.encode(), limit) == (depth_of(value) > limit)
+    assert json_depth_exceeds(value, limit) == (depth_of(value) > limit)
 
 
 def test_brackets_inside_strings_do_not_nest() -> None:

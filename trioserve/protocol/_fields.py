@@ -274,6 +274,16 @@ class TokenIds(Rule):
         return number
 
     def read(self, value: Any) -> tuple[int, ...]:
+        # The usual list, checked in C-speed passes; the loop below finds the
+        # first bad element (and handles integral floats) otherwise.
+        if (
+            isinstance(value, list)
+            and 0 < len(value) <= self.max_count
+            and set(map(type, value)) == {int}
+            and min(value) >= 0
+            and max(value) <= MAX_TOKEN_ID
+        ):
+            return tuple(value)
         return _elements(value, self, self.item, self.max_count)
 
 

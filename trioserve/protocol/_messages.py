@@ -208,9 +208,10 @@ class LefttrimTokenRequest:
 #: them and bound the per-job stop-string automaton (about 16 k states, built
 #: in tens of milliseconds).
 _STOP_CONDITIONS = StopConditions(max_count=64, max_chars=256)
-#: ``bann_bann``: lists of a few to a few hundred ids are usual; 16,384 covers
-#: banning whole families of tokens and keeps the check of a frame short.
-_BANNED = TokenIds(max_count=16384, limit_name="max_banned_ids")
+#: ``bann_bann``: lists of a few to a few hundred ids are usual; 65,536 is half
+#: of a 128 k vocabulary, enough to ban a whole script (English-only output),
+#: and still a frame of 0.5 MB whose check takes about a millisecond.
+_BANNED = TokenIds(max_count=65536, limit_name="max_banned_ids")
 #: ``messages``: OpenAI's API takes at most 2,048 messages; roles are short
 #: names ("system", "user", "assistant", "tool", "ipython").
 _MESSAGES = Messages(ChatMessage, max_count=2048, max_role_chars=64)
