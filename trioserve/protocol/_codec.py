@@ -579,7 +579,10 @@ def _default_doc(field: _Field) -> str:
         return "required"
     if field.default is None:
         return "absent"
-    return f"`{json.dumps(_converter.unstructure(field.default))}`"
+    default = field.default
+    if isinstance(default, float) and default.is_integer():
+        default = int(default)  # 0, not 0.0
+    return f"`{json.dumps(_converter.unstructure(default))}`"
 
 
 def infer_field_table() -> str:
