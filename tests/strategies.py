@@ -173,7 +173,9 @@ def _infer_pair(draw: st.DrawFn) -> tuple[dict[str, Any], p.Request]:
     wire_max, max_new_tokens = draw(_int_wire(1, 100_000))
     frame: dict[str, Any] = {"action": "infer", **ids, "max_new_tokens": wire_max}
     kwargs: dict[str, Any] = {}
-    if draw(st.booleans()):
+    # Mostly text: a server without a chat template answers messages with
+    # invalid_request, and server tests want infers that run.
+    if draw(st.integers(0, 4)) > 0:
         frame["text"] = kwargs["text"] = draw(st.text(max_size=30))
     else:
         frame["messages"], kwargs["messages"] = draw(_messages_wire())
