@@ -64,6 +64,7 @@ _RANGES = setting_ranges()
 #: The smallest positive float32: a temperature below it would round to 0
 #: in float32 and turn the row's maximum into 0/0.
 _TINY32 = torch.finfo(torch.float32).tiny
+_FLOAT32_EXP_FLOOR = -100.0
 _NEUTRAL = SamplingSettings(temperature=0.0, rep_pen=1.0)
 
 
@@ -436,6 +437,11 @@ def _candidates(
         k_max = min(max(s.top_k for s in settings), vocab)
         values, ids = _top_candidates(x, k_max)
         scaled = (values.to(torch.float64) - values[:, :1].to(torch.float64)) / temperature
+        # The other kinds take probabilities from a float32 softmax, where
+        # exp() of less than about -103 is 0. Dropping such candidates here
+        # too (e^-100 is 4e-44: never drawn) keeps top_k a filter that only
+        # removes tokens from what the same row without top_k could draw.
+        scaled = scaled.masked_fill(scaled < _FLOAT32_EXP_FLOOR, _NEG_INF)
         if any(s.top_k < k_max for s in settings):
             top_k = torch.tensor([s.top_k for s in settings], device=device).unsqueeze(1)
             position = torch.arange(k_max, device=device).unsqueeze(0)
