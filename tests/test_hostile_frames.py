@@ -81,3 +81,40 @@ async def test_the_deepest_ids_allowed_echo_and_stop(cpu_engine: CpuEngine) -> N
         assert reply == {"action": "stop", "request_id": "s", "stopped": 1}
         assert frames[-1]["stop_reason"] == "interrupted"
         assert frames[-1]["request_id"] == deepest
+
+
+async def test_extreme_sampler_values_share_a_batch_harmlessly(cpu_engine: CpuEngine) -> None:
+    """Issue 8 defect 3: values that overflowed the sampler failed every job
+    of the step. Now the edges of each range run, in one batch with a
+    bystander; beyond them is an invalid_request naming the field."""
+    edges: list[dict[str, Any]] = [
+        {"top_k": 2**31 - 1, "temperature": 1000, "top_a": 1000, "skew": 100},
+        {"top_k": 0, "top_p": 1e-300, "temperature": 1e-300, "rep_pen": 0.01},
+        {"rep_pen": 100, "freq_pen": -100, "pres_pen": 100, "skew": -100, "min_p": 1e-300},
+        {"freq_pen": 100, "pres_pen": -100, "typical": 1e-300, "seed": 2**64 - 1},
+    ]
+    beyond = [("top_k", 2**63), ("temperature", 1e308), ("rep_pen", 1e-300), ("pres_pen", -1e308)]
+    async with running_server(cpu_engine) as listening, raw_client(listening.url) as ws:
+        await ws.send({"action": "infer", "request_id": "b", "text": PROMPT, "max_new_tokens": 8})
+        for index, fields in enumerate(edges):
+            await ws.send(
+                {"action": "infer", "request_id": index, "text": PROMPT, "max_new_tokens": 8}
+                | fields
+            )
+        for field, value in beyond:
+            await ws.send(
+                {"action": "infer", "request_id": field, "text": PROMPT, "max_new_tokens": 8}
+                | {field: value}
+            )
+        finals: dict[str, dict[str, Any]] = {}
+        while len(finals) < 1 + len(edges) + len(beyond):
+            frame = await ws.recv(within=120)
+            finals[json.dumps(frame["request_id"])] = frame
+    for field, _ in beyond:
+        error = finals[json.dumps(field)]
+        assert error["error"]["type"] == "invalid_request"
+        assert error["error"]["field"] == f"$.{field}"
+    for key in ["b", *range(len(edges))]:
+        final = finals[json.dumps(key)]
+        assert final["response_type"] == "full", final
+        assert final["usage"]["generated_tokens"] >= 1
