@@ -181,3 +181,23 @@ async def test_the_seeds_sequences_decode_with_the_codec(cpu_engine: CpuEngine) 
     final = replies[-1]
     assert isinstance(final, p.InferFinal) and final.chunk == ""
     assert [p.unstructure_reply(r) for r in replies] == frames
+
+
+async def test_messages_are_checked_then_refused_until_rendered(cpu_engine: CpuEngine) -> None:
+    """``messages`` is validated by the protocol; rendering it is the
+    server's (issue 10), which until then answers invalid_request."""
+    chat = [{"role": "user", "content": "Hi!"}]
+    async with running_server(cpu_engine) as listening, raw_client(listening.url) as ws:
+        bad = await ws.request(
+            {"action": "infer", "request_id": 1, "messages": [{"role": ""}], "max_new_tokens": 4}
+        )
+        both = await ws.request(
+            {"action": "infer", "request_id": 2, "messages": chat, "text": "x", "max_new_tokens": 4}
+        )
+        refused = await ws.request(
+            {"action": "infer", "request_id": 3, "messages": chat, "max_new_tokens": 4}
+        )
+    assert bad["error"]["field"] == "$.messages[0].role"
+    assert both["error"]["message"] == "give exactly one of text and messages, not both"
+    assert refused["error"]["type"] == "invalid_request"
+    assert refused["error"]["field"] == "$.messages"

@@ -618,10 +618,9 @@ class Connection:
             )
 
         if request.messages is not None:
-            # Rendering a chat needs the model's chat template (issue 10).
+            # Rendering a chat with the model's chat template is issue 10's.
             raise invalid(
-                "this model has no chat template to render messages with: send the prompt as text",
-                "$.messages",
+                "this server does not render messages yet: send the prompt as text", "$.messages"
             )
         if request.max_new_tokens > server.max_new_tokens:
             raise invalid(
