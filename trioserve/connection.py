@@ -34,6 +34,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from . import protocol as p
+from .chat_template import ChatTemplateError
 from .inference import (
     Generation,
     GenerationRequest,
@@ -47,6 +48,9 @@ if TYPE_CHECKING:
 __all__ = ["Connection", "InferEntry", "Outbox", "OutboxOverflow"]
 
 log = logging.getLogger("trioserve.server")
+
+#: Messages longer than this (characters in all) are rendered in a worker thread.
+_RENDER_INLINE_CHARS = 4096
 access_log = logging.getLogger("trioserve.access")
 
 
@@ -307,6 +311,7 @@ class Connection:
         return p.encode_reply(
             p.InferChunk(
                 chunk=chunk,
+                util_text=None if request.compact_chunks else generation.util_text,
                 response=generation.response if request.stream_full else None,
                 echoed=request.echoed,
             )
@@ -442,6 +447,14 @@ class Connection:
                 action="infer",
                 echoed=request.echoed,
             )
+        info = server.engine.info
+        p.validate_against_model(
+            request,
+            vocab_size=info.vocab_size,
+            max_new_tokens=server.max_new_tokens,
+            context_length=info.context_length,
+            renders_messages=server.chat_template is not None,
+        )
         generation = Generation(
             request=generation_request(request),
             received=trio.current_time(),
@@ -453,6 +466,21 @@ class Connection:
         self.requests.add(entry)
         assert self._nursery is not None
         self._nursery.start_soon(self._run_infer, entry)
+
+    async def _render(self, request: p.InferRequest) -> str:
+        """The prompt of an ``infer`` with ``messages``: the model's chat template
+        (in a worker thread when the messages are long)."""
+        template = self.server.chat_template
+        assert template is not None and request.messages is not None
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        try:
+            if sum(len(m.content) for m in request.messages) > _RENDER_INLINE_CHARS:
+                return await trio.to_thread.run_sync(
+                    template.render, messages, limiter=self.server.tokenizing.limiter
+                )
+            return template.render(messages)
+        except ChatTemplateError as exc:
+            raise InvalidGeneration(str(exc), "$.messages") from None
 
     def _text_released(self, entry: InferEntry) -> None:
         if entry.request.stream and not entry.chunk_pending:
@@ -481,6 +509,10 @@ class Connection:
         try:
             with entry.scope:
                 try:
+                    if request.messages is not None:
+                        generation.request = attrs.evolve(
+                            generation.request, text=await self._render(request)
+                        )
                     await generation.run(
                         server.scheduler, server.tokenizing, max_new_tokens=server.max_new_tokens
                     )
@@ -567,7 +599,7 @@ class Connection:
         first_token_s = generation.first_token_s
         return p.InferFinal(
             response=generation.response,
-            util_text=generation.util_text or (request.custom_bos + request.text),
+            util_text=generation.util_text or _prompt_of(request),
             stop_reason=stop_reason,
             eos_reason=eos_reason,
             stop_string=stop_string,
@@ -623,7 +655,7 @@ class Connection:
         if outcome == "interrupted":
             metrics.cancelled(entry.cancel_cause or "disconnect")
         if self.server.config.log_prompts:
-            fields["prompt"] = entry.request.custom_bos + entry.request.text
+            fields["prompt"] = entry.generation.util_text or _prompt_of(entry.request)
         access_log.info("infer done", extra={"fields": fields})
 
     def _log_request(self, request: p.Request | None, *, quiet: bool = False, **extra: Any) -> None:
@@ -668,19 +700,20 @@ _ACTIONS: dict[str, type] = {
 }
 
 
+def _prompt_of(request: p.InferRequest) -> str:
+    return request.custom_bos + (request.text or "")
+
+
 def generation_request(request: p.InferRequest) -> GenerationRequest:
     """The transport-neutral part of an ``infer`` request."""
-    stop_tokens = [
-        (index, c) for index, c in enumerate(request.stop_conditions) if isinstance(c, int)
-    ]
     return GenerationRequest(
-        text=request.text,
+        text=request.text or "",
         custom_bos=request.custom_bos,
         max_new_tokens=request.max_new_tokens,
         sampling=request.sampling_settings(),
         stop_strings=request.stop_strings,
-        stop_token_ids=tuple(token for _, token in stop_tokens),
-        stop_token_positions=tuple(index for index, _ in stop_tokens),
+        stop_token_ids=tuple(c for c in request.stop_conditions if isinstance(c, int)),
         banned_ids=tuple(request.bann_bann),
         token_healing=request.token_healing,
+        text_field="$.text" if request.messages is None else "$.messages",
     )

@@ -70,18 +70,12 @@ class GenerationRequest:
     max_new_tokens: int
     sampling: SamplingSettings = attrs.field(factory=SamplingSettings)
     stop_strings: tuple[str, ...] = ()
-    #: Stop token ids in the request's order, and their positions in the
-    #: request's own list (for the field path of an error).
     stop_token_ids: tuple[int, ...] = ()
-    stop_token_positions: tuple[int, ...] = ()
     banned_ids: tuple[int, ...] = ()
     token_healing: bool = False
-    #: Wire paths of the fields, for errors: the WebSocket protocol names
-    #: ``$.stop_conditions``, an HTTP API may name its own.
-    stop_token_field: str = "$.stop_conditions"
-    banned_field: str = "$.bann_bann"
+    #: Wire path of the prompt, for errors (``$.text``, or ``$.messages``
+    #: when the prompt was rendered from them).
     text_field: str = "$.text"
-    max_new_tokens_field: str = "$.max_new_tokens"
 
 
 def trim_prompt(ids: Sequence[int], keep: int, *, keep_first: bool) -> list[int]:
@@ -123,30 +117,6 @@ def build_spec(
         banned_ids=frozenset(request.banned_ids),
         token_healing=request.token_healing,
     )
-
-
-def check_against_model(request: GenerationRequest, info: EngineInfo, max_new_tokens: int) -> None:
-    """Limits that depend on the model: raise :class:`InvalidGeneration`."""
-    if request.max_new_tokens > max_new_tokens:
-        raise InvalidGeneration(
-            f"max_new_tokens must be at most {max_new_tokens} for this model "
-            f"(context length {info.context_length}), got {request.max_new_tokens!r}",
-            request.max_new_tokens_field,
-        )
-    vocab = info.vocab_size
-    positions = request.stop_token_positions or tuple(range(len(request.stop_token_ids)))
-    for position, token in zip(positions, request.stop_token_ids, strict=True):
-        if not 0 <= token < vocab:
-            raise InvalidGeneration(
-                f"stop token ids must be in 0..{vocab - 1}, got {token!r}",
-                f"{request.stop_token_field}[{position}]",
-            )
-    for index, banned in enumerate(request.banned_ids):
-        if not 0 <= banned < vocab:
-            raise InvalidGeneration(
-                f"banned token ids must be in 0..{vocab - 1}, got {banned!r}",
-                f"{request.banned_field}[{index}]",
-            )
 
 
 class Tokenizing:
@@ -232,12 +202,14 @@ class Generation:
     ) -> None:
         """Prepare, submit and follow the job until it ends.
 
-        Raises :class:`InvalidGeneration` or :class:`Overloaded` before the
-        job is submitted; after that, the outcome says how it ended.
+        The request has been checked against the model already (limits and
+        token ids: ``protocol.validate_against_model``, or the OpenAI core's
+        own checks). Raises :class:`InvalidGeneration` (an empty prompt) or
+        :class:`Overloaded` before the job is submitted; after that, the
+        outcome says how it ended.
         """
         info = scheduler.engine.info
         request = self.request
-        check_against_model(request, info, max_new_tokens)
         # Room first, so a full server does not tokenize megabytes for nothing.
         if not scheduler.has_room(self.owner):
             raise Overloaded(

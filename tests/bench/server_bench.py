@@ -252,7 +252,7 @@ def engine_specs(
     the frame goes through the protocol codec, so both sides sample with the
     same settings (the protocol's defaults besides the greedy temperature)."""
     request = p.decode_request(json.dumps(infer_frame("engine", max_new_tokens)))
-    assert isinstance(request, p.InferRequest)
+    assert isinstance(request, p.InferRequest) and request.text is not None
     prompt_ids = tuple(engine.encode(request.custom_bos + request.text))
     return [
         GenerationSpec(
