@@ -14,8 +14,32 @@ text and token healing itself; this module only translates:
 
 The generator is not thread-safe and its asyncio wrapper blocks the event
 loop, so neither is used from trio: ``enqueue``, ``cancel`` and ``iterate`` are
-called only from :meth:`ExLlamaV2Engine.step`, which the generation task runs
-in one worker thread at a time.
+called only from :meth:`ExLlamaV2Engine.step`.
+
+Threads: every call that touches the GPU (:meth:`ExLlamaV2Engine.load`,
+:meth:`~ExLlamaV2Engine.warm_up`, :meth:`~ExLlamaV2Engine.step`,
+:meth:`~ExLlamaV2Engine.close`) may run on any thread, but on one at a time,
+and the server runs them all on its one engine thread. Nothing here assumes
+which thread that is, or that it is the thread that loaded the model:
+
+* torch's current CUDA device and stream are per thread; ExLlamaV2 sets both
+  for the calling thread at every forward pass and load
+  (``set_device_streams`` in exllamav2/device.py, called by
+  ``ExLlamaV2.forward_chunk`` and the ``load*`` methods), so the thread that
+  loaded the model need not be the one that steps it;
+* ExLlamaV2's CUDA graphs (quantized attention and MLP layers, decode
+  shapes without cuBLAS) are captured the first times a layer runs a shape,
+  in ``cudaStreamCaptureModeThreadLocal`` (exllamav2_ext/cuda/graph.cu), on
+  the calling thread's stream: CUDA work on other threads does not break a
+  capture, but replaying a graph from another thread than the one that
+  captured it is a path ExLlamaV2's own loops never take; hence one engine
+  thread (``EXLLAMA_NO_GRAPHS=1`` turns graphs off should one misbehave);
+* ``torch.inference_mode`` and the grad mode are per thread: :meth:`step`
+  and :meth:`warm_up` enter inference mode themselves;
+* ExLlamaV2 samples in its own thread pool (``max_sampling_threads``); those
+  threads are the generator's and end with :meth:`close`;
+* ``encode`` and ``decode`` use trioserve's tokenizer, not ExLlamaV2's or
+  torch, and are safe from any thread at any time.
 
 ``exllamav2`` is imported only by :func:`probe_exllamav2` and
 :meth:`ExLlamaV2Engine.load`, never when this module is imported: on a machine
@@ -29,7 +53,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal, TypeAlias
 
@@ -352,6 +376,9 @@ class JobState:
     healing: bool
     #: The job's stop strings, in the request's order.
     stop_strings: tuple[str, ...] = ()
+    #: With healing, the prompt's last token, which the healed token extends:
+    #: ExLlamaV2 emits only the text the healed token adds to it.
+    healed_prefix: tuple[int, ...] = ()
     #: Tokens sampled so far, the healed token included.
     sampled: int = 0
     #: The job's held text after its last sampled token.
@@ -366,6 +393,7 @@ class JobState:
             prompt_tokens=len(spec.prompt_ids) - (1 if healing else 0),
             healing=healing,
             stop_strings=spec.stop_strings,
+            healed_prefix=spec.prompt_ids[-1:] if healing else (),
         )
 
     @property
@@ -373,12 +401,22 @@ class JobState:
         return self.sampled - (1 if self.healing else 0)
 
 
-def updates_from_result(result: Mapping[str, Any], state: JobState, held_now: str) -> Update | None:
+#: Decodes token ids to text, writing special tokens as their text.
+Decode: TypeAlias = Callable[[Sequence[int]], str]
+
+
+def updates_from_result(
+    result: Mapping[str, Any],
+    state: JobState,
+    held_now: str,
+    decode: Decode | None = None,
+) -> Update | None:
     """The typed update for one of ``generator.iterate()``'s result dicts.
 
     ``held_now`` is the job's ``held_text`` after the step (the dicts of
-    tokens that end nothing do not carry it). Returns None for the ``started``
-    and ``prefill`` stages, which the protocol does not report.
+    tokens that end nothing do not carry it); ``decode`` decodes token ids, to
+    repair text ExLlamaV2 flushes unrepaired (below). Returns None for the
+    ``started`` and ``prefill`` stages, which the protocol does not report.
 
     The held-text rules (dynamic.py, ``receive_sample`` and its ``emit``):
 
@@ -391,11 +429,28 @@ def updates_from_result(result: Mapping[str, Any], state: JobState, held_now: st
       previous token, so it is taken from ``state`` rather than by cutting a
       piece off a string.
 
-    Text flushed at a stop token or at ``max_new_tokens`` can hold a whole
-    stop string that the generator never tested: it tests the stop token and
-    the length limit first, and skips the stop strings while an incomplete
-    UTF-8 character is held. The stop string came first in the text, so it
-    wins: the text is cut before it and the reason is ``stop_string``.
+    Where ExLlamaV2 and the protocol part ways, the protocol wins:
+
+    * **Which stop string, and where.** ExLlamaV2 tests its stop strings one
+      by one in the order of a ``set`` (which depends on ``PYTHONHASHSEED``),
+      cuts at the first one that occurs anywhere in the held text, and names
+      the first in that order the rest starts with: with ``(" P", "aris!")``
+      and the tokens ``" Paris"``, ``"!"`` it may release ``" P"`` and name
+      ``"aris!"``. The text it has not released (``text`` plus ``held``) is cut
+      instead at :func:`~trioserve.engine.stops.earliest_stop`'s match
+      (earliest start, longest at a tie), the rule of the CPU engine. Text it
+      released earlier cannot hold a match: it releases only when no stop
+      string matches even in part.
+    * **Stop strings it never tested.** Text flushed at a stop token or at
+      ``max_new_tokens`` can hold a whole stop string: the generator tests
+      the stop token and the length limit first, and skips the stop strings
+      while an incomplete UTF-8 character is held. The stop string came first
+      in the text, so it wins: the text is cut before it.
+    * **UTF-8 at the limit.** The length limit is also tested before the held
+      text's incomplete characters are repaired, so when the last allowed
+      token completes a character the flush holds its pieces as U+FFFD
+      (``"日本���"`` for ``"日本語"``). The flushed token ids are decoded
+      again, together, when that gives fewer U+FFFD.
     """
     if result.get("stage") != "streaming":
         return None
@@ -410,18 +465,30 @@ def updates_from_result(result: Mapping[str, Any], state: JobState, held_now: st
         )
     reason = result.get("eos_reason")
     if reason == "stop_string":
-        return _finished(
-            state,
-            result,
-            str(result.get("text", "")),
-            "stop_string",
-            stop_string=str(result["eos_triggering_string"]),
-        )
+        held = result.get("held")
+        dropped = str(held.get("text", "")) if isinstance(held, Mapping) else ""
+        released = str(result.get("text", ""))
+        pending = released + dropped
+        match = earliest_stop(pending, state.stop_strings)
+        if match is None:
+            # Not reachable: ExLlamaV2's own match is in the pending text.
+            # Should a release change that, its word is the best there is.
+            return _finished(
+                state,
+                result,
+                released,
+                "stop_string",
+                stop_string=str(result.get("eos_triggering_string", "")),
+            )
+        index, stop = match
+        return _finished(state, result, pending[:index], "stop_string", stop_string=stop)
     if reason == "stop_token":
         text = state.held
         stop_token: int | None = int(result["eos_triggering_token_id"])
     elif reason == "max_new_tokens":
         text = str(result.get("text", ""))
+        if "\ufffd" in text and decode is not None:
+            text = _redecoded(text, result.get("token_ids"), state, decode)
         stop_token = None
     else:
         # "end_filter" needs a grammar filter, which trioserve never sets.
@@ -431,6 +498,35 @@ def updates_from_result(result: Mapping[str, Any], state: JobState, held_now: st
         index, stop = match
         return _finished(state, result, text[:index], "stop_string", stop_string=stop)
     return _finished(state, result, text, reason, stop_token=stop_token)
+
+
+def _token_ids(value: Any) -> list[int]:
+    """The ids of a result's ``token_ids`` tensor (shape (1, n)), or none."""
+    if value is None:
+        return []
+    listed = value.reshape(-1).tolist() if hasattr(value, "reshape") else list(value)
+    return [int(i) for i in listed]
+
+
+def _redecoded(text: str, token_ids: Any, state: JobState, decode: Decode) -> str:
+    """``text``, flushed at ``max_new_tokens`` with U+FFFD in it, decoded again
+    from the flushed ``token_ids`` when that repairs it.
+
+    The flush holds every token sampled since the last release, which began
+    on a character boundary, so decoding them together gives their text.
+    When they include the healed token (nothing was released yet), its text
+    begins with the prompt's last token's, which ExLlamaV2 never emits.
+    """
+    ids = _token_ids(token_ids)
+    if not ids:
+        return text
+    again = decode(ids)
+    if state.healing and len(ids) == state.sampled:
+        prefix = decode(state.healed_prefix)
+        if not again.startswith(prefix):
+            return text
+        again = again[len(prefix) :]
+    return again if again.count("\ufffd") < text.count("\ufffd") else text
 
 
 def _finished(
@@ -451,7 +547,47 @@ def _finished(
         prompt_tokens=state.prompt_tokens,
         # ExLlamaV2's own count (new_tokens); it agrees with state.generated.
         generated_tokens=int(result.get("new_tokens", state.generated)),
+        # Whole 256-token pages shared with other jobs (paged mode) plus the
+        # tokens of a partly matching page copied from the cache, or in
+        # unpaged mode the prefix shared with the previous job (dynamic.py,
+        # ExLlamaV2DynamicJob.prefill and emit).
+        cached_tokens=int(result.get("cached_tokens", 0)),
     )
+
+
+def _load_failure(exc: BaseException, model_dir: Path, plan: LoadPlan) -> str | None:
+    """The ModelError message for an error ExLlamaV2 raised while placing the
+    model, or None for one that is not the model's fault (re-raised as is)."""
+    import torch
+
+    where = f"the model {str(model_dir)!r} with a {plan.cache_tokens}-token {plan.cache_type} cache"
+    # load_autosplit raises a plain RuntimeError("Insufficient VRAM for model
+    # and cache") once the last GPU is full (model.py, load_autosplit_gen);
+    # load and load_tp let torch's OutOfMemoryError through.
+    if isinstance(exc, torch.cuda.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "Insufficient VRAM" in str(exc)
+    ):
+        return f"{where} does not fit on the GPUs: {exc}"
+    if isinstance(exc, AssertionError | ValueError | KeyError | OSError):
+        return f"exllamav2 cannot load {where}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _free(model: Any) -> None:
+    """Unload what ExLlamaV2 placed of ``model`` and give the memory back."""
+    import gc
+
+    import torch
+
+    try:
+        model.unload()
+    except Exception:
+        # A model that failed half-way may not unload cleanly; the original
+        # error is the one to report.
+        log.warning("exllamav2 could not unload a model that failed to load", exc_info=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # -- the engine ----------------------------------------------------------------------
@@ -468,8 +604,9 @@ class ExLlamaV2Engine:
     """An Engine over one ``ExLlamaV2DynamicGenerator``; see the module docstring.
 
     Build it with :meth:`load`. Not thread-safe beyond what the Engine
-    protocol promises: :meth:`step` from one thread at a time, :meth:`encode`
-    and :meth:`decode` from any.
+    protocol promises: :meth:`load`, :meth:`warm_up`, :meth:`step` and
+    :meth:`close` from one thread at a time (the server's engine thread),
+    :meth:`encode` and :meth:`decode` from any.
     """
 
     _info: EngineInfo
@@ -518,7 +655,6 @@ class ExLlamaV2Engine:
         usable, reason = probe_exllamav2()
         if not usable:
             raise EngineError(f"the exllamav2 engine cannot run: {reason}")
-        import torch
         from exllamav2 import (
             ExLlamaV2,
             ExLlamaV2Cache,
@@ -542,8 +678,19 @@ class ExLlamaV2Engine:
         except (AssertionError, ValueError, KeyError, OSError, TypeError) as exc:
             raise ModelError(f"exllamav2 cannot read the model {str(model_dir)!r}: {exc}") from exc
         # Architectures with softcapping or sliding windows need some attention
-        # backends off; ExLlamaV2 prints its reasons.
+        # backends off. quiet=True keeps ExLlamaV2 from printing why (it would
+        # write to stdout, config.py); what it switched off is logged below.
+        backends = (config.no_flash_attn, config.no_xformers, config.no_sdpa)
         config.arch_compat_overrides(quiet=True)
+        if (config.no_flash_attn, config.no_xformers, config.no_sdpa) != backends:
+            log.info(
+                "exllamav2 turned attention backends off for %s: flash-attn %s, xformers %s, "
+                "sdpa %s",
+                config.architecture,
+                "off" if config.no_flash_attn else "allowed",
+                "off" if config.no_xformers else "allowed",
+                "off" if config.no_sdpa else "allowed",
+            )
         paged = bool(has_flash_attn_with_paged) and not config.no_flash_attn
         plan = plan_load(
             int(config.max_seq_len),
@@ -572,6 +719,8 @@ class ExLlamaV2Engine:
         }[plan.cache_type]
         started = time.monotonic()
         model = ExLlamaV2(config)
+        cache: Any = None
+        failure: str | None = None
         try:
             if plan.tensor_parallel:
                 model.load_tp(
@@ -595,15 +744,18 @@ class ExLlamaV2Engine:
                 max_chunk_size=plan.max_chunk_size,
                 paged=plan.paged,
             )
-        except torch.cuda.OutOfMemoryError as exc:
-            model.unload()
-            raise ModelError(
-                f"the model {str(model_dir)!r} with a {plan.cache_tokens}-token "
-                f"{plan.cache_type} cache does not fit on the GPUs: {exc}"
-            ) from exc
-        except (AssertionError, ValueError, KeyError, OSError) as exc:
-            model.unload()
-            raise ModelError(f"exllamav2 cannot load the model {str(model_dir)!r}: {exc}") from exc
+        except BaseException as exc:
+            failure = _load_failure(exc, model_dir, plan)
+            if failure is None:
+                _free(model)
+                raise
+            log.debug("exllamav2 failed to load %s", model_dir, exc_info=exc)
+        if failure is not None:
+            # Raised here, outside the except block, so that no traceback
+            # keeps the half-built cache's and the layers' tensors alive.
+            cache = None
+            _free(model)
+            raise ModelError(failure)
         # These tables are built lazily on first use, possibly from the
         # generator's sampling threads at once; build them here instead.
         xtokenizer.get_id_to_piece_list(True)
@@ -679,6 +831,26 @@ class ExLlamaV2Engine:
         # is the EOS id, and the protocol writes every special token as text.
         return self._tokenizer.decode(ids)
 
+    def warm_up(self) -> None:
+        """Run one short generation, so that the first request does not pay for
+        cuBLAS's start, kernel selection and CUDA graph capture.
+
+        Call it on the thread that will step the engine (see the module
+        docstring), before the first :meth:`step`, with no job running. It
+        empties the prefix cache (``ExLlamaV2DynamicGenerator.warmup``
+        resets the page table afterwards).
+        """
+        if self._closed:
+            raise EngineError("the exllamav2 engine is closed")
+        if self._jobs:
+            raise EngineError("warm_up needs an idle engine: jobs are running")
+        import torch
+
+        started = time.monotonic()
+        with torch.inference_mode():
+            self._generator.warmup()
+        log.info("exllamav2 warmed up in %.2f s", time.monotonic() - started)
+
     def step(self, submit: Sequence[GenerationSpec], cancel: Sequence[int]) -> list[Update]:
         if self._closed:
             raise EngineError("the exllamav2 engine is closed")
@@ -711,7 +883,9 @@ class ExLlamaV2Engine:
             running = self._jobs.get(result.get("identifier", -1))
             if running is None:
                 continue
-            update = updates_from_result(result, running.state, str(running.job.held_text))
+            update = updates_from_result(
+                result, running.state, str(running.job.held_text), self._tokenizer.decode
+            )
             if update is None:
                 continue
             if not isinstance(update, TextUpdate):
