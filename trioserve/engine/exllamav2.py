@@ -446,16 +446,39 @@ def updates_from_result(
       the stop token and the length limit first, and skips the stop strings
       while an incomplete UTF-8 character is held. The stop string came first
       in the text, so it wins: the text is cut before it.
+    * **A stop string held behind another.** When a string tested earlier
+      matches in part, ExLlamaV2 holds the text even if it holds a whole
+      stop string, and ends the job only at a later token (or never, when
+      the partial match does not complete). Held text with a whole stop
+      string ends the job at once, as on the CPU; the caller must cancel it
+      in ExLlamaV2 (a :class:`Finished` for a result whose ``eos`` is false).
     * **UTF-8 at the limit.** The length limit is also tested before the held
       text's incomplete characters are repaired, so when the last allowed
       token completes a character the flush holds its pieces as U+FFFD
       (``"日本���"`` for ``"日本語"``). The flushed token ids are decoded
-      again, together, when that gives fewer U+FFFD.
+      again, together, when that gives fewer U+FFFD; so is the held text
+      released at a stop token (one U+FFFD per incomplete character, as the
+      CPU engine writes it, instead of one per token).
+
+    With these, the updates depend only on the tokens, not on
+    ``PYTHONHASHSEED``: ExLlamaV2 releases text only when no stop string
+    matches even in part (whatever the order), and wherever it ends or holds
+    at a whole match, the cut is the earliest match at that token.
     """
     if result.get("stage") != "streaming":
         return None
     state.sampled += 1
     if not result.get("eos", False):
+        released = str(result.get("text", ""))
+        match = earliest_stop(released + held_now, state.stop_strings)
+        if match is not None:
+            # A whole stop string is held, behind a partial match of another
+            # that ExLlamaV2 tested first, or behind an incomplete character:
+            # the job ends here, as on the CPU. The caller cancels it in
+            # ExLlamaV2, which would go on.
+            index, stop = match
+            pending = released + held_now
+            return _finished(state, result, pending[:index], "stop_string", stop_string=stop)
         state.held = held_now
         return TextUpdate(
             job_id=state.job_id,
@@ -484,11 +507,17 @@ def updates_from_result(
         return _finished(state, result, pending[:index], "stop_string", stop_string=stop)
     if reason == "stop_token":
         text = state.held
+        if "\ufffd" in text and decode is not None:
+            held = result.get("held")
+            ids = _token_ids(held.get("token_ids") if isinstance(held, Mapping) else None)
+            # The held ids end with the stop token's, whose text is not released.
+            text = _redecoded(text, ids[:-1], len(ids) == state.sampled, state, decode)
         stop_token: int | None = int(result["eos_triggering_token_id"])
     elif reason == "max_new_tokens":
         text = str(result.get("text", ""))
         if "\ufffd" in text and decode is not None:
-            text = _redecoded(text, result.get("token_ids"), state, decode)
+            ids = _token_ids(result.get("token_ids"))
+            text = _redecoded(text, ids, len(ids) == state.sampled, state, decode)
         stop_token = None
     else:
         # "end_filter" needs a grammar filter, which trioserve never sets.
@@ -508,20 +537,22 @@ def _token_ids(value: Any) -> list[int]:
     return [int(i) for i in listed]
 
 
-def _redecoded(text: str, token_ids: Any, state: JobState, decode: Decode) -> str:
-    """``text``, flushed at ``max_new_tokens`` with U+FFFD in it, decoded again
-    from the flushed ``token_ids`` when that repairs it.
+def _redecoded(
+    text: str, ids: Sequence[int], from_first: bool, state: JobState, decode: Decode
+) -> str:
+    """``text``, released with U+FFFD in it, decoded again from its token
+    ``ids`` when that repairs it.
 
-    The flush holds every token sampled since the last release, which began
-    on a character boundary, so decoding them together gives their text.
-    When they include the healed token (nothing was released yet), its text
-    begins with the prompt's last token's, which ExLlamaV2 never emits.
+    The ids are every token sampled since the last release (ExLlamaV2 keeps
+    them in ``held_tokens``), which began on a character boundary, so decoding
+    them together gives their text. ``from_first`` says they include the
+    first sampled token: when that is a healed token its text begins with the
+    prompt's last token's, which ExLlamaV2 never emits.
     """
-    ids = _token_ids(token_ids)
     if not ids:
         return text
     again = decode(ids)
-    if state.healing and len(ids) == state.sampled:
+    if state.healing and from_first:
         prefix = decode(state.healed_prefix)
         if not again.startswith(prefix):
             return text
@@ -571,6 +602,15 @@ def _load_failure(exc: BaseException, model_dir: Path, plan: LoadPlan) -> str | 
     if isinstance(exc, AssertionError | ValueError | KeyError | OSError):
         return f"exllamav2 cannot load {where}: {type(exc).__name__}: {exc}"
     return None
+
+
+def _cached_tokens(job: Any) -> int:
+    """Prompt tokens of ``job`` served from the cache, as ExLlamaV2 counts them
+    in its final result (dynamic.py, ``emit``), for a job it did not end."""
+    pages = int(getattr(job, "cached_pages", 0))
+    tokens = int(getattr(job, "cached_tokens", 0))
+    page_size = int(getattr(job.generator, "page_size", PAGE_SIZE))
+    return (pages * page_size + tokens) // max(1, len(getattr(job, "sequences", ())))
 
 
 def _free(model: Any) -> None:
@@ -890,6 +930,12 @@ class ExLlamaV2Engine:
                 continue
             if not isinstance(update, TextUpdate):
                 del self._jobs[running.state.job_id]
+                if not result.get("eos", False):
+                    # Ended by the adapter (a stop string ExLlamaV2 held);
+                    # ExLlamaV2 would go on generating for it.
+                    generator.cancel(running.job)
+                    if isinstance(update, Finished):
+                        update = attrs.evolve(update, cached_tokens=_cached_tokens(running.job))
             updates.append(update)
         return updates
 
