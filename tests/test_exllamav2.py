@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -54,7 +55,7 @@ from trioserve.engine.exllamav2 import (
 from trioserve.engine.models import default_model_dir
 from trioserve.engine.text import TextStream
 from trioserve.engine.tokenizer import Tokenizer
-from trioserve.errors import ConfigError, EngineError
+from trioserve.errors import ConfigError, EngineError, ModelError
 
 # The fields of ExLlamaV2Sampler.Settings (exllamav2/generator/sampler.py,
 # the Settings dataclass at v0.3.2), written out because ExLlamaV2 cannot be
@@ -1309,10 +1310,19 @@ CHAT = (
 GREEDY = SamplingSettings(temperature=0.0, rep_pen=1.0)
 
 
+def _skip_or_fail(reason: str) -> None:
+    """Skip, except in the GPU check (tests/gpu/device_check.sh sets
+    TRIOSERVE_GPU_CHECK=1), where a skipped gpu test would hide that the
+    engine never ran."""
+    if os.environ.get("TRIOSERVE_GPU_CHECK") == "1":
+        pytest.fail(f"the GPU check must run this test: {reason}")
+    pytest.skip(reason)
+
+
 def _needs_exllamav2() -> None:
     usable, reason = probe_exllamav2()
     if not usable:
-        pytest.skip(f"needs the exllamav2 engine: {reason}")
+        _skip_or_fail(f"needs the exllamav2 engine: {reason}")
 
 
 @pytest.fixture(scope="module")
@@ -1490,13 +1500,103 @@ def test_gpu_concurrent_jobs_all_finish(xengine: Any) -> None:
         assert 1 <= end.generated_tokens <= 24
 
 
+@pytest.mark.gpu
+def test_gpu_repeated_prompt_is_served_from_the_cache(xengine: Any) -> None:
+    # Paged: the prompt's pages are shared or reused; unpaged: the new job
+    # reuses the prefix it shares with the previous job's sequence.
+    spec = _chat_spec(xengine, 20, "What is the capital of France?", max_new_tokens=4)
+    first = _generate(xengine, [spec])[20][-1]
+    second = _generate(xengine, [attrs.evolve(spec, job_id=21)])[21][-1]
+    assert isinstance(first, Finished)
+    assert isinstance(second, Finished)
+    assert 0 < second.cached_tokens < second.prompt_tokens
+    assert second.cached_tokens >= first.cached_tokens
+
+
+@pytest.mark.gpu
+def test_gpu_stop_string_held_behind_another_ends_the_job(xengine: Any) -> None:
+    """Stop strings that overlap in the greedy answer's " Paris": ExLlamaV2
+    either stops on " P" or, when it tests "aris<x>" first, holds " Paris" on
+    that partial match; either way the job ends at " Paris" on " P", and a job
+    the adapter ended is cancelled in ExLlamaV2 (nothing is left running).
+    Several variants, so that both set orders occur in one run."""
+    question = "What is the capital of France?"
+    full = _released(_generate(xengine, [_chat_spec(xengine, 22, question)])[22])
+    assert " Paris" in full
+    for n, tail in enumerate("!?.;:,"):
+        job_id = 40 + n
+        stops = (" P", "aris" + tail)
+        updates = _generate(xengine, [_chat_spec(xengine, job_id, question, stop_strings=stops)])
+        end = updates[job_id][-1]
+        assert isinstance(end, Finished)
+        assert (end.reason, end.stop_string) == ("stop_string", " P"), stops
+        assert _released(updates[job_id]) == full[: full.index(" P")]
+    assert xengine.step([], []) == []
+    assert xengine._generator.num_remaining_jobs() == 0
+
+
+@pytest.mark.gpu
+def test_gpu_engine_runs_on_a_thread_of_its_own() -> None:
+    """Load, warm up, step and close on one thread that is not the main one,
+    as the server's engine thread does."""
+    _needs_exllamav2()
+    from trioserve.engine.exllamav2 import ExLlamaV2Engine
+    from trioserve.engine.models import default_model_dir
+
+    outcome: dict[str, Any] = {}
+
+    def engine_thread() -> None:
+        try:
+            engine = ExLlamaV2Engine.load(default_model_dir(), max_batch=8)
+            try:
+                engine.warm_up()
+                spec = _chat_spec(engine, 30, "What is the capital of France?")
+                outcome["updates"] = _generate(engine, [spec])[30]
+            finally:
+                engine.close()
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=engine_thread, name="trioserve-engine-test")
+    thread.start()
+    thread.join(timeout=600)
+    assert not thread.is_alive()
+    if "error" in outcome:
+        raise outcome["error"]
+    updates = outcome["updates"]
+    assert isinstance(updates[-1], Finished)
+    assert updates[-1].reason == "stop_token"
+    assert "Paris" in _released(updates)
+
+
+@pytest.mark.gpu
+def test_gpu_model_and_cache_too_large_is_a_model_error_and_frees_the_gpu() -> None:
+    """A cache that does not fit beside the model: load_autosplit's plain
+    RuntimeError("Insufficient VRAM ...") becomes a ModelError, and what was
+    placed on the GPU before it is given back."""
+    _needs_exllamav2()
+    from trioserve.engine.exllamav2 import ExLlamaV2Engine
+    from trioserve.engine.models import default_model_dir
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x 2 (K and V) x 2 bytes
+    # = 23040 bytes per token of FP16 cache; ask for twice the GPU.
+    tokens = -(-2 * total // 23040 // PAGE_SIZE) * PAGE_SIZE
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with pytest.raises(ModelError, match="does not fit"):
+        ExLlamaV2Engine.load(default_model_dir(), cache_size=tokens)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < 64 * 2**20
+
+
 # -- end to end, behind the server, over both engines -----------------------------------
 
 
 @pytest.fixture(scope="module", params=["cpu", "exllamav2"])
 def served_engine(request: pytest.FixtureRequest) -> Iterator[Any]:
     if not torch.cuda.is_available():
-        pytest.skip("the gpu end-to-end tests need CUDA")
+        _skip_or_fail("the gpu end-to-end tests need CUDA")
     from trioserve.engine import EngineOptions, load_engine
 
     if request.param == "exllamav2":
