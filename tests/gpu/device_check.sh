@@ -30,14 +30,21 @@ export TORCH_EXTENSIONS_DIR="$STAGE/torch_extensions" TORCH_CUDA_ARCH_LIST=9.0
 export MAX_JOBS=${MAX_JOBS:-16} TRIOSERVE_CACHE="$STAGE/cache"
 LOCK="$TORCH_EXTENSIONS_DIR/exllamav2_ext/lock"
 
+# Seconds each call may use in all: the device tool's limit is 600 per call, and each call is
+# given timeout_s 540; what is left after a step's deadline goes to the summary.
+BUDGET=${BUDGET:-500}
+
 log() { echo "[$(date -u +%T) +$(($(date +%s) - T0))s] $*" | tee -a "$OUT/log.txt"; }
 elapsed() { echo $(($(date +%s) - T0)); }
-# A step under a deadline. SIGINT first: Python unwinds, and torch's build releases its lock
-# (cpp_extension's `finally`); SIGKILL 20 s later only if that did not end it.
+# A step under a deadline: its own cap, or what the call's budget has left (at least 10 s).
+# SIGINT first: Python unwinds, and torch's build releases its lock (cpp_extension's
+# `finally`); SIGKILL 20 s later only if that did not end it.
 deadline() {
-    local secs=$1
+    local cap=$1 rest
     shift
-    timeout -s INT -k 20 "$secs" "$@"
+    rest=$((BUDGET - $(elapsed)))
+    [ "$rest" -lt "$cap" ] && cap=$((rest > 10 ? rest : 10))
+    timeout -s INT -k 20 "$cap" "$@"
 }
 # torch waits forever on a build lock that a killed build left behind.
 unlock() {
@@ -48,7 +55,7 @@ unlock() {
 }
 
 build() {
-    log "call 1 (build) on $(hostname): $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)"
+    log "call 1 (build) on $(uname -n): $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)"
     python3 -c 'import sys, torch; print("python", sys.version.split()[0], sys.executable, "torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())' 2>&1 | tee -a "$OUT/log.txt"
     log "nvcc: $(nvcc --version 2>&1 | tail -1); ninja $(ninja --version 2>&1); cores $(nproc)"
     local carried=.gpu/call1
@@ -99,7 +106,7 @@ print(":".join(sorted(dirs)))' 2>/dev/null)
     # 3. ExLlamaV2's extension, compiled by its first import; the whole log goes to build.txt.
     unlock
     local started=$SECONDS build=failed
-    if deadline 420 python3 tests/gpu/build_exllamav2.py >"$OUT/build.txt" 2>&1; then
+    if deadline "${BUILD_TIMEOUT:-420}" python3 tests/gpu/build_exllamav2.py >"$OUT/build.txt" 2>&1; then
         build=ok
     fi
     local build_s=$((SECONDS - started))
@@ -112,7 +119,8 @@ print(":".join(sorted(dirs)))' 2>/dev/null)
     local prebuilt=missing
     if [ -f "$carried/prebuilt/exllamav2_ext.so.xz" ]; then
         mkdir -p "$STAGE/prebuilt"
-        xz -dc "$carried/prebuilt/exllamav2_ext.so.xz" >"$STAGE/prebuilt/exllamav2_ext.so"
+        python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+            "$carried/prebuilt/exllamav2_ext.so.xz" "$STAGE/prebuilt/exllamav2_ext.so"
         cat "$carried/prebuilt/BUILD_INFO" >"$OUT/prebuilt.txt" 2>/dev/null
         if (cd "$STAGE/prebuilt" && sha256sum -c "$ROOT/$carried/prebuilt/exllamav2_ext.so.sha256") >>"$OUT/prebuilt.txt" 2>&1 &&
             PYTHONPATH="$STAGE/prebuilt:$PYTHONPATH" deadline 120 python3 -c '
@@ -165,7 +173,7 @@ EOF
 }
 
 run() {
-    log "call 2 (run) on $(hostname)"
+    log "call 2 (run) on $(uname -n)"
     if [ ! -f "$STAGE/call1.json" ] || [ ! -f "$STAGE/env.sh" ]; then
         log "FAILED: call 1's files are not on this machine (it was not warm: more than 30 s passed?)"
         echo '{"status": "failed", "why": "call 1 did not run on this machine; run both calls again"}' >"$OUT/summary.json"
@@ -198,8 +206,12 @@ run() {
     # 2. The gpu-marked tests: the engine alone, then behind the server on both engines.
     # TRIOSERVE_GPU_CHECK=1 turns their "no exllamav2 here" skip into a failure.
     export TRIOSERVE_GPU_CHECK=1
+    local files
+    files=$(grep -l 'pytest.mark.gpu' tests/test_*.py | tr '\n' ' ')
+    log "gpu tests in: $files"
     unlock
-    deadline 300 python3 -m pytest -m gpu tests/ -p no:cacheprovider -rs -v \
+    # shellcheck disable=SC2086
+    deadline 300 python3 -m pytest -m gpu $files -p no:cacheprovider -rs -v \
         --junitxml="$OUT/junit.xml" >"$OUT/pytest.txt" 2>&1
     local rc=$?
     unlock
@@ -208,7 +220,8 @@ run() {
     if [ "$rc" -ne 0 ]; then
         # CUDA graphs are the part of ExLlamaV2 most sensitive to how it is driven (threads,
         # streams): rerun without them once, and report both.
-        EXLLAMA_NO_GRAPHS=1 deadline 240 python3 -m pytest -m gpu tests/ -p no:cacheprovider -rs -v \
+        # shellcheck disable=SC2086
+        deadline 240 env EXLLAMA_NO_GRAPHS=1 python3 -m pytest -m gpu $files -p no:cacheprovider -rs -v \
             --junitxml="$OUT/junit-nographs.xml" >"$OUT/pytest-nographs.txt" 2>&1
         local rc2=$?
         log "pytest -m gpu with EXLLAMA_NO_GRAPHS=1: rc $rc2: $(tail -1 "$OUT/pytest-nographs.txt")"
