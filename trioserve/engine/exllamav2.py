@@ -69,7 +69,7 @@ from trioserve.engine.base import (
     TextUpdate,
     Update,
 )
-from trioserve.engine.stops import earliest_stop
+from trioserve.engine.text import TextStream
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError, ModelError
 
@@ -83,6 +83,7 @@ __all__ = [
     "plan_load",
     "probe_exllamav2",
     "refusal",
+    "sampled_token",
     "sampler_fields",
     "stop_conditions",
     "updates_from_result",
@@ -364,6 +365,10 @@ def refusal(
     return None
 
 
+#: Decodes token ids to text, writing special tokens as their text.
+Decode: TypeAlias = Callable[[Sequence[int]], str]
+
+
 @attrs.define(eq=False)
 class JobState:
     """What the engine remembers about one running job between steps."""
@@ -374,26 +379,28 @@ class JobState:
     #: Token healing is active: the first sampled token replaces the prompt's
     #: last one, and ExLlamaV2 does not count it (``new_tokens`` starts at -1).
     healing: bool
-    #: The job's stop strings, in the request's order.
-    stop_strings: tuple[str, ...] = ()
-    #: With healing, the prompt's last token, which the healed token extends:
-    #: ExLlamaV2 emits only the text the healed token adds to it.
-    healed_prefix: tuple[int, ...] = ()
+    #: The job's text, decoded from its tokens by the CPU engine's rules.
+    stream: TextStream
     #: Tokens sampled so far, the healed token included.
     sampled: int = 0
-    #: The job's held text after its last sampled token.
-    held: str = ""
 
     @classmethod
-    def for_spec(cls, spec: GenerationSpec) -> JobState:
+    def for_spec(cls, spec: GenerationSpec, decode: Decode) -> JobState:
         # ExLlamaV2DynamicJob heals only when the input has more than one token.
         healing = spec.token_healing and len(spec.prompt_ids) > 1
+        prompt = spec.prompt_ids[:-1] if healing else spec.prompt_ids
         return cls(
             job_id=spec.job_id,
-            prompt_tokens=len(spec.prompt_ids) - (1 if healing else 0),
+            prompt_tokens=len(prompt),
             healing=healing,
-            stop_strings=spec.stop_strings,
-            healed_prefix=spec.prompt_ids[-1:] if healing else (),
+            stream=TextStream(
+                decode,
+                spec.stop_strings,
+                context_ids=prompt,
+                # The healed token re-generates the removed token's text,
+                # which is not emitted again.
+                skip_prefix=decode(spec.prompt_ids[-1:]) if healing else "",
+            ),
         )
 
     @property
@@ -401,163 +408,84 @@ class JobState:
         return self.sampled - (1 if self.healing else 0)
 
 
-#: Decodes token ids to text, writing special tokens as their text.
-Decode: TypeAlias = Callable[[Sequence[int]], str]
+def sampled_token(job: Any) -> int:
+    """The token an ``ExLlamaV2DynamicJob`` sampled last.
+
+    ``receive_sample`` appends every sampled token, a stop token too, to each
+    of the job's sequences before it decides anything (dynamic.py); the result
+    dicts carry token ids only when they release text.
+    """
+    return int(job.sequences[0].sequence_ids.torch()[0, -1])
 
 
-def updates_from_result(
-    result: Mapping[str, Any],
-    state: JobState,
-    held_now: str,
-    decode: Decode | None = None,
-) -> Update | None:
+def updates_from_result(result: Mapping[str, Any], state: JobState, token: int) -> Update | None:
     """The typed update for one of ``generator.iterate()``'s result dicts.
 
-    ``held_now`` is the job's ``held_text`` after the step (the dicts of
-    tokens that end nothing do not carry it); ``decode`` decodes token ids, to
-    repair text ExLlamaV2 flushes unrepaired (below). Returns None for the
-    ``started`` and ``prefill`` stages, which the protocol does not report.
+    ``token`` is the token the job sampled in that step (:func:`sampled_token`).
+    Returns None for the ``started`` and ``prefill`` stages, which the
+    protocol does not report.
 
-    The held-text rules (dynamic.py, ``receive_sample`` and its ``emit``):
+    ExLlamaV2 decides when a job ends at a stop token and at
+    ``max_new_tokens`` (its ``eos_reason``); what text is released, what is
+    held, and where a stop string cuts it, the engine decides itself from the
+    tokens, with the CPU engine's :class:`~trioserve.engine.text.TextStream`
+    and rules (``CpuEngine._emit``), so that the same tokens give the same
+    text, ``stop_string`` and reason on both engines. ExLlamaV2's own text
+    (``text``, ``held``, ``held_text``) is not used, because it departs from
+    them in ways that depend on the tokens and even on ``PYTHONHASHSEED``
+    (exllamav2/generator/dynamic.py, ``receive_sample``, at 0.3.2):
 
-    * at ``max_new_tokens`` the generator flushes the held text into ``text``;
-    * at a stop string it emits the text before the match as ``text``, and
-      keeps the stop string and what follows in ``held``: that is dropped;
-    * at a stop token it emits nothing: the held text, with the stop token's
-      piece already appended, is left in ``held``. The protocol releases the
-      held text without that piece, which is exactly the held text after the
-      previous token, so it is taken from ``state`` rather than by cutting a
-      piece off a string.
+    * it tests stop strings one by one in the order of a ``set``, cuts at the
+      first that occurs anywhere and names the first in that order that the
+      rest starts with: with ``(" P", "aris!")`` and the tokens ``" Paris"``,
+      ``"!"`` it may release ``" P"`` and name ``"aris!"``; and a string
+      matching in part, tested first, holds a whole match of another;
+    * it tests the length limit before it repairs held UTF-8, so a flush at
+      ``max_new_tokens`` can hold the pieces of a character that the last
+      token completed (``"日本���"`` for ``"日本語"``);
+    * it writes each token's piece on its own (one U+FFFD per byte-level
+      piece) and releases the pieces unrepaired once five U+FFFD are held,
+      which invalid bytes followed by a split character reach;
+    * at a stop token it keeps the held text (and the stop token's piece) in
+      ``held`` instead of releasing it.
 
-    Where ExLlamaV2 and the protocol part ways, the protocol wins:
-
-    * **Which stop string, and where.** ExLlamaV2 tests its stop strings one
-      by one in the order of a ``set`` (which depends on ``PYTHONHASHSEED``),
-      cuts at the first one that occurs anywhere in the held text, and names
-      the first in that order the rest starts with: with ``(" P", "aris!")``
-      and the tokens ``" Paris"``, ``"!"`` it may release ``" P"`` and name
-      ``"aris!"``. The text it has not released (``text`` plus ``held``) is cut
-      instead at :func:`~trioserve.engine.stops.earliest_stop`'s match
-      (earliest start, longest at a tie), the rule of the CPU engine. Text it
-      released earlier cannot hold a match: it releases only when no stop
-      string matches even in part.
-    * **Stop strings it never tested.** Text flushed at a stop token or at
-      ``max_new_tokens`` can hold a whole stop string: the generator tests
-      the stop token and the length limit first, and skips the stop strings
-      while an incomplete UTF-8 character is held. The stop string came first
-      in the text, so it wins: the text is cut before it.
-    * **A stop string held behind another.** When a string tested earlier
-      matches in part, ExLlamaV2 holds the text even if it holds a whole
-      stop string, and ends the job only at a later token (or never, when
-      the partial match does not complete). Held text with a whole stop
-      string ends the job at once, as on the CPU; the caller must cancel it
-      in ExLlamaV2 (a :class:`Finished` for a result whose ``eos`` is false).
-    * **UTF-8 at the limit.** The length limit is also tested before the held
-      text's incomplete characters are repaired, so when the last allowed
-      token completes a character the flush holds its pieces as U+FFFD
-      (``"日本���"`` for ``"日本語"``). The flushed token ids are decoded
-      again, together, when that gives fewer U+FFFD; so is the held text
-      released at a stop token (one U+FFFD per incomplete character, as the
-      CPU engine writes it, instead of one per token).
-
-    With these, the updates depend only on the tokens, not on
-    ``PYTHONHASHSEED``: ExLlamaV2 releases text only when no stop string
-    matches even in part (whatever the order), and wherever it ends or holds
-    at a whole match, the cut is the earliest match at that token.
+    A job that the rules end while ExLlamaV2 would go on (a stop string it
+    held, or one it did not see) ends with a :class:`Finished` for a result
+    whose ``eos`` is false: the caller cancels it in ExLlamaV2.
     """
     if result.get("stage") != "streaming":
         return None
     state.sampled += 1
-    if not result.get("eos", False):
-        released = str(result.get("text", ""))
-        match = earliest_stop(released + held_now, state.stop_strings)
-        if match is not None:
-            # A whole stop string is held, behind a partial match of another
-            # that ExLlamaV2 tested first, or behind an incomplete character:
-            # the job ends here, as on the CPU. The caller cancels it in
-            # ExLlamaV2, which would go on.
-            index, stop = match
-            pending = released + held_now
-            return _finished(state, result, pending[:index], "stop_string", stop_string=stop)
-        state.held = held_now
-        return TextUpdate(
-            job_id=state.job_id,
-            text=str(result.get("text", "")),
-            held=held_now,
-            generated_tokens=state.generated,
-        )
-    reason = result.get("eos_reason")
-    if reason == "stop_string":
-        held = result.get("held")
-        dropped = str(held.get("text", "")) if isinstance(held, Mapping) else ""
-        released = str(result.get("text", ""))
-        pending = released + dropped
-        match = earliest_stop(pending, state.stop_strings)
-        if match is None:
-            # Not reachable: ExLlamaV2's own match is in the pending text.
-            # Should a release change that, its word is the best there is.
-            return _finished(
-                state,
-                result,
-                released,
-                "stop_string",
-                stop_string=str(result.get("eos_triggering_string", "")),
-            )
-        index, stop = match
-        return _finished(state, result, pending[:index], "stop_string", stop_string=stop)
+    stream = state.stream
+    reason = result.get("eos_reason") if result.get("eos", False) else None
     if reason == "stop_token":
-        text = state.held
-        if "\ufffd" in text and decode is not None:
-            held = result.get("held")
-            ids = _token_ids(held.get("token_ids") if isinstance(held, Mapping) else None)
-            # The held ids end with the stop token's, whose text is not released.
-            text = _redecoded(text, ids[:-1], len(ids) == state.sampled, state, decode)
-        stop_token: int | None = int(result["eos_triggering_token_id"])
-    elif reason == "max_new_tokens":
-        text = str(result.get("text", ""))
-        if "\ufffd" in text and decode is not None:
-            ids = _token_ids(result.get("token_ids"))
-            text = _redecoded(text, ids, len(ids) == state.sampled, state, decode)
-        stop_token = None
-    else:
+        # The stop token's own text is never emitted; held text was not a
+        # stop string after all, so it is released.
+        stop_token = int(result.get("eos_triggering_token_id", token))
+        return _finished(state, result, stream.flush(), "stop_token", stop_token=stop_token)
+    if reason not in (None, "max_new_tokens", "stop_string"):
         # "end_filter" needs a grammar filter, which trioserve never sets.
         return Failed(job_id=state.job_id, message=f"exllamav2 ended the job for {reason!r}")
-    match = earliest_stop(text, state.stop_strings)
-    if match is not None:
-        index, stop = match
-        return _finished(state, result, text[:index], "stop_string", stop_string=stop)
-    return _finished(state, result, text, reason, stop_token=stop_token)
-
-
-def _token_ids(value: Any) -> list[int]:
-    """The ids of a result's ``token_ids`` tensor (shape (1, n)), or none."""
-    if value is None:
-        return []
-    listed = value.reshape(-1).tolist() if hasattr(value, "reshape") else list(value)
-    return [int(i) for i in listed]
-
-
-def _redecoded(
-    text: str, ids: Sequence[int], from_first: bool, state: JobState, decode: Decode
-) -> str:
-    """``text``, released with U+FFFD in it, decoded again from its token
-    ``ids`` when that repairs it.
-
-    The ids are every token sampled since the last release (ExLlamaV2 keeps
-    them in ``held_tokens``), which began on a character boundary, so decoding
-    them together gives their text. ``from_first`` says they include the
-    first sampled token: when that is a healed token its text begins with the
-    prompt's last token's, which ExLlamaV2 never emits.
-    """
-    if not ids:
-        return text
-    again = decode(ids)
-    if state.healing and from_first:
-        prefix = decode(state.healed_prefix)
-        if not again.startswith(prefix):
-            return text
-        again = again[len(prefix) :]
-    return again if again.count("\ufffd") < text.count("\ufffd") else text
+    piece = stream.push([token])
+    if piece.stop_string is not None:
+        return _finished(state, result, piece.text, "stop_string", stop_string=piece.stop_string)
+    if reason is None:
+        return TextUpdate(
+            job_id=state.job_id,
+            text=piece.text,
+            held=stream.held,
+            generated_tokens=state.generated,
+        )
+    # At the limit, or at a stop string ExLlamaV2 matched in its own text but
+    # not found in the decoded one (a string with U+FFFD in it): everything
+    # held is released, unless it completes a stop string after all.
+    text = piece.text + stream.flush()
+    if stream.stop_string is not None:
+        return _finished(state, result, text, "stop_string", stop_string=stream.stop_string)
+    if reason == "stop_string":
+        theirs = str(result.get("eos_triggering_string", ""))
+        return _finished(state, result, text, "stop_string", stop_string=theirs)
+    return _finished(state, result, text, "max_new_tokens")
 
 
 def _finished(
@@ -923,9 +851,7 @@ class ExLlamaV2Engine:
             running = self._jobs.get(result.get("identifier", -1))
             if running is None:
                 continue
-            update = updates_from_result(
-                result, running.state, str(running.job.held_text), self._tokenizer.decode
-            )
+            update = updates_from_result(result, running.state, sampled_token(running.job))
             if update is None:
                 continue
             if not isinstance(update, TextUpdate):
@@ -973,7 +899,9 @@ class ExLlamaV2Engine:
             generator.enqueue(job)
         except (AssertionError, ValueError) as exc:
             return Failed(job_id=spec.job_id, message=f"exllamav2 refused the job: {exc}")
-        self._jobs[spec.job_id] = _Running(job=job, state=JobState.for_spec(spec))
+        self._jobs[spec.job_id] = _Running(
+            job=job, state=JobState.for_spec(spec, self._tokenizer.decode)
+        )
         return None
 
     def close(self) -> None:
