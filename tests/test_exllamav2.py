@@ -2,14 +2,20 @@
 
 Without a GPU (the default suite) only the pure pieces run: option planning,
 the sampler-settings mapping, stop conditions, the refusal checks and the
-translation of the generator's result dicts into updates. ExLlamaV2 is never
-imported for them. The result dicts below are written out literally in the
-shape ``ExLlamaV2DynamicJob.receive_sample`` / ``emit`` builds them
-(exllamav2/generator/dynamic.py at v0.3.2), each with the path that produces it.
+translation of the generator's result dicts into updates, with result dicts
+written out in the shapes ``ExLlamaV2DynamicJob.receive_sample`` / ``emit``
+build them (exllamav2/generator/dynamic.py at v0.3.2). ExLlamaV2 is never
+imported for them.
+
+With exllamav2 importable on the CPU (``nox -s exl2-cpu``: a CUDA build of
+torch and the extension built with nvcc), the same translation runs over real
+``ExLlamaV2DynamicJob`` objects fed scripted tokens; otherwise those tests
+skip.
 
 The tests marked ``gpu`` load the embedded model's converted float16 directory
 into ExLlamaV2 and run the engine alone and behind the server; they skip
-themselves when CUDA or exllamav2 is missing.
+themselves when CUDA or exllamav2 is missing (and fail instead in the GPU
+check, tests/gpu/README.md).
 """
 
 from __future__ import annotations

@@ -2,15 +2,18 @@
 
 ExLlamaV2 (0.3.2, ``turboderp-org/exllamav2``) runs EXL2, GPTQ and FP16/BF16
 safetensors models on NVIDIA GPUs. Its :class:`ExLlamaV2DynamicGenerator` does
-continuous batching over a paged KV cache, stop tokens and strings, held-back
-text and token healing itself; this module only translates:
+continuous batching over a paged KV cache, prefix reuse, sampling, stop
+tokens and token healing; this module translates:
 
 * each :class:`~trioserve.engine.base.GenerationSpec` becomes one
   ``ExLlamaV2DynamicJob`` with a fresh ``ExLlamaV2Sampler.Settings``
   (:func:`sampler_fields`, :func:`stop_conditions`), after the checks ExLlamaV2
   does not make (:func:`refusal`);
 * the untyped result dicts of ``generator.iterate()`` become typed updates at
-  once (:func:`updates_from_result`), with the held-text rules of the protocol.
+  once (:func:`updates_from_result`). The text comes from the sampled tokens,
+  decoded and cut at stop strings by the CPU engine's own rules
+  (:class:`~trioserve.engine.text.TextStream`), not from ExLlamaV2's text:
+  the same tokens give the same text on both engines.
 
 The generator is not thread-safe and its asyncio wrapper blocks the event
 loop, so neither is used from trio: ``enqueue``, ``cancel`` and ``iterate`` are
@@ -857,8 +860,8 @@ class ExLlamaV2Engine:
             if not isinstance(update, TextUpdate):
                 del self._jobs[running.state.job_id]
                 if not result.get("eos", False):
-                    # Ended by the adapter (a stop string ExLlamaV2 held);
-                    # ExLlamaV2 would go on generating for it.
+                    # Ended by the rules (a stop string ExLlamaV2 held or
+                    # did not see); ExLlamaV2 would go on generating for it.
                     generator.cancel(running.job)
                     if isinstance(update, Finished):
                         update = attrs.evolve(update, cached_tokens=_cached_tokens(running.job))
