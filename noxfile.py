@@ -134,25 +134,13 @@ def _exl2_build_env(session: nox.Session) -> dict[str, str]:
         "MAX_JOBS": os.environ.get("MAX_JOBS", "2"),
         "TORCH_CUDA_ARCH_LIST": arch,
     }
-    # torch takes CUDA_HOME from `which nvcc` (two levels up), which is wrong
-    # when nvcc is a wrapper script in /usr/local/bin.
-    if "CUDA_HOME" not in os.environ and os.path.isdir("/usr/local/cuda/include"):
-        env["CUDA_HOME"] = "/usr/local/cuda"
-    # torch's CUDA headers include cublas_v2.h and cusparse.h; a toolkit
-    # without them is completed by the nvidia-* packages torch installs.
-    includes = session.run(
-        "python",
-        "-c",
-        "import glob, os, site\n"
-        "names = ('cublas_v2.h', 'cusparse.h', 'cusolverDn.h', 'curand.h')\n"
-        "dirs = {os.path.dirname(h) for sp in site.getsitepackages() for n in names\n"
-        "        for h in glob.glob(os.path.join(sp, 'nvidia', '**', n), recursive=True)}\n"
-        "print(':'.join(sorted(dirs)))",
-        silent=True,
-    )
-    extra = str(includes or "").strip()
-    if extra:
-        env["CPATH"] = extra + (":" + os.environ["CPATH"] if os.environ.get("CPATH") else "")
+    # CUDA_HOME and the library headers a bare toolkit lacks, as the GPU
+    # check finds them too (tests/gpu/build_exllamav2.py, build_environment).
+    lines = session.run("python", "tests/gpu/build_exllamav2.py", "--env", silent=True)
+    for line in str(lines or "").splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key in ("CUDA_HOME", "CPLUS_INCLUDE_PATH"):
+            env[key] = value
     return env
 
 

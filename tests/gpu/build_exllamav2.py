@@ -18,9 +18,12 @@ of its own, and:
   succeed, and exllamav2 then skips its build (the device check's fallback).
 
 Exit status: 0 when ``import exllamav2.generator`` works, 1 when it does not.
-It needs a CUDA build of torch and nvcc, not a GPU. Usage::
+It needs a CUDA build of torch and nvcc, not a GPU. ``--env`` prints the
+environment the build needs (:func:`build_environment`), to be set for the
+build and for every later import. Usage::
 
-    python tests/gpu/build_exllamav2.py [--copy-to DIR]
+    python tests/gpu/build_exllamav2.py --env
+    env $(python tests/gpu/build_exllamav2.py --env) python tests/gpu/build_exllamav2.py
 """
 
 from __future__ import annotations
@@ -59,10 +62,79 @@ def _ninja_times(build_dir: Path) -> list[tuple[float, str]]:
     return sorted(((s, out) for out, s in times.items()), reverse=True)
 
 
+#: Headers torch's CUDA headers include that a bare toolkit may lack.
+_LIBRARY_HEADERS = ("cublas_v2.h", "cusparse.h", "cusolverDn.h", "curand.h")
+
+
+def build_environment() -> dict[str, str]:
+    """``CUDA_HOME`` and ``CPLUS_INCLUDE_PATH`` for building the extension here.
+
+    torch takes ``CUDA_HOME`` from the environment, else two directories above
+    ``nvcc``, which is wrong when ``nvcc`` is a wrapper script (this project's
+    development machine has one in /usr/local/bin): the first directory with
+    both ``bin/nvcc`` and ``include/cuda_runtime.h`` wins. Library headers
+    the toolkit lacks come from the nvidia-* packages torch installs, through
+    ``CPLUS_INCLUDE_PATH``, which gcc searches after every ``-isystem``
+    directory, so the toolkit's own headers always come first (``CPATH``
+    would put the packages' ``cuda_runtime.h`` before the toolkit's).
+
+    The same environment must be set wherever exllamav2 is imported later:
+    torch compares the build's commands, in which ``CUDA_HOME`` appears, and
+    compiles again when they differ.
+    """
+    import glob
+    import site
+
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    candidates = [os.environ.get("CUDA_HOME"), CUDA_HOME, "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    candidates += sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    home = next(
+        (
+            c
+            for c in candidates
+            if c
+            and os.path.isfile(os.path.join(c, "bin", "nvcc"))
+            and os.path.isfile(os.path.join(c, "include", "cuda_runtime.h"))
+        ),
+        None,
+    )
+    env: dict[str, str] = {}
+    if home is None:
+        return env
+    env["CUDA_HOME"] = home
+    missing = [h for h in _LIBRARY_HEADERS if not os.path.isfile(os.path.join(home, "include", h))]
+    dirs = sorted(
+        {
+            os.path.dirname(found)
+            for packages in site.getsitepackages()
+            for header in missing
+            for found in glob.glob(os.path.join(packages, "nvidia", "**", header), recursive=True)
+        }
+    )
+    if dirs:
+        env["CPLUS_INCLUDE_PATH"] = ":".join(
+            [*dirs, *filter(None, [os.environ.get("CPLUS_INCLUDE_PATH")])]
+        )
+    return env
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--copy-to", type=Path, default=None, help="copy the built module here")
+    parser.add_argument(
+        "--env",
+        action="store_true",
+        help="print the build environment (KEY=VALUE lines) and build nothing",
+    )
     args = parser.parse_args(argv)
+    if args.env:
+        for key, value in build_environment().items():
+            print(f"{key}={value}")
+        return 0
 
     import torch
     import torch.utils.cpp_extension as cpp_extension

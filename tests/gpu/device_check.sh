@@ -80,23 +80,14 @@ build() {
     fi
     log "installed: $(ls "$carried/wheels" | tr '\n' ' ')"
 
-    # 2. The environment of both calls, written once so that call 2 builds nothing: torch decides
-    # from CUDA_HOME and the flags whether ninja's build is up to date.
-    local cuda_home
-    cuda_home=$(python3 -c 'from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME or "")' 2>/dev/null)
-    local cpath=""
-    if [ ! -f "$cuda_home/include/cusparse.h" ] || [ ! -f "$cuda_home/include/cublas_v2.h" ]; then
-        # torch's CUDA headers include them; the image's nvidia-* packages have them.
-        cpath=$(python3 -c 'import glob, os, site
-names = ("cusparse.h", "cublas_v2.h", "cusolverDn.h", "curand.h")
-dirs = {os.path.dirname(h) for sp in site.getsitepackages() for n in names
-        for h in glob.glob(os.path.join(sp, "nvidia", "**", n), recursive=True)}
-print(":".join(sorted(dirs)))' 2>/dev/null)
-    fi
+    # 2. The environment of both calls, written once so that call 2 builds nothing: torch
+    # compares the build's commands, in which CUDA_HOME appears. build_exllamav2.py --env finds
+    # the toolkit (bin/nvcc and include/cuda_runtime.h) and, for library headers it lacks
+    # (cublas_v2.h, cusparse.h), the image's nvidia-* packages (CPLUS_INCLUDE_PATH).
     {
         echo "export PYTHONPATH='$ROOT:$STAGE/site'"
-        [ -n "$cuda_home" ] && echo "export CUDA_HOME='$cuda_home'"
-        [ -n "$cpath" ] && echo "export CPATH='$cpath'"
+        python3 tests/gpu/build_exllamav2.py --env 2>>"$OUT/log.txt" |
+            sed -n "s/^\(CUDA_HOME\|CPLUS_INCLUDE_PATH\)=\(.*\)$/export \1='\2'/p"
     } >"$STAGE/env.sh"
     # shellcheck source=/dev/null
     source "$STAGE/env.sh"

@@ -45,7 +45,7 @@ mkdir -p .gpu/call1/wheels .gpu/call1/prebuilt .gpu/call2
 
 # The prebuilt extension, and what it was built for (call 1 prints it beside its import test).
 xz -9 -T1 -c "$PREBUILT" >.gpu/call1/prebuilt/exllamav2_ext.so.xz
-(cd "$(dirname "$PREBUILT")" && sha256sum exllamav2_ext.so) >.gpu/call1/prebuilt/exllamav2_ext.so.sha256
+echo "$(sha256sum <"$PREBUILT" | cut -d' ' -f1)  exllamav2_ext.so" >.gpu/call1/prebuilt/exllamav2_ext.so.sha256
 {
     echo "prebuilt exllamav2_ext.so from $PREBUILT ($(basename "$(dirname "$(dirname "$PREBUILT")")")), staged $(date -u +%F)"
     echo "nvcc targets: $(grep -o 'arch=compute_[0-9a-z]*,code=[a-z_0-9]*' "$(dirname "$PREBUILT")/build.ninja" 2>/dev/null | sort -u | tr '\n' ' ')"
