@@ -11,8 +11,6 @@ import json
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from tests.gpu import build_exllamav2, summarize
 
 GPU = Path(__file__).resolve().parent / "gpu"
@@ -133,7 +131,6 @@ def test_device_check_without_a_mode_says_how_to_call_it(tmp_path: Path) -> None
     assert "usage" in done.stderr
 
 
-@pytest.mark.skipif(not Path("/usr/bin/python3").exists(), reason="needs a python3 on PATH")
 def test_call_2_on_a_cold_machine_stops_at_once_with_a_summary(tmp_path: Path) -> None:
     # Call 1's files are not in the stage directory: the machine was given
     # back between the calls.
