@@ -56,6 +56,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal, TypeAlias
@@ -720,7 +721,9 @@ class ExLlamaV2Engine:
             if failure is None:
                 _free(model)
                 raise
-            log.debug("exllamav2 failed to load %s", model_dir, exc_info=exc)
+            # As text: a record holding the exception would keep its
+            # frames, and with them the GPU memory, alive.
+            log.debug("".join(traceback.format_exception(exc)))
         if failure is not None:
             # Raised here, outside the except block, so that no traceback
             # keeps the half-built cache's and the layers' tensors alive.
