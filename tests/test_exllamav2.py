@@ -1023,6 +1023,126 @@ def test_real_job_matches_the_cpu_rule(real_jobs: RealJobs, data: st.DataObject)
     assert summary(updates) == cpu_rule(real_jobs.tokenizer, spec, script)
 
 
+@attrs.define(eq=False, repr=False)
+class ScriptedGenerator(JobHost):
+    """An ``ExLlamaV2DynamicGenerator`` whose decode step is a script: the
+    engine's ``enqueue``, ``cancel``, ``num_remaining_jobs`` and ``iterate``
+    calls on real jobs, each step feeding every active job its next scripted
+    token through the real ``receive_sample`` (as ``iterate`` does after its
+    forward pass). Only the model is missing."""
+
+    scripts: dict[int, list[int]] = attrs.Factory(dict)
+    active: list[Any] = attrs.Factory(list)
+    cancelled: list[int] = attrs.Factory(list)
+    max_pages: int = 8
+    max_batch_size: int = 8
+
+    def enqueue(self, job: Any) -> int:
+        job.prepare_for_queue(self, len(self.active))
+        now = time.time()
+        job.time_enqueue = job.time_first_prefill = job.time_first_token = now
+        for seq in job.sequences:
+            seq.kv_position = len(seq.sequence_ids) - 1
+            seq.prefill_complete = True
+        self.active.append(job)
+        return int(job.serial_number)
+
+    def cancel(self, job: Any) -> None:
+        self.active.remove(job)
+        self.cancelled.append(job.identifier)
+
+    def num_remaining_jobs(self) -> int:
+        return len(self.active)
+
+    def iterate(self) -> list[dict[str, Any]]:
+        results: list[dict[str, Any]] = []
+        for job in list(self.active):
+            token = self.scripts[job.identifier].pop(0)
+            eos, _ = job.receive_sample(
+                None, torch.tensor([[token]], dtype=torch.long), None, None, None, False, results
+            )
+            if eos:
+                self.active.remove(job)
+        return results
+
+    def clear_queue(self) -> None:
+        self.active.clear()
+
+
+def test_real_jobs_through_the_engine_step(real_jobs: RealJobs) -> None:
+    """ExLlamaV2Engine.step over real jobs in one batch: the sampled token
+    taken from each job, the updates routed by job, a job the rules end
+    cancelled in the generator, a cancelled job silent."""
+    from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+
+    from trioserve.engine.base import EngineInfo
+    from trioserve.engine.exllamav2 import ExLlamaV2Engine
+
+    tokenizer = real_jobs.tokenizer
+    generator = ScriptedGenerator(
+        tokenizer=real_jobs.host.tokenizer, padded_vocab_size=real_jobs.host.padded_vocab_size
+    )
+    info = EngineInfo(
+        engine="exllamav2",
+        model_name="scripted",
+        context_length=PAGE_SIZE,
+        vocab_size=49152,
+        bos_token_id=1,
+        eos_token_ids=real_jobs.eos_token_ids,
+        max_batch=8,
+    )
+    engine = ExLlamaV2Engine(
+        info=info,
+        plan=plan_load(PAGE_SIZE, paged=True, max_batch=8),
+        tokenizer=tokenizer,
+        model=None,
+        cache=None,
+        xtokenizer=real_jobs.host.tokenizer,
+        generator=generator,
+        job_class=ExLlamaV2DynamicJob,
+        settings_class=ExLlamaV2Sampler.Settings,
+    )
+    invalid = [218, 218, 218]  # three lone UTF-8 continuation bytes
+    specs = {
+        # Ended by the rules at "語", which ExLlamaV2 never sees: after the
+        # invalid bytes it holds five U+FFFD and releases the pieces as they are.
+        1: (_real_spec(real_jobs, job_id=1, stop_strings=("語",)), ""),
+        # At the limit, the last token completing "語".
+        2: (_real_spec(real_jobs, job_id=2, max_new_tokens=len(CJK_IDS)), "—日本語 and more"),
+        # At a stop token.
+        3: (_real_spec(real_jobs, job_id=3), "Fine."),
+        # Cancelled after its first step.
+        4: (_real_spec(real_jobs, job_id=4), "One two three four five six"),
+        # Ended at " Paris" on " P", by ExLlamaV2 or (holding it behind the
+        # partial match "aris") by the rules, depending on the set order.
+        5: (_real_spec(real_jobs, job_id=5, stop_strings=(" P", "aris!")), " Paris! Yes."),
+    }
+    scripts = {job_id: [*tokenizer.encode(text), EOS] for job_id, (_, text) in specs.items()}
+    scripts[1] = [*invalid, *CJK_IDS[4:], *tokenizer.encode(" more"), EOS]
+    for job_id, script in scripts.items():
+        generator.scripts[job_id] = list(script)
+    got: dict[int, list[Update]] = {job_id: [] for job_id in specs}
+    submit = [spec for spec, _ in specs.values()]
+    cancel: list[int] = []
+    for step in range(40):
+        for update in engine.step(submit, cancel):
+            got[update.job_id].append(update)
+        submit, cancel = [], [4] if step == 0 else []
+        if not generator.num_remaining_jobs():
+            break
+    assert generator.active == []
+    # Job 1 ended by the rules; ExLlamaV2 would have gone on.
+    assert 1 in generator.cancelled
+    assert 4 in generator.cancelled
+    for job_id in (1, 2, 3, 5):
+        assert summary(got[job_id]) == cpu_rule(tokenizer, specs[job_id][0], scripts[job_id])
+    assert (_released(got[1]), _finished(got[1]).stop_string) == ("\ufffd\ufffd\ufffd", "語")
+    assert _released(got[2]) == "—日本語"
+    assert (_released(got[5]), _finished(got[5]).stop_string) == ("", " P")
+    assert len(got[4]) == 1 and isinstance(got[4][0], TextUpdate)
+    assert engine.step([], [4]) == []
+
+
 # The cases whose outcome in ExLlamaV2 alone depends on its set order.
 _SEED_CASES = [
     ((" P", "aris!"), (" Paris", "!")),

@@ -80,7 +80,10 @@ def build_environment() -> dict[str, str]:
 
     The same environment must be set wherever exllamav2 is imported later:
     torch compares the build's commands, in which ``CUDA_HOME`` appears, and
-    compiles again when they differ.
+    compiles again when they differ. So must the same ``ninja`` be first on
+    ``PATH``: the pip-installed one of a virtual environment (1.13, log v7)
+    and an older system one (1.11) cannot read each other's log, and either
+    then compiles everything again.
     """
     import glob
     import site
