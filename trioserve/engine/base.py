@@ -233,6 +233,8 @@ class Finished:
     prompt_tokens: int
     #: Tokens generated, the stop token included.
     generated_tokens: int
+    #: Prompt tokens served from the engine's prefix cache instead of being run.
+    cached_tokens: int = 0
 
 
 @attrs.frozen
