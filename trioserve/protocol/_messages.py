@@ -438,6 +438,8 @@ class Usage:
     prompt_tokens: int
     trimmed_tokens: int
     generated_tokens: int
+    #: Prompt tokens the engine took from its prefix cache instead of computing.
+    cached_tokens: int = 0
 
 
 @attrs.frozen
