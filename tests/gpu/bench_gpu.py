@@ -41,10 +41,12 @@ from typing import Any
 import trio
 import trio_websocket
 
+from trioserve.engine.base import EngineInfo
 from trioserve.engine.exllamav2 import PAGE_SIZE, ExLlamaV2Engine, probe_exllamav2
 from trioserve.engine.models import default_model_dir
 from trioserve.engine.tokenizer import Tokenizer
-from trioserve.server import ServerConfig, serve
+from trioserve.server import Server, ServerConfig
+from trioserve.worker import EngineThread, open_engine_thread
 
 PROMPT = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -145,22 +147,30 @@ async def _one_stream(url: str, tokens: int, eos_ids: list[int]) -> int:
 
 
 async def bench(
-    engine: ExLlamaV2Engine, raw: RawLoop, tokens: int, eos_ids: list[int]
+    engine: ExLlamaV2Engine,
+    raw: RawLoop,
+    tokens: int,
+    eos_ids: list[int],
+    thread: EngineThread,
 ) -> dict[str, Any]:
-    """Alternating single-stream runs, then trioserve's aggregate at each concurrency."""
+    """Alternating single-stream runs, then trioserve's aggregate at each concurrency.
+
+    Both sides run on ``thread``, the one that loaded both models: the raw loop
+    through ``thread.run_sync`` while the server is idle, the server's step
+    loop while it serves (CUDA streams and graphs are per thread).
+    """
     results: dict[str, Any] = {}
+    server = Server(engine, ServerConfig(host="127.0.0.1", port=0), engine_thread=thread)
     async with trio.open_nursery() as nursery:
-        listening = await nursery.start(serve, engine, ServerConfig(host="127.0.0.1", port=0))
+        listening = await nursery.start(server.run)
         url = listening.url
         # Warm-up: kernels, CUDA graphs, allocator, tokenizer tables.
-        raw.run(16)
+        await thread.run_sync(raw.run, 16)
         await _one_stream(url, 16, eos_ids)
         raw_rates: list[float] = []
         trio_rates: list[float] = []
         for _ in range(PAIRS):
-            # The raw loop blocks this (trio) thread, the thread that loaded its
-            # model, while no client is connected: the server is idle meanwhile.
-            raw_rates.append(raw.run(tokens))
+            raw_rates.append(await thread.run_sync(raw.run, tokens))
             started = time.perf_counter()
             generated = await _one_stream(url, tokens, eos_ids)
             assert generated == tokens, f"trioserve generated {generated} tokens, not {tokens}"
@@ -206,18 +216,28 @@ def main(argv: list[str] | None = None) -> int:
     # Room in the cache for every stream of the largest concurrency at once.
     job_pages = -(-(len(Tokenizer.from_dir(model_dir).encode(PROMPT)) + tokens) // PAGE_SIZE)
     cache_size = max(8192, max(CONCURRENCY) * job_pages * PAGE_SIZE)
-    engine = ExLlamaV2Engine.load(model_dir, max_batch=max(CONCURRENCY), cache_size=cache_size)
-    raw: RawLoop | None = None
-    try:
-        prompt_ids = engine.encode(PROMPT)
-        eos_ids = sorted(engine.info.eos_token_ids)
-        raw = RawLoop(model_dir, prompt_ids, eos_ids)
-        results = trio.run(bench, engine, raw, tokens, eos_ids)
-        info = engine.info
-    finally:
-        engine.close()
-        if raw is not None:
-            raw.close()
+
+    async def run_all() -> tuple[dict[str, Any], EngineInfo, list[int]]:
+        # Every model call of both sides on one engine thread.
+        async with open_engine_thread() as thread:
+            engine = await thread.run_sync(
+                lambda: ExLlamaV2Engine.load(
+                    model_dir, max_batch=max(CONCURRENCY), cache_size=cache_size
+                )
+            )
+            raw: RawLoop | None = None
+            try:
+                prompt_ids = engine.encode(PROMPT)
+                eos_ids = sorted(engine.info.eos_token_ids)
+                raw = await thread.run_sync(RawLoop, model_dir, prompt_ids, eos_ids)
+                results = await bench(engine, raw, tokens, eos_ids, thread)
+                return results, engine.info, prompt_ids
+            finally:
+                await thread.run_sync(engine.close)
+                if raw is not None:
+                    await thread.run_sync(raw.close)
+
+    results, info, prompt_ids = trio.run(run_all)
 
     graphs = "EXLLAMA_NO_GRAPHS" not in os.environ
     note = (
