@@ -87,6 +87,9 @@ class ServerConfig:
     shutdown_grace: float = 10.0
     #: Texts longer than this (characters) are tokenized in a worker thread.
     thread_tokenize_chars: int = 4096
+    #: Whether log lines may carry prompts and generated text (``--log-prompts``).
+    #: Off by default: prompts are user data. API keys are never logged.
+    log_prompts: bool = False
 
     def __attrs_post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
