@@ -652,9 +652,7 @@ def model_problem(path: Path, source: str = "--model") -> str | None:
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             return None
-        return (
-            f"{source} {str(path)!r} is a file but not a .gguf: give a model directory or a .gguf"
-        )
+        return f"{source} {str(path)!r} is neither a model directory nor a .gguf file"
     return f"{source} {str(path)!r} does not exist"
 
 

@@ -60,6 +60,10 @@ _JSON_CORE: Final = ("time", "level", "logger", "message")
 
 log = logging.getLogger("trioserve.cli")
 
+#: Characters that JSON allows raw in a string but some line readers (Python's
+#: str.splitlines among them) take for line breaks: written escaped.
+_LINE_BREAKS: Final = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+
 
 def record_fields(record: logging.LogRecord) -> dict[str, Any]:
     """The structured fields of ``record`` (``extra={"fields": {...}}``),
@@ -88,7 +92,7 @@ def _text_value(value: Any) -> str:
     text = value if isinstance(value, str) else json.dumps(value, default=str)
     if text and all(c.isprintable() and c not in ' "=\\' for c in text):
         return text
-    return json.dumps(text, ensure_ascii=False)
+    return json.dumps(text, ensure_ascii=False).translate(_LINE_BREAKS)
 
 
 class TextFormatter(logging.Formatter):
@@ -132,7 +136,8 @@ class JsonFormatter(logging.Formatter):
             entry["stack"] = self.formatStack(record.stack_info)
         # allow_nan=False would raise on a NaN timing; such a value is written
         # as a string instead, so that every line stays valid JSON.
-        return json.dumps(_finite(entry), ensure_ascii=False, default=str)
+        line = json.dumps(_finite(entry), ensure_ascii=False, default=str)
+        return line.translate(_LINE_BREAKS)
 
 
 def _finite(value: Any) -> Any:
