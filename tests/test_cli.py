@@ -162,7 +162,10 @@ def test_environment_sets_every_option_and_the_command_line_wins() -> None:
         "host": ("0.0.0.0", "0.0.0.0"),
         "port": ("8000", 8000),
         "api_key": (SECRET, SECRET),
-        "allowed_origins": ("https://a.example, https://b.example", ("https://a.example", "https://b.example")),
+        "allowed_origins": (
+            "https://a.example, https://b.example",
+            ("https://a.example", "https://b.example"),
+        ),
         "model": ("~/models/m", Path("~/models/m").expanduser()),
         "engine": ("cpu", "cpu"),
         "dtype": ("float32", "float32"),

