@@ -445,4 +445,5 @@ async def test_ctrl_c_at_the_prompt_leaves_on_a_new_line(cpu_engine: CpuEngine) 
             status = await term.process.wait()
         assert status == 0
         await term.expect(r"\n$")
-        assert term.output.endswith("> \n")
+        # The terminal echoes "^C"; the chat ends that line.
+        assert re.search(r"> (\^C)?\n$", term.output), repr(term.output[-80:])

@@ -715,10 +715,14 @@ class _Chat:
     def note(self, text: str) -> None:
         print(text, file=self.notes, flush=True)
 
-    async def stop_on_interrupt(self, leave: trio.CancelScope) -> None:
+    async def stop_on_interrupt(
+        self, leave: trio.CancelScope, *, task_status: trio.TaskStatus[None]
+    ) -> None:
         """Ctrl-C: stop the answer being streamed (the server keeps what it
-        generated); when none is, or when it is already being stopped, leave."""
+        generated); when none is, or when it is already being stopped, leave.
+        Started (``nursery.start``) once Ctrl-C is caught."""
         with trio.open_signal_receiver(signal.SIGINT) as signals:
+            task_status.started()
             async for _ in signals:
                 stream = self.current
                 if stream is not None and not self.stopping:
@@ -868,7 +872,7 @@ async def _run_chat(args: argparse.Namespace) -> None:
                 stats=args.stats,
             )
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(chat.stop_on_interrupt, nursery.cancel_scope)
+                await nursery.start(chat.stop_on_interrupt, nursery.cancel_scope)
                 if args.once is not None:
                     try:
                         await chat.ask(args.once)
