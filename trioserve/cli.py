@@ -325,7 +325,7 @@ OPTIONS: Final[tuple[Option, ...]] = (
         E,
         _positive_int,
         "N",
-        shown_default="torch's, the number of cores",
+        shown_default="torch's, one per physical core",
     ),
     Option(
         "context_length",
@@ -410,7 +410,7 @@ OPTIONS: Final[tuple[Option, ...]] = (
     Option(
         "ping_interval",
         LIMITS,
-        "seconds between keepalive pings on an idle connection",
+        "seconds between keepalive pings on each connection",
         S,
         metavar="SECONDS",
     ),
