@@ -53,7 +53,7 @@ EXIT_FAILURE = 1
 ENV_PREFIX: Final = "TRIOSERVE_"
 #: Environment variables of trioserve that are not options (they are read
 #: elsewhere), so that they are not reported as unknown.
-OTHER_ENV: Final = frozenset({"TRIOSERVE_CACHE", "TRIOSERVE_TORCH", "TRIOSERVE_TORCH_INDEX"})
+OTHER_ENV: Final = frozenset({"TRIOSERVE_CACHE", "TRIOSERVE_TORCH"})
 
 _TRUE: Final = ("1", "true", "yes", "on")
 _FALSE: Final = ("0", "false", "no", "off")
