@@ -563,13 +563,19 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
             given[option.name] = (_from_env(option, environ[option.env]), option.env)
     values = {name: value for name, (value, _) in given.items()}
 
+    secrets = [str(values[o.name]) for o in OPTIONS if o.secret and values.get(o.name)]
+
     def build(target: type) -> Any:
         names = {o.name for o in OPTIONS if o.target is target}
         kwargs = {name: values[name] for name in names if name in values}
         try:
             return target(**kwargs)
         except ConfigError as exc:
-            raise UsageError(_blame(target, exc, kwargs, given)) from None
+            message = _blame(target, exc, kwargs, given)
+            # A message shows the bad value (house style); never a key's.
+            for secret in secrets:
+                message = message.replace(secret, "[redacted]")
+            raise UsageError(message) from None
 
     cli = {o.name: values.get(o.name, o.default) for o in OPTIONS if o.target is None}
     return Settings(
