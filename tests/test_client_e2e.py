@@ -228,11 +228,12 @@ def chat_env(**extra: str) -> dict[str, str]:
 
 
 async def run_chat(
-    *args: str, env: dict[str, str] | None = None
+    *args: str, env: dict[str, str] | None = None, stdin: bytes = b""
 ) -> subprocess.CompletedProcess[bytes]:
     with trio.fail_after(120):
         return await trio.run_process(
             [sys.executable, "-m", "trioserve.client", *args],
+            stdin=stdin,
             capture_stdout=True,
             capture_stderr=True,
             check=False,
@@ -268,6 +269,31 @@ async def test_chat_cli_answers_once(cpu_engine: CpuEngine) -> None:
             f"error: {host} refused the API key (http 401): check --api-key or TRIOSERVE_API_KEY\n"
         )
         assert b"nope" not in wrong.stderr
+        # A question the server refuses: its error, in one line, and status 1.
+        refused = await run_chat(
+            "--once",
+            QUESTION,
+            "--url",
+            listening.url,
+            "--api-key",
+            "k",
+            "--max-new-tokens",
+            "99999",
+        )
+        assert refused.returncode == 1
+        assert refused.stderr.decode().startswith(
+            "error: invalid_request at $.max_new_tokens: max_new_tokens must be at most"
+        )
+        assert refused.stderr.decode().count("\n") == 1
+        # In a conversation the error is reported and the chat goes on.
+        chat = await run_chat(
+            *("--url", listening.url, "--api-key", "k", "--max-new-tokens", "99999"),
+            stdin=f"{QUESTION}\n/help\n".encode(),
+        )
+        assert chat.returncode == 0
+        notes = chat.stderr.decode()
+        assert "error: invalid_request at $.max_new_tokens" in notes
+        assert notes.index("error:") < notes.index("/reset  forget the conversation")
 
 
 async def test_chat_cli_says_when_no_server_is_there() -> None:

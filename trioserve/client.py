@@ -591,6 +591,7 @@ async def open_client(
 # messages and does not know the prompt format.
 
 DEFAULT_URL: Final = "ws://127.0.0.1:7862/"
+DEFAULT_MAX_NEW_TOKENS: Final = 512
 #: Ends an assistant turn in ChatML (the model's EOS token ends it too).
 CHATML_END: Final = "<|im_end|>"
 _COMMANDS: Final = {
@@ -859,8 +860,16 @@ async def _run_chat(args: argparse.Namespace) -> None:
             except ServerError:
                 info = None  # a server without `info` (ExLlamaV2's own): chat anyway
             max_new_tokens = args.max_new_tokens
-            if info is not None:
-                max_new_tokens = min(max_new_tokens, info.limits.max_new_tokens)
+            if max_new_tokens is None:
+                # The default leaves at least half the context to the
+                # conversation; a number the user gave is the server's to judge.
+                max_new_tokens = DEFAULT_MAX_NEW_TOKENS
+                if info is not None:
+                    max_new_tokens = min(
+                        max_new_tokens,
+                        info.limits.max_new_tokens,
+                        max(1, info.model.context_length // 2),
+                    )
             chat = _Chat(
                 client,
                 max_new_tokens,
@@ -939,9 +948,10 @@ def build_chat_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-new-tokens",
         type=_tokens,
-        default=512,
+        default=None,
         metavar="N",
-        help="longest answer, in tokens; at most the server's limit (default: 512)",
+        help=f"longest answer, in tokens (default: {DEFAULT_MAX_NEW_TOKENS}, or half the model's "
+        "context when that is less)",
     )
     parser.add_argument(
         "--temperature",
