@@ -142,10 +142,10 @@ class Option:
 
     ``name`` is the attribute of ``target`` (:class:`ServerConfig` or
     :class:`EngineOptions`) it sets, or, with no target, a setting of the
-    command line itself (then ``default`` and ``parse`` are required). The
-    option's default, its type (a plain value, an on/off flag, or a list
-    given by repeating the option) and its validation come from the target's
-    attrs field.
+    command line itself (then ``default`` is required). The option's
+    default, its type (a plain value, an on/off flag for a ``bool``, or a
+    list given by repeating the option for a ``tuple``) and its validation
+    come from the target's attrs field.
     """
 
     name: str
@@ -156,8 +156,8 @@ class Option:
     parse: Callable[[str], Any] | None = None
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
-    #: How the default reads in ``--help`` when the value itself says little
-    #: (None -> "the model's").
+    #: How the default reads in ``--help`` when its value says little (a
+    #: None that means "the model's").
     shown_default: str | None = None
     #: The flag, when it is not ``--`` + the name with dashes.
     flag_name: str | None = None
@@ -197,6 +197,7 @@ class Option:
         return "value"
 
     def parser(self) -> Callable[[str], Any]:
+        """Text -> value (for a repeated option: one item's value)."""
         if self.parse is not None:
             return self.parse
         field = self.field()
@@ -204,18 +205,12 @@ class Option:
         if self.kind() == "flag":
             return _boolean
         if self.kind() == "repeat":
-            return _nonempty
+            base = typing.get_args(base)[0]
         if typing.get_origin(base) is Literal:
             return str
-        parsers: dict[Any, Callable[[str], Any]] = {
-            int: _integer,
-            float: _number,
-            str: _nonempty,
-            Path: lambda text: Path(_nonempty(text)).expanduser(),
-        }
-        if base not in parsers:
+        if base not in _PARSERS:
             raise TypeError(f"option {self.flag}: no parser for {base!r}; give parse=")
-        return parsers[base]
+        return _PARSERS[base]
 
     def all_choices(self) -> tuple[str, ...] | None:
         if self.choices is not None:
@@ -248,14 +243,21 @@ def env_name(flag: str) -> str:
     return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
 
 
-_FIELDS_CACHE: dict[type, dict[str, attrs.Attribute[Any]]] = {}
+#: How a value of each field type is read from text.
+_PARSERS: Final[dict[Any, Callable[[str], Any]]] = {
+    int: _integer,
+    float: _number,
+    str: _nonempty,
+    Path: lambda text: Path(_nonempty(text)).expanduser(),
+}
 
 
+@functools.cache
 def _fields(cls: type) -> dict[str, attrs.Attribute[Any]]:
-    if cls not in _FIELDS_CACHE:
-        attrs.resolve_types(cls)
-        _FIELDS_CACHE[cls] = attrs.fields_dict(cls)
-    return _FIELDS_CACHE[cls]
+    # The classes' annotations are strings (`from __future__ import
+    # annotations`); resolving them gives the types the parsers go by.
+    attrs.resolve_types(cls)
+    return attrs.fields_dict(cls)
 
 
 def _base_type(annotation: Any) -> Any:
@@ -269,7 +271,10 @@ def _base_type(annotation: Any) -> Any:
 
 S, E = ServerConfig, EngineOptions
 
-#: Every option; adding a setting to ServerConfig or EngineOptions is one row.
+#: Every option. A setting added to ServerConfig or EngineOptions is one row,
+#: ``Option("max_connections", LIMITS, "connections open at once", S, metavar="N")``:
+#: its default, type and validation come from the field; tests check that
+#: every field has a row and that docs/deployment.md's table lists it.
 OPTIONS: Final[tuple[Option, ...]] = (
     # network
     Option("host", NET, "interface to bind: 0.0.0.0 (or ::) for all; then set an API key", S),
