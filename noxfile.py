@@ -1,4 +1,5 @@
-"""Developer sessions: ``nox -s tests`` (default), ``lint``, ``typecheck``, ``bench``, ``gpu``.
+"""Developer sessions: ``nox -s tests`` (default), ``lint``, ``typecheck``, ``bench``,
+``fuzz``, ``soak``, ``gpu``.
 
 Each session installs the project into its own virtual environment (reused by
 later runs), torch first: ``torch==2.13.0``, the version the project is tested
@@ -67,9 +68,28 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks (tests/bench/); prints Markdown tables for docs/performance.md."""
+    """Benchmarks (tests/bench/); prints Markdown tables for docs/performance.md and
+    docs/reliability.md (the hostile-client bench: ``nox -s bench -- --only hostile``)."""
     install_project(session, "test", "bench")
     session.run("python", "tests/bench/run.py", *session.posargs)
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """100,000 fuzzed frames against ``python -m trioserve`` on the embedded model
+    (tests/fuzz/, docs/reliability.md); arguments go to ``python -m tests.fuzz``
+    (``--frames``, ``--seed``, ``--url`` for a server already running)."""
+    install_project(session, "test")
+    session.run("python", "-m", "tests.fuzz", *session.posargs)
+
+
+@nox.session(default=False)
+def soak(session: nox.Session) -> None:
+    """Mixed requests from several clients for ``--minutes`` (default 10) against
+    ``python -m trioserve``: every request answered exactly once, the server's
+    memory after warm-up vs at the end (tests/soak.py, docs/reliability.md)."""
+    install_project(session, "test", "bench")
+    session.run("python", "-m", "tests.soak", *session.posargs)
 
 
 # Checks the machine's torch before anything is installed: the project and

@@ -88,6 +88,8 @@ class ScriptedEngine:
             bos_token_id=BOS,
             eos_token_ids=frozenset({EOS}),
             max_batch=max_batch,
+            # A token is one byte: it covers at most one character.
+            max_token_chars=1,
         )
         self.step_delay = step_delay
         self.fail_when = fail_when

@@ -179,11 +179,17 @@ def test_environment_sets_every_option_and_the_command_line_wins() -> None:
         "gpu_split": ("20,24.5", (20.0, 24.5)),
         "tensor_parallel": ("1", True),
         "max_message_bytes": ("1024", 1024),
+        "max_connections": ("10", 10),
         "max_requests_per_connection": ("2", 2),
+        "max_running_per_connection": ("3", 3),
         "max_waiting_jobs": ("7", 7),
+        "max_output_bytes": ("65536", 65536),
         "max_new_tokens": ("100", 100),
         "ping_interval": ("5", 5.0),
         "ping_timeout": ("2.5", 2.5),
+        "send_timeout": ("4", 4.0),
+        "handshake_timeout": ("1.5", 1.5),
+        "close_timeout": ("0.5", 0.5),
         "shutdown_grace": ("0", 0.0),
         "log_level": ("DEBUG", "debug"),
         "log_format": ("json", "json"),
@@ -201,14 +207,23 @@ def test_environment_sets_every_option_and_the_command_line_wins() -> None:
             got = getattr(settings, option.name)
         assert got == values[option.name][1], option.name
         assert settings.source(option.name) == option.env
+    assert settings.server.allow_loopback_origins is True
     # The command line wins; an empty variable is no setting at all.
-    args = build_parser().parse_args(["--port", "9", "--no-offline", "--allowed-origin", "x"])
-    settings = resolve(args, {**environ, "TRIOSERVE_MAX_BATCH": ""})
+    flags = ["--port", "9", "--no-offline", "--allowed-origin", "https://x.example"]
+    settings = resolve(build_parser().parse_args(flags), {**environ, "TRIOSERVE_MAX_BATCH": ""})
     assert settings.server.port == 9
     assert settings.engine.offline is False
-    assert settings.server.allowed_origins == ("x",)
+    assert settings.server.allowed_origins == ("https://x.example",)
     assert settings.engine.max_batch is None
     assert settings.source("port") == "--port"
+    # 'none' is no origin: it removes the loopback origins, from either source.
+    for args, env in (
+        (["--allowed-origin", "none"], {}),
+        ([], {"TRIOSERVE_ALLOWED_ORIGIN": "none"}),
+    ):
+        settings = resolve(build_parser().parse_args(args), env)
+        assert settings.server.allowed_origins == ()
+        assert settings.server.allow_loopback_origins is False
     # Nothing set: the config classes' own defaults.
     settings = resolve(build_parser().parse_args([]), {})
     assert settings.server == ServerConfig()
@@ -228,6 +243,7 @@ def test_environment_sets_every_option_and_the_command_line_wins() -> None:
         (["--ping-timeout", "nan"], {}, "argument --ping-timeout: expected a finite number"),
         (["--engine", "tpu"], {}, "--engine"),
         (["--api-key", ""], {}, "argument --api-key: expected a value"),
+        (["--allowed-origin", "app.example"], {}, "argument --allowed-origin: allowed origins"),
         ([], {"TRIOSERVE_MAX_BATCH": "0"}, "TRIOSERVE_MAX_BATCH: max batch must be >= 1, got 0"),
         ([], {"TRIOSERVE_PORT": "http"}, "TRIOSERVE_PORT: expected a port number, got 'http'"),
         ([], {"TRIOSERVE_OFFLINE": "maybe"}, "TRIOSERVE_OFFLINE: expected one of 1, true"),

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import trio
 
 from trioserve.engine.base import Failed, Finished, GenerationSpec, SamplingSettings, TextUpdate
 from trioserve.scheduler import Job, QueueFull, Scheduler
+from trioserve.worker import open_engine_thread
 
 from .helpers import EOS, ScriptedEngine
 
@@ -158,3 +161,124 @@ async def test_stopping_the_task_fails_what_is_left() -> None:
     for job in (running, queued):
         _, end = await collect(job)
         assert isinstance(end, Failed) and "shutting down" in end.message
+
+
+async def test_a_burst_fills_free_slots_before_it_counts_against_the_queue() -> None:
+    engine = ScriptedEngine(max_batch=4, step_delay=0.01)
+    scheduler = Scheduler(engine, max_waiting=1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        # Four free slots and one queue place: five jobs are accepted.
+        jobs = [
+            scheduler.open_job(make_spec(scheduler, engine, "endless", n=200), owner=i)
+            for i in range(5)
+        ]
+        stats = scheduler.statistics()
+        assert (stats.running, stats.waiting) == (4, 1)
+        with pytest.raises(QueueFull):
+            scheduler.open_job(make_spec(scheduler, engine, "endless"), owner=99)
+        for job in jobs:
+            scheduler.cancel(job)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_cancelled_queued_job_frees_its_place_at_once() -> None:
+    engine = ScriptedEngine(max_batch=1, step_delay=0.01)
+    scheduler = Scheduler(engine, max_waiting=2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        running = scheduler.open_job(make_spec(scheduler, engine, "endless", n=500), owner="a")
+        queued = [
+            scheduler.open_job(make_spec(scheduler, engine, "endless"), owner="a") for _ in range(2)
+        ]
+        with pytest.raises(QueueFull):
+            scheduler.open_job(make_spec(scheduler, engine, "say:x"), owner="b")
+        for job in queued:
+            scheduler.cancel(job)
+        assert scheduler.statistics().waiting == 0
+        # Both places are free again while the slot is still busy.
+        others = [scheduler.open_job(make_spec(scheduler, engine, "say:x"), owner="b")]
+        others.append(scheduler.open_job(make_spec(scheduler, engine, "say:y"), owner="c"))
+        scheduler.cancel(running)
+        texts = [(await collect(job))[0] for job in others]
+        assert texts == ["x", "y"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_admission_is_round_robin_and_keeps_a_slot_for_another_owner() -> None:
+    engine = ScriptedEngine(max_batch=4, step_delay=0.005)
+    scheduler = Scheduler(engine)
+    assert scheduler.max_running_per_owner == 3
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        flood = [
+            scheduler.open_job(make_spec(scheduler, engine, "endless", n=400), owner="flood")
+            for _ in range(10)
+        ]
+        # The flood holds three slots; the fourth stays free for another owner.
+        assert scheduler.statistics().running == 3
+        polite = scheduler.open_job(make_spec(scheduler, engine, "say:hi"), owner="polite")
+        assert polite.started_at is not None, "the newcomer must start at once"
+        text, end = await collect(polite)
+        assert text == "hi" and isinstance(end, Finished)
+        for job in flood:
+            scheduler.cancel(job)
+        nursery.cancel_scope.cancel()
+
+
+async def test_owners_take_turns_for_freed_slots() -> None:
+    engine = ScriptedEngine(max_batch=2, step_delay=0.002)
+    scheduler = Scheduler(engine, max_running_per_owner=2)
+    started: list[str] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        jobs = []
+        for owner in ("a", "a", "a", "a", "b", "b"):
+            job = scheduler.open_job(make_spec(scheduler, engine, f"say:{owner}"), owner=owner)
+            jobs.append((owner, job))
+        for _, job in jobs:
+            await collect(job)
+        nursery.cancel_scope.cancel()
+    order = sorted(jobs, key=lambda pair: (pair[1].started_at, pair[1].job_id))
+    started = [owner for owner, _ in order]
+    # a took both free slots; then the freed slots alternate b, a, b, a.
+    assert started[:2] == ["a", "a"]
+    assert started[2:4] in (["b", "a"], ["a", "b"])
+    assert started.count("b") == 2 and started.index("b") <= 3
+
+
+async def test_every_engine_call_runs_on_the_engine_thread() -> None:
+    threads: set[int] = set()
+
+    class Recording(ScriptedEngine):
+        def step(self, submit, cancel):  # type: ignore[no-untyped-def]
+            threads.add(threading.get_ident())
+            return super().step(submit, cancel)
+
+    engine = Recording(max_batch=2)
+    async with open_engine_thread() as thread:
+        scheduler = Scheduler(engine, engine_thread=thread)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(scheduler.run)
+            for round_ in range(3):
+                job = scheduler.open_job(make_spec(scheduler, engine, f"say:{round_}"))
+                await collect(job)
+                await scheduler.wait_idle()
+                # Idle: the step loop has given the thread back.
+                assert await thread.run_sync(threading.get_ident) == thread.ident
+            nursery.cancel_scope.cancel()
+    assert threads == {thread.ident}
+
+
+async def test_no_step_runs_after_the_task_ends() -> None:
+    engine = ScriptedEngine(max_batch=2, step_delay=0.01)
+    scheduler = Scheduler(engine)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        job = scheduler.open_job(make_spec(scheduler, engine, "endless", n=500))
+        await job.updates.receive()
+        nursery.cancel_scope.cancel()
+    steps = engine.steps
+    await trio.sleep(0.05)
+    assert engine.steps == steps
+    assert engine.running_jobs == 0

@@ -13,7 +13,8 @@ import pytest
 import trio
 import trio_websocket
 
-from trioserve.server import ServerConfig
+from trioserve.errors import ConfigError
+from trioserve.server import Listening, ServerConfig, serve
 
 from .helpers import (
     DEFAULT_SCRIPT,
@@ -466,61 +467,114 @@ async def test_api_key_by_header_or_query_parameter() -> None:
             assert rejected.value.status_code == 401
 
 
+async def _origin_accepted(url: str, origin: bytes) -> bool:
+    try:
+        async with raw_client(url, extra_headers=[(b"Origin", origin)]) as ws:
+            assert await ws.request({"action": "echo"}) == {"action": "echo"}
+    except trio_websocket.ConnectionRejected as rejected:
+        status = rejected.status_code
+    else:
+        return True
+    assert status == 403
+    return False
+
+
 async def test_origin_check() -> None:
+    loopback = (
+        b"http://localhost:3000",
+        b"http://127.0.0.1",
+        b"http://[::1]:8080",
+        b"https://localhost:5173",
+        b"HTTPS://LOCALHOST",
+    )
+    foreign = (b"https://evil.example", b"http://localhost.evil.example", b"null")
     async with running_server(ScriptedEngine()) as server:
-        for origin in (b"http://localhost:3000", b"http://127.0.0.1", b"http://[::1]:8080"):
-            async with raw_client(server.url, extra_headers=[(b"Origin", origin)]) as ws:
-                assert await ws.request({"action": "echo"}) == {"action": "echo"}
-        for origin in (b"https://evil.example", b"http://localhost.evil.example"):
-            with pytest.raises(trio_websocket.ConnectionRejected) as rejected:
-                async with raw_client(server.url, extra_headers=[(b"Origin", origin)]):
-                    pass
-            assert rejected.value.status_code == 403
+        for origin in loopback:
+            assert await _origin_accepted(server.url, origin), origin
+        for origin in foreign:
+            assert not await _origin_accepted(server.url, origin), origin
+    # --allowed-origin adds to the loopback origins.
     config = ServerConfig(host="127.0.0.1", port=0, allowed_origins=("https://app.example",))
     async with running_server(ScriptedEngine(), config) as server:
-        headers = [(b"Origin", b"https://app.example")]
-        async with raw_client(server.url, extra_headers=headers) as ws:
-            assert await ws.request({"action": "echo"}) == {"action": "echo"}
-        with pytest.raises(trio_websocket.ConnectionRejected):
-            async with raw_client(server.url, extra_headers=[(b"Origin", b"http://localhost")]):
-                pass
+        assert await _origin_accepted(server.url, b"https://app.example")
+        assert await _origin_accepted(server.url, b"http://localhost")
+        assert not await _origin_accepted(server.url, b"https://evil.example")
+    # ... unless the loopback default is removed ('--allowed-origin none').
+    config = ServerConfig(
+        host="127.0.0.1",
+        port=0,
+        allowed_origins=("https://app.example",),
+        allow_loopback_origins=False,
+    )
+    async with running_server(ScriptedEngine(), config) as server:
+        assert await _origin_accepted(server.url, b"https://app.example")
+        assert not await _origin_accepted(server.url, b"http://localhost")
+    # '*' allows any origin but null.
+    config = ServerConfig(host="127.0.0.1", port=0, allowed_origins=("*",))
+    async with running_server(ScriptedEngine(), config) as server:
+        assert await _origin_accepted(server.url, b"https://evil.example")
+        assert not await _origin_accepted(server.url, b"null")
+
+
+def test_allowed_origins_must_be_origins() -> None:
+    with pytest.raises(ConfigError, match="scheme://host"):
+        ServerConfig(allowed_origins=("app.example",))
+    with pytest.raises(ConfigError, match="scheme://host"):
+        ServerConfig(allowed_origins=("https://app.example/path",))
+
+
+async def _serve_in_scope(
+    engine: ScriptedEngine,
+    config: ServerConfig,
+    scope: trio.CancelScope,
+    *,
+    task_status: trio.TaskStatus[Listening],
+) -> None:
+    """Run serve inside ``scope``, so that cancelling it starts the server's
+    shutdown while the test body (outside the scope) goes on."""
+    with scope:
+        await serve(engine, config, task_status=task_status)
 
 
 async def test_shutdown_lets_jobs_finish_within_the_grace_period() -> None:
     engine = ScriptedEngine(step_delay=0.005)
+    server_scope = trio.CancelScope()
+    checked = False
     async with trio.open_nursery() as nursery:
-        from trioserve.server import serve
-
         config = ServerConfig(host="127.0.0.1", port=0, shutdown_grace=5)
-        listening = await nursery.start(serve, engine, config)
+        listening = await nursery.start(_serve_in_scope, engine, config, server_scope)
         async with raw_client(listening.url) as ws:
             await ws.send({"action": "infer", "text": "say:" + "z" * 30, "max_new_tokens": 50})
             await wait_until(lambda: engine.steps > 0)
-            nursery.cancel_scope.cancel()
+            server_scope.cancel()
             (final,) = await ws.recv_until_final()
             assert final["response"] == "z" * 30 and final["stop_reason"] == "eos"
             with pytest.raises(trio_websocket.ConnectionClosed) as closed:
                 await ws.recv()
             assert closed.value.reason is not None and closed.value.reason.code == 1001
+            checked = True
+    assert checked
 
 
 async def test_shutdown_interrupts_what_outlives_the_grace_period() -> None:
     engine = ScriptedEngine(step_delay=0.005)
+    server_scope = trio.CancelScope()
+    checked = False
     async with trio.open_nursery() as nursery:
-        from trioserve.server import serve
-
         config = ServerConfig(host="127.0.0.1", port=0, shutdown_grace=0.2)
-        listening = await nursery.start(serve, engine, config)
+        listening = await nursery.start(_serve_in_scope, engine, config, server_scope)
         async with raw_client(listening.url) as ws:
             await ws.send(
-                {"action": "infer", "text": "long", "max_new_tokens": 100000, "stream": True}
+                {"action": "infer", "text": "long", "max_new_tokens": 10000, "stream": True}
             )
             frames = [await ws.recv()]
-            nursery.cancel_scope.cancel()
+            server_scope.cancel()
             frames += await ws.recv_until_final()
             assert frames[-1]["stop_reason"] == "interrupted"
             assert "".join(chunks_of(frames)) == frames[-1]["response"]
             assert frames[-1]["response"].startswith(DEFAULT_SCRIPT[:5])
+            checked = True
+    assert checked
     assert engine.running_jobs == 0
 
 

@@ -291,11 +291,12 @@ OPTIONS: Final[tuple[Option, ...]] = (
     Option(
         "allowed_origins",
         NET,
-        "browser origin allowed to connect (e.g. https://app.example.com); repeat it for more; "
-        "in the environment, separate them with commas",
+        "browser origin allowed to connect besides the loopback origins (e.g. "
+        "https://app.example.com); repeat it for more (in the environment: commas); '*' allows "
+        "any, 'none' removes the loopback origins",
         S,
         metavar="ORIGIN",
-        shown_default="http://localhost, http://127.0.0.1 and http://[::1] on any port",
+        shown_default="the loopback origins only: localhost, 127.0.0.1 and [::1], any port",
         flag_name="--allowed-origin",
     ),
     # model and engine
@@ -386,9 +387,17 @@ OPTIONS: Final[tuple[Option, ...]] = (
     Option(
         "max_message_bytes",
         LIMITS,
-        "largest frame accepted; a larger one closes the connection with 1009",
+        "largest frame or HTTP body accepted; a larger frame closes the connection with 1009",
         S,
         metavar="BYTES",
+        shown_default="16 bytes per token of context, at least 256 KiB",
+    ),
+    Option(
+        "max_connections",
+        LIMITS,
+        "connections open at once, handshakes included; more are answered HTTP 503",
+        S,
+        metavar="N",
     ),
     Option(
         "max_requests_per_connection",
@@ -398,11 +407,26 @@ OPTIONS: Final[tuple[Option, ...]] = (
         metavar="N",
     ),
     Option(
+        "max_running_per_connection",
+        LIMITS,
+        "engine slots one connection may hold while others wait",
+        S,
+        metavar="N",
+        shown_default="all but one of the engine's slots",
+    ),
+    Option(
         "max_waiting_jobs",
         LIMITS,
         "jobs waiting for the engine, all connections; more are answered 'overloaded'",
         S,
         metavar="N",
+    ),
+    Option(
+        "max_output_bytes",
+        LIMITS,
+        "unsent output one connection may hold before it is closed (1008)",
+        S,
+        metavar="BYTES",
     ),
     Option(
         "max_new_tokens",
@@ -423,6 +447,27 @@ OPTIONS: Final[tuple[Option, ...]] = (
         "ping_timeout",
         LIMITS,
         "seconds a peer has to answer a ping before it is closed (1011)",
+        S,
+        metavar="SECONDS",
+    ),
+    Option(
+        "send_timeout",
+        LIMITS,
+        "seconds a client may accept no byte of a frame before it is closed (1008)",
+        S,
+        metavar="SECONDS",
+    ),
+    Option(
+        "handshake_timeout",
+        LIMITS,
+        "seconds a peer has to complete its WebSocket handshake",
+        S,
+        metavar="SECONDS",
+    ),
+    Option(
+        "close_timeout",
+        LIMITS,
+        "seconds a close handshake may take before the socket is dropped",
         S,
         metavar="SECONDS",
     ),
@@ -459,9 +504,10 @@ OPTIONS: Final[tuple[Option, ...]] = (
 )
 del S, E
 
-#: Fields of the config classes that are deliberately not options (tuning
-#: knobs for embedders); every other field must have a row above.
-NOT_OPTIONS: Final = frozenset({"thread_tokenize_chars"})
+#: Fields of the config classes that are not options of their own; every
+#: other field must have a row above. ``allow_loopback_origins`` is set by
+#: ``--allowed-origin none``.
+NOT_OPTIONS: Final = frozenset({"allow_loopback_origins"})
 
 
 def build_parser(prog: str = "python -m trioserve") -> argparse.ArgumentParser:
@@ -567,11 +613,18 @@ def resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
             # An empty variable counts as unset, as systemd's `Environment=X=` means.
             given[option.name] = (_from_env(option, environ[option.env]), option.env)
     values = {name: value for name, (value, _) in given.items()}
+    if "allowed_origins" in values:
+        # 'none' is not an origin: it removes the loopback origins.
+        origins = values["allowed_origins"]
+        values["allowed_origins"] = tuple(o for o in origins if o.lower() != "none")
+        if len(values["allowed_origins"]) < len(origins):
+            values["allow_loopback_origins"] = False
+            given["allow_loopback_origins"] = (False, given["allowed_origins"][1])
 
     secrets = [str(values[o.name]) for o in OPTIONS if o.secret and values.get(o.name)]
 
     def build(target: type) -> Any:
-        names = {o.name for o in OPTIONS if o.target is target}
+        names = set(_fields(target))
         kwargs = {name: values[name] for name in names if name in values}
         try:
             return target(**kwargs)

@@ -1,32 +1,48 @@
 """The generation task: the one owner of the engine.
 
-Jobs arrive on a bounded memory channel (the queue of jobs waiting for the
-engine, shared by all connections). The generation task takes as many as the
-engine has room for, applies cancellations, runs one blocking
-:meth:`Engine.step` in a worker thread, and routes each update to its job's own
-result channel with ``send_nowait``: it never waits on a client.
+Two halves meet here. On the trio side, request handlers queue jobs
+(:meth:`Scheduler.open_job`) and cancel them (:meth:`Scheduler.cancel`), both
+synchronous; the scheduler admits waiting jobs into the engine's free slots,
+fairly across owners (connections), and routes each step's updates to the
+jobs' own result channels with ``send_nowait``: it never waits on a client.
 
-Cancelling a job is synchronous (:meth:`Scheduler.cancel`), so that it can be
-called from a ``finally`` block of a cancelled task: a queued job is skipped
-when it is taken off the queue, a running job is dropped by the engine before
-its next step.
+On the engine thread (:mod:`trioserve.worker`), a step loop takes the jobs
+admitted and the cancellations made since the last step from a thread-safe
+inbox, runs one :meth:`Engine.step`, hands its updates back to trio without
+waiting, and goes straight into the next step. Routing and frame sending
+overlap the next step instead of sitting between steps.
+
+Guarantees:
+
+* a cancelled job produces no update after :meth:`Scheduler.cancel` returns
+  (routing happens on the trio thread, which is where cancels happen);
+* a cancelled job frees its place at once: a queued one leaves the queue, a
+  running one its slot (the engine drops it before its next step);
+* an engine step that raises fails the jobs of that step only;
+* when the generation task ends, every job still running or queued is failed
+  with an update, the engine drops them all, and the step loop has returned:
+  no step runs after that.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import math
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
 
 import attrs
 import trio
 
 from .engine.base import Engine, Failed, Finished, GenerationSpec, TextUpdate, Update
 from .errors import TrioserveError
+from .worker import EngineThread, open_engine_thread
 
-__all__ = ["Job", "QueueFull", "Scheduler", "SchedulerStatistics"]
+__all__ = ["Job", "QueueFull", "Scheduler", "SchedulerClosed", "SchedulerStatistics", "StepRecord"]
 
 log = logging.getLogger("trioserve.scheduler")
 
@@ -57,15 +73,23 @@ class Job:
     _send: trio.MemorySendChannel[Update] = attrs.field(repr=False)
     #: The owner's end.
     updates: trio.MemoryReceiveChannel[Update] = attrs.field(repr=False)
+    #: Who the job belongs to (a connection): admission is fair across owners.
+    #: ``None``: the job is its own owner.
+    owner: Hashable | None = None
     #: trio.current_time() when the job was queued, and when the engine took it.
     queued_at: float = 0.0
     started_at: float | None = None
     cancelled: bool = False
+    #: Set when the job's last update (Finished or Failed) was delivered.
     done: bool = False
 
     @property
     def job_id(self) -> int:
         return self.spec.job_id
+
+    @property
+    def fair_key(self) -> Hashable:
+        return self if self.owner is None else self.owner
 
 
 @attrs.frozen
@@ -80,36 +104,100 @@ class SchedulerStatistics:
     served: int
     cancelled: int
     failed: int
-    #: Engine steps run since start.
+    #: Engine steps run since start, and the seconds spent inside them.
     steps: int
+    step_seconds: float = 0.0
+
+
+@attrs.frozen
+class StepRecord:
+    """What one engine step did, for observers (metrics)."""
+
+    #: Seconds inside ``Engine.step``.
+    duration: float
+    #: Jobs in the engine during the step.
+    batch: int
+    #: Updates the step produced.
+    updates: int
+    failed: bool
+
+
+@attrs.define(eq=False)
+class _StepResult:
+    updates: list[Update]
+    #: Jobs failed because the step raised (the engine drops them next step).
+    failed_ids: list[int]
+    error: Exception | None
+    record: StepRecord
 
 
 class Scheduler:
     """Owns an engine and runs its generation task (:meth:`run`).
 
-    ``max_waiting`` bounds the queue of jobs not yet taken by the engine; a full
-    queue makes :meth:`submit_nowait` raise :class:`QueueFull` at once instead of
-    making a client wait without bound.
+    ``max_waiting`` bounds the jobs not yet taken by the engine: a job that
+    finds no free slot and a full queue makes :meth:`open_job` raise
+    :class:`QueueFull` at once instead of making a client wait without bound.
+    Free engine slots take jobs at once, so a burst on an idle engine fills its
+    slots before it counts against the queue.
+
+    Admission is round-robin across owners, and one owner holds at most
+    ``max_running_per_owner`` slots (default: all but one, so that another
+    client's request starts at once even while one client floods the engine).
+
+    ``engine_thread``: the thread that steps the engine (use the one that
+    loaded it, see :mod:`trioserve.worker`); without one, the step loop runs
+    in a worker thread of its own.
     """
 
-    def __init__(self, engine: Engine, *, max_waiting: int = 256) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_waiting: int = 256,
+        max_running_per_owner: int | None = None,
+        engine_thread: EngineThread | None = None,
+        on_step: Callable[[StepRecord], None] | None = None,
+    ) -> None:
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting!r}")
         self.engine = engine
         self.max_waiting = max_waiting
-        # The queue itself: a buffer of max_waiting, so that submit_nowait
-        # fails exactly when that many jobs wait.
-        self._queue_send, self._queue_receive = trio.open_memory_channel[Job](max_waiting)
+        self.capacity = max(1, engine.info.max_batch)
+        if max_running_per_owner is None:
+            max_running_per_owner = max(1, self.capacity - 1)
+        if max_running_per_owner < 1:
+            raise ValueError(f"max_running_per_owner must be >= 1, got {max_running_per_owner!r}")
+        self.max_running_per_owner = max_running_per_owner
+        self.engine_thread = engine_thread
+        #: Called on the trio thread after each step (metrics); must not block.
+        self.on_step = on_step
+        # Trio side: jobs admitted to the engine (in the inbox or stepping),
+        # and jobs waiting, per owner in arrival order.
         self._running: dict[int, Job] = {}
-        self._cancels: list[int] = []
-        # Jobs already taken off the queue while the task was idle.
-        self._front: collections.deque[Job] = collections.deque()
-        self._idle = trio.Event()
+        self._running_per_owner: collections.Counter[Hashable] = collections.Counter()
+        self._queues: dict[Hashable, dict[int, Job]] = {}
+        self._rotation: collections.deque[Hashable] = collections.deque()
         self._waiting = 0
+        # The inbox, shared with the engine thread under the lock.
+        self._lock = threading.Lock()
+        self._inbox_submit: list[Job] = []
+        self._inbox_cancel: list[int] = []
+        self._stopping = False
+        #: Whether the step loop is running on the engine thread (under the lock).
+        self._loop_active = False
+        #: Set (on the trio side) when the step loop must be started.
+        self._work_ready = trio.Event()
+        # Results travel back on this channel (unbounded: the engine thread
+        # never waits for trio; a step's result is bounded by its batch).
+        self._results_send, self._results_receive = trio.open_memory_channel[_StepResult](math.inf)
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._idle = trio.Event()
         self._served = 0
         self._cancelled = 0
         self._failed = 0
         self._steps = 0
+        self._step_seconds = 0.0
+        self._started = False
         self._closed = False
 
     # -- used by request handlers -------------------------------------------------
@@ -117,12 +205,17 @@ class Scheduler:
     def new_job_id(self) -> int:
         return next(_job_ids)
 
-    def open_job(self, spec: GenerationSpec) -> Job:
-        """Create a job for ``spec`` and queue it (see :meth:`submit_nowait`)."""
+    def open_job(self, spec: GenerationSpec, *, owner: Hashable | None = None) -> Job:
+        """Create a job for ``spec`` and queue it; raise :class:`QueueFull`
+        when it finds neither a free slot nor room in the queue, and
+        :class:`SchedulerClosed` after the generation task has ended."""
+        if self._closed:
+            raise SchedulerClosed("the generation task is not running")
         # Unbounded: the generation task must never wait on a slow client; a
-        # job's updates are bounded by its max_new_tokens anyway.
+        # job's updates are bounded by its max_new_tokens, and its owner reads
+        # them as they come (it never waits on its client either).
         send, receive = trio.open_memory_channel[Update](math.inf)
-        job = Job(spec=spec, send=send, updates=receive, queued_at=trio.current_time())
+        job = Job(spec=spec, send=send, updates=receive, owner=owner, queued_at=trio.current_time())
         self.submit_nowait(job)
         return job
 
@@ -130,19 +223,38 @@ class Scheduler:
         """Queue ``job`` for the engine, or raise :class:`QueueFull` at once."""
         if self._closed:
             raise SchedulerClosed("the generation task is not running")
-        try:
-            self._queue_send.send_nowait(job)
-        except trio.WouldBlock:
+        key = job.fair_key
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = {}
+            self._rotation.append(key)
+        queue[job.job_id] = job
+        self._waiting += 1
+        self._admit()
+        if self._waiting > self.max_waiting and self._is_waiting(job):
+            self._remove_waiting(job)
             raise QueueFull(
                 f"{self.max_waiting} jobs are already waiting for the engine; retry later"
-            ) from None
-        self._waiting += 1
+            )
+
+    def has_room(self, owner: Hashable | None = None) -> bool:
+        """Whether a job submitted now would be accepted (a free slot for
+        ``owner``, or room in the queue): checked before costly work such as
+        tokenizing a long prompt."""
+        if self._closed:
+            return False
+        if self._waiting < self.max_waiting:
+            return True
+        free = self.capacity - len(self._running)
+        return free > 0 and (
+            owner is None or self._running_per_owner[owner] < self.max_running_per_owner
+        )
 
     def cancel(self, job: Job) -> None:
         """Cancel ``job``: synchronous, idempotent, safe in ``finally`` blocks.
 
-        The job produces no further update. A running job's engine slot is
-        freed before the next engine step.
+        The job produces no further update. A queued job leaves the queue at
+        once; a running job's engine slot is freed before the next engine step.
         """
         if job.done or job.cancelled:
             return
@@ -150,7 +262,11 @@ class Scheduler:
         self._cancelled += 1
         job._send.close()
         if self._running.pop(job.job_id, None) is not None:
-            self._cancels.append(job.job_id)
+            self._release_slot(job)
+            self._post_to_loop(cancel=job.job_id)
+            self._admit()
+        elif self._is_waiting(job):
+            self._remove_waiting(job)
         self._notify_idle()
 
     def statistics(self) -> SchedulerStatistics:
@@ -161,6 +277,7 @@ class Scheduler:
             cancelled=self._cancelled,
             failed=self._failed,
             steps=self._steps,
+            step_seconds=self._step_seconds,
         )
 
     @property
@@ -179,81 +296,229 @@ class Scheduler:
         if not self.busy:
             self._idle.set()
 
+    # -- queue and admission (trio side) --------------------------------------------
+
+    def _is_waiting(self, job: Job) -> bool:
+        queue = self._queues.get(job.fair_key)
+        return queue is not None and job.job_id in queue
+
+    def _remove_waiting(self, job: Job) -> None:
+        key = job.fair_key
+        queue = self._queues[key]
+        del queue[job.job_id]
+        self._waiting -= 1
+        if not queue:
+            del self._queues[key]
+            self._rotation.remove(key)
+
+    def _release_slot(self, job: Job) -> None:
+        key = job.fair_key
+        self._running_per_owner[key] -= 1
+        if self._running_per_owner[key] <= 0:
+            del self._running_per_owner[key]
+
+    def _admit(self) -> None:
+        """Move waiting jobs into free engine slots, one owner at a time."""
+        if not self._started or self._closed:
+            return
+        admitted: list[Job] = []
+        now = trio.current_time()
+        while len(self._running) < self.capacity and self._rotation:
+            job = self._next_fair()
+            if job is None:
+                break
+            job.started_at = now
+            self._running[job.job_id] = job
+            self._running_per_owner[job.fair_key] += 1
+            admitted.append(job)
+        if admitted:
+            self._post_to_loop(submit=admitted)
+
+    def _post_to_loop(self, *, submit: Sequence[Job] = (), cancel: int | None = None) -> None:
+        """Put work in the step loop's inbox; start the loop if it is idle."""
+        with self._lock:
+            self._inbox_submit.extend(submit)
+            if cancel is not None:
+                self._inbox_cancel.append(cancel)
+            start = not self._loop_active
+        if start:
+            self._work_ready.set()
+
+    def _next_fair(self) -> Job | None:
+        """The first waiting job of the next owner in the rotation that may
+        take a slot; that owner goes to the back of the rotation."""
+        for _ in range(len(self._rotation)):
+            key = self._rotation[0]
+            self._rotation.rotate(-1)
+            if self._running_per_owner[key] >= self.max_running_per_owner:
+                continue
+            queue = self._queues[key]
+            job = queue.pop(next(iter(queue)))
+            self._waiting -= 1
+            if not queue:
+                del self._queues[key]
+                self._rotation.remove(key)
+            return job
+        return None
+
     # -- the generation task ------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the generation task until cancelled.
 
-        Cancellation: the task stops between engine steps (a step already in
-        its worker thread runs to its end first). Jobs still running or queued
-        are failed with an update, so their owners are never left waiting.
+        The step loop runs on ``engine_thread`` while there is work and
+        returns when there is none, so that the thread is free for other
+        engine calls while the engine is idle. Without an ``engine_thread``
+        the scheduler opens one of its own for as long as it runs.
+
+        Cancellation: the step loop is told to stop and ends after the step in
+        progress (which is not interrupted); the engine drops every job it
+        still holds, and jobs still running or queued are failed with an
+        update, so their owners are never left waiting. ``run`` returns once
+        the step loop has returned.
         """
-        capacity = max(1, self.engine.info.max_batch)
-        task_status.started()
+        if self._started:
+            raise RuntimeError("a Scheduler runs once")
+        self._token = trio.lowlevel.current_trio_token()
         try:
-            while True:
-                submits = self._take_jobs(capacity - len(self._running))
-                if not submits and not self._running and not self._cancels:
-                    await self._wait_for_work()
-                    continue
-                cancels, self._cancels = self._cancels, []
-                now = trio.current_time()
-                for job in submits:
-                    job.started_at = now
-                    self._running[job.job_id] = job
-                specs = [job.spec for job in submits]
-                try:
-                    updates = await trio.to_thread.run_sync(self.engine.step, specs, cancels)
-                except Exception as exc:
-                    updates = self._fail_running(exc)
-                except BaseException:
-                    # Cancelled before the step started: _close must still
-                    # tell the engine about these.
-                    self._cancels.extend(cancels)
-                    raise
-                self._steps += 1
-                self._route(updates)
+            if self.engine_thread is None:
+                async with open_engine_thread("trioserve-scheduler") as thread:
+                    self.engine_thread = thread
+                    await self._run(task_status)
+            else:
+                await self._run(task_status)
         finally:
+            self._closed = True
+            # Results the loop posted before it stopped are real outcomes
+            # (a job that finished in the last step keeps its Finished).
+            while True:
+                try:
+                    self._route(self._results_receive.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                    break
             self._close()
 
-    def _take_jobs(self, room: int) -> list[Job]:
-        taken: list[Job] = []
-        while len(taken) < room:
-            if self._front:
-                job = self._front.popleft()
+    async def _run(self, task_status: trio.TaskStatus[None]) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._drive_step_loop, nursery.cancel_scope)
+            nursery.start_soon(self._route_results)
+            self._started = True
+            self._admit()
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                with self._lock:
+                    self._stopping = True
+                self._work_ready.set()
+
+    async def _drive_step_loop(self, cancel_scope: trio.CancelScope) -> None:
+        """Start the step loop on the engine thread whenever work arrives."""
+        thread = self.engine_thread
+        assert thread is not None
+        try:
+            while True:
+                # Not cancellable: run() stops the loop through _stopping, and
+                # the loop must have dropped its jobs before the task ends.
+                with trio.CancelScope(shield=True):
+                    await self._work_ready.wait()
+                self._work_ready = trio.Event()
+                with self._lock:
+                    if self._stopping and not self._loop_active:
+                        # Nothing runs in the engine while the loop is idle.
+                        return
+                    self._loop_active = True
+                await thread.run_sync(self._step_loop)
+        finally:
+            # The loop ended (stopped, or broken): no job can be served now.
+            self._results_send.close()
+            cancel_scope.cancel()
+
+    async def _route_results(self) -> None:
+        async for result in self._results_receive:
+            self._route(result)
+
+    def _post(self, result: _StepResult) -> None:
+        """Hand a step's result to trio (called on the engine thread)."""
+        assert self._token is not None
+        self._token.run_sync_soon(self._deliver, result)
+
+    def _deliver(self, result: _StepResult) -> None:
+        # Runs on the trio thread outside any task: it must never raise.
+        # After the generation task has ended, _close has failed the jobs.
+        with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+            self._results_send.send_nowait(result)
+
+    def _step_loop(self) -> None:
+        """The engine thread's loop: inbox -> step -> results, until there is
+        nothing to do (it returns; the next job starts it again) or it is
+        told to stop (it drops every job the engine holds, then returns)."""
+        live: set[int] = set()
+        drop: list[int] = []
+        engine = self.engine
+        while True:
+            with self._lock:
+                submits, self._inbox_submit = self._inbox_submit, []
+                cancels, self._inbox_cancel = self._inbox_cancel, []
+                stopping = self._stopping
+                if not (submits or cancels or live or drop or stopping):
+                    self._loop_active = False
+                    return
+            cancels += drop
+            drop = []
+            if stopping:
+                # Free the engine's slots, so that an engine that outlives this
+                # scheduler starts clean. With every job cancelled, the step
+                # has no model work to do and returns at once.
+                everything = [*live, *cancels, *(job.job_id for job in submits)]
+                if everything:
+                    try:
+                        engine.step([], everything)
+                    except Exception:
+                        log.exception("the engine failed to drop %d jobs", len(everything))
+                with self._lock:
+                    self._loop_active = False
+                return
+            if cancels and submits:
+                # Cancelled before the engine saw it: it never runs.
+                cancelled = set(cancels)
+                submits = [job for job in submits if job.job_id not in cancelled]
+            live.difference_update(cancels)
+            live.update(job.job_id for job in submits)
+            batch = len(live)
+            started = time.perf_counter()
+            error: Exception | None = None
+            try:
+                updates = engine.step([job.spec for job in submits], cancels)
+            except Exception as exc:
+                error = exc
+                updates = []
+            duration = time.perf_counter() - started
+            failed_ids: list[int] = []
+            if error is not None:
+                failed_ids = sorted(live)
+                # Let the engine drop whatever it still holds of these jobs.
+                drop = failed_ids
+                live.clear()
             else:
-                try:
-                    job = self._queue_receive.receive_nowait()
-                except trio.WouldBlock:
-                    break
-            self._waiting -= 1
-            if not job.cancelled:
-                taken.append(job)
-        self._notify_idle()
-        return taken
+                for update in updates:
+                    if not isinstance(update, TextUpdate):
+                        live.discard(update.job_id)
+            record = StepRecord(
+                duration=duration, batch=batch, updates=len(updates), failed=error is not None
+            )
+            self._post(_StepResult(updates, failed_ids, error, record))
 
-    async def _wait_for_work(self) -> None:
-        """Sleep until a job is queued.
-
-        Nothing else can need the engine while it is idle: cancellations only
-        concern running jobs, and there are none.
-        """
-        job = await self._queue_receive.receive()
-        # The generation task is the queue's only reader, so the job simply
-        # becomes the first of the next step.
-        self._front.append(job)
-
-    def _fail_running(self, exc: Exception) -> list[Update]:
-        log.error("engine step failed; failing its %d jobs", len(self._running), exc_info=exc)
-        updates: list[Update] = []
-        for job_id in list(self._running):
-            updates.append(Failed(job_id=job_id, message=f"the engine failed: {exc}"))
-            # Let the engine drop whatever it still holds of these jobs.
-            self._cancels.append(job_id)
-        return updates
-
-    def _route(self, updates: Sequence[Update]) -> None:
-        for update in updates:
+    def _route(self, result: _StepResult) -> None:
+        self._steps += 1
+        self._step_seconds += result.record.duration
+        if result.error is not None:
+            log.error(
+                "engine step failed; failing its %d jobs",
+                len(result.failed_ids),
+                exc_info=result.error,
+            )
+        for update in self._updates_of(result):
             job = self._running.get(update.job_id)
             if job is None:
                 # Cancelled while the step ran: its owner has already answered.
@@ -262,7 +527,22 @@ class Scheduler:
                 job._send.send_nowait(update)
                 continue
             del self._running[update.job_id]
+            self._release_slot(job)
             self._end(job, update)
+        self._admit()
+        self._notify_idle()
+        if self.on_step is not None:
+            try:
+                self.on_step(result.record)
+            except Exception:
+                log.exception("a step observer failed")
+
+    @staticmethod
+    def _updates_of(result: _StepResult) -> Sequence[Update]:
+        if result.error is None:
+            return result.updates
+        message = f"the engine failed: {result.error}"
+        return [Failed(job_id=job_id, message=message) for job_id in result.failed_ids]
 
     def _end(self, job: Job, update: Finished | Failed) -> None:
         job.done = True
@@ -272,29 +552,19 @@ class Scheduler:
             self._failed += 1
         job._send.send_nowait(update)
         job._send.close()
-        self._notify_idle()
 
     def _close(self) -> None:
         """Fail every job still running or queued: no owner is left waiting."""
         self._closed = True
-        engine_jobs = [*self._running, *self._cancels]
-        if engine_jobs:
-            # Free the engine's slots now, so that an engine that outlives this
-            # scheduler starts clean. With every job cancelled, the step has no
-            # model work to do and returns at once.
-            try:
-                self.engine.step([], engine_jobs)
-            except Exception:
-                log.exception("the engine failed to drop %d jobs at shutdown", len(engine_jobs))
-        leftover = list(self._running.values()) + list(self._front)
+        leftover = list(self._running.values())
+        for queue in self._queues.values():
+            leftover.extend(queue.values())
         self._running.clear()
-        self._front.clear()
-        while True:
-            try:
-                leftover.append(self._queue_receive.receive_nowait())
-            except (trio.WouldBlock, trio.ClosedResourceError):
-                break
+        self._running_per_owner.clear()
+        self._queues.clear()
+        self._rotation.clear()
         self._waiting = 0
         for job in leftover:
             if not job.cancelled and not job.done:
                 self._end(job, Failed(job_id=job.job_id, message="the server is shutting down"))
+        self._notify_idle()

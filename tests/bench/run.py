@@ -8,6 +8,7 @@ top of the output. Progress goes to stderr, the tables to stdout.
     python tests/bench/run.py                  # everything, full scale (< ~10 min)
     python tests/bench/run.py --quick          # smaller server scale (~2-3 min)
     python tests/bench/run.py --only server    # one part
+    python tests/bench/run.py --only hostile   # the hostile-client bench (docs/reliability.md)
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import trio  # noqa: E402
 
-from tests.bench import engine_bench, server_bench  # noqa: E402
+from tests.bench import engine_bench, hostile_bench, server_bench  # noqa: E402
 from trioserve.engine.cpu import DTYPES, CpuEngine  # noqa: E402
 from trioserve.engine.models import default_model_dir  # noqa: E402
+from trioserve.worker import open_engine_thread  # noqa: E402
 
-PARTS = ("engine", "server")
+PARTS = ("engine", "server", "hostile")
 
 
 def cpu_model() -> str:
@@ -98,6 +100,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--dtype", choices=sorted(DTYPES), default="bfloat16", help="the server bench's dtype"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument(
+        "--attack",
+        choices=list(hostile_bench.ATTACKS),
+        action="append",
+        help="hostile bench: run only this attack (repeatable)",
+    )
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="hostile bench: one more argument for its python -m trioserve (repeatable)",
+    )
     return parser.parse_args(argv)
 
 
@@ -120,17 +134,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "server" in parts:
         scale = server_bench.QUICK if args.quick else server_bench.FULL
         say(f"server bench ({'quick' if args.quick else 'full'} scale)")
-        engine = CpuEngine.load(None, dtype=args.dtype, max_batch=max(32, *scale.aggregate_clients))
-        try:
-            server_results = trio.run(
-                lambda: server_bench.run_server_bench(
-                    engine, scale, memory=not args.no_memory, say=say
+        max_batch = max(32, *scale.aggregate_clients)
+
+        async def server_part() -> server_bench.ServerResults:
+            # Loaded, stepped and closed on one thread, as the CLI does.
+            async with open_engine_thread() as thread:
+                engine = await thread.run_sync(
+                    lambda: CpuEngine.load(None, dtype=args.dtype, max_batch=max_batch)
                 )
-            )
-        finally:
-            engine.close()
+                try:
+                    return await server_bench.run_server_bench(
+                        engine, scale, engine_thread=thread, memory=not args.no_memory, say=say
+                    )
+                finally:
+                    await thread.run_sync(engine.close)
+
+        server_results = trio.run(server_part)
         print("\n## Server\n")
         print(server_bench.format_server_tables(server_results))
+    if "hostile" in parts:
+        hostile_scale = hostile_bench.QUICK if args.quick else hostile_bench.FULL
+        say(f"hostile bench ({'quick' if args.quick else 'full'} scale)")
+        hostile_results = trio.run(
+            lambda: hostile_bench.run_hostile_bench(
+                hostile_scale, only=args.attack, server_args=args.server_arg, say=say
+            )
+        )
+        print("\n## Hostile clients\n")
+        print(hostile_bench.format_hostile_table(hostile_results))
     total = time.perf_counter() - begun
     print(f"\nLoad average at the end: {load_average()}; total {total:.0f} s.")
     return 0

@@ -50,6 +50,7 @@ from tests.helpers import RawClient, raw_client
 from trioserve import protocol as p
 from trioserve.engine.base import Engine, EngineInfo, Failed, Finished, GenerationSpec, Update
 from trioserve.server import Server, ServerConfig
+from trioserve.worker import EngineThread
 
 __all__ = [
     "FULL",
@@ -273,8 +274,9 @@ class EngineRun:
 def drive_engine(engine: Engine, specs: Sequence[GenerationSpec]) -> EngineRun:
     """Run ``specs`` to their ends with a plain loop of ``engine.step`` calls:
     all jobs submitted with the first step, as the generation task does when
-    they arrive together. Runs in a worker thread, like the generation task's
-    steps, so that the trio loop stays responsive meanwhile."""
+    they arrive together. Runs on the engine thread (the one that loaded the
+    engine), between the server's runs, so that the trio loop stays responsive
+    meanwhile and both sides step from the same thread."""
     pending = {spec.job_id for spec in specs}
     tokens = 0
     decode_steps: list[float] = []
@@ -401,6 +403,10 @@ async def measure_throughput(
     say: Callable[[str], None],
 ) -> ThroughputResult:
     engine = timed.engine
+    # The engine alone steps on the thread that loaded it, as a user of the
+    # engine without the server would; the server steps on that thread too.
+    thread = server.engine_thread
+    assert thread is not None
     engine_tps: list[float] = []
     socket_tps: list[float] = []
     steps: list[float] = []
@@ -413,9 +419,7 @@ async def measure_throughput(
     socket_steps: list[int] = []
     async with open_clients(url, clients) as connections:
         # Warm-up, both sides: first calls, allocations, cache growth.
-        await trio.to_thread.run_sync(
-            drive_engine, engine, engine_specs(engine, server, clients, 4)
-        )
+        await thread.run_sync(drive_engine, engine, engine_specs(engine, server, clients, 4))
         await socket_run(timed, connections, 4, f"warm{clients}")
         for round_ in range(rounds):
             # Alternate which side goes first, so that a trend in the machine's
@@ -424,7 +428,7 @@ async def measure_throughput(
             for side in order:
                 if side == "engine":
                     specs = engine_specs(engine, server, clients, max_new_tokens)
-                    run = await trio.to_thread.run_sync(drive_engine, engine, specs)
+                    run = await thread.run_sync(drive_engine, engine, specs)
                     steps.extend(run.decode_steps)
                     engine_gaps.extend(run.gaps)
                     engine_busy.append(run.busy / run.seconds)
@@ -787,6 +791,7 @@ async def run_server_bench(
     engine: Engine,
     scale: ServerScale,
     *,
+    engine_thread: EngineThread,
     memory: bool = True,
     say: Callable[[str], None] = lambda line: None,
 ) -> ServerResults:
@@ -800,7 +805,7 @@ async def run_server_bench(
         )
     begun = time.perf_counter()
     timed = TimedEngine(engine)
-    server = Server(timed, ServerConfig(host="127.0.0.1", port=0))
+    server = Server(timed, ServerConfig(host="127.0.0.1", port=0), engine_thread=engine_thread)
     throughput: list[ThroughputResult] = []
     stops: list[StopResult] = []
     echoes: list[EchoResult] = []

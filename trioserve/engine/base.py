@@ -64,6 +64,13 @@ class EngineInfo:
     #: False when the backend runs one job at a time (ExLlamaV2 without
     #: paged attention); the server is still correct then, just slower.
     batching: bool = True
+    #: The most characters one token can stand for (its bytes, at most), or
+    #: None when unknown: lets the server tokenize only the tail of a prompt
+    #: far longer than the context.
+    max_token_chars: int | None = None
+    #: The model's Hugging Face directory, when it has one: the server reads
+    #: its chat template from there.
+    model_dir: str | None = None
 
 
 @attrs.frozen

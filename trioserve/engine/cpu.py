@@ -160,6 +160,8 @@ class CpuEngine:
             eos_token_ids=tokenizer.eos_token_ids,
             max_batch=max_batch,
             batching=True,
+            max_token_chars=tokenizer.max_token_bytes,
+            model_dir=str(model_dir),
         )
         log.info(
             "cpu engine: %s, %s on %s, context %d, max batch %d, torch threads %d",

@@ -627,6 +627,8 @@ class ExLlamaV2Engine:
             eos_token_ids=frozenset(eos),
             max_batch=plan.max_batch,
             batching=plan.paged,
+            max_token_chars=tokenizer.max_token_bytes,
+            model_dir=str(model_dir),
         )
         engine = cls(
             info=info,

@@ -94,6 +94,12 @@ def _token_name(value: Any) -> str | None:
     return None
 
 
+#: Above these sizes, encode and decode release the GIL (the batch calls do;
+#: below, the single calls are faster and short enough not to matter).
+_GIL_FREE_CHARS = 2048
+_GIL_FREE_IDS = 512
+
+
 @attrs.define(eq=False)
 class Tokenizer:
     """A model's tokenizer. Thread-safe: the Rust tokenizer is only read, and
@@ -167,12 +173,31 @@ class Tokenizer:
         )
 
     def encode(self, text: str) -> list[int]:
-        """Protocol section 3.2: no BOS added; special-token strings become their ids."""
+        """Protocol section 3.2: no BOS added; special-token strings become their ids.
+
+        Long texts go through ``encode_batch``, which releases the GIL while
+        it works (``encode`` holds it for the whole call, which froze every
+        other thread, the event loop's included, for seconds on a long text).
+        """
+        if len(text) > _GIL_FREE_CHARS:
+            # The fast variant computes no offsets: half the time, and a much
+            # smaller result to convert and free under the GIL afterwards.
+            return list(self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids)
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int] | Iterable[int]) -> str:
-        """Decode ``ids``, writing special tokens as their text."""
-        return self._tok.decode(list(ids), skip_special_tokens=False)
+        """Decode ``ids``, writing special tokens as their text (long runs of
+        ids without holding the GIL, as :meth:`encode`)."""
+        ids = list(ids)
+        if len(ids) > _GIL_FREE_IDS:
+            return self._tok.decode_batch([ids], skip_special_tokens=False)[0]
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most bytes one token stands for: a bound on the characters of
+        text one token can cover."""
+        return max(len(piece) for piece in self._token_bytes)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes token ``token_id`` stands for (its text for special tokens)."""

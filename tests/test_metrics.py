@@ -1,0 +1,174 @@
+"""Metrics: the exposition parsed with prometheus_client's own parser, and the
+counters moving as the server's hooks are called."""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
+from prometheus_client.parser import text_string_to_metric_families
+
+from trioserve.metrics import CANCEL_CAUSES, Metrics
+
+
+def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    body, content_type = metrics.render()
+    assert content_type.startswith("text/plain")
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(body.decode("utf-8")):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def value(metrics: Metrics, name: str, **labels: str) -> float:
+    return samples(metrics)[(name, tuple(sorted(labels.items())))]
+
+
+def test_request_counters_and_token_counters_move() -> None:
+    metrics = Metrics()
+    metrics.request_finished(
+        api="openai",
+        action="chat_completions",
+        outcome="eos",
+        prompt_tokens=12,
+        generated_tokens=5,
+        cached_tokens=4,
+        duration=0.3,
+    )
+    metrics.request_finished(api="websocket", action="infer", outcome="num_tokens", prompt_tokens=3)
+    metrics.request_finished(api="websocket", action="echo", outcome="ok")
+    key = {"api": "openai", "action": "chat_completions", "outcome": "eos"}
+    assert value(metrics, "trioserve_requests_total", **key) == 1
+    assert value(metrics, "trioserve_prompt_tokens_total", api="openai") == 12
+    assert value(metrics, "trioserve_prompt_tokens_total", api="websocket") == 3
+    assert value(metrics, "trioserve_generated_tokens_total", api="openai") == 5
+    assert value(metrics, "trioserve_cached_prompt_tokens_total", api="openai") == 4
+    assert value(metrics, "trioserve_request_duration_seconds_count", api="openai") == 1
+    assert value(metrics, "trioserve_request_duration_seconds_count", api="websocket") == 0
+    assert (
+        value(metrics, "trioserve_requests_total", api="websocket", action="echo", outcome="ok")
+        == 1
+    )
+
+
+def test_histograms_put_observations_in_buckets() -> None:
+    metrics = Metrics()
+    metrics.first_token(0.2, api="websocket")
+    metrics.queue_wait(0.0007)
+    metrics.tokens(0.06, count=3)  # three gaps of 20 ms
+    s = samples(metrics)
+    ttft = "trioserve_time_to_first_token_seconds_bucket"
+    assert s[(ttft, (("api", "websocket"), ("le", "0.1")))] == 0
+    assert s[(ttft, (("api", "websocket"), ("le", "0.25")))] == 1
+    assert s[("trioserve_queue_wait_seconds_bucket", (("le", "0.001"),))] == 1
+    assert s[("trioserve_queue_wait_seconds_bucket", (("le", "0.0005"),))] == 0
+    itl = "trioserve_inter_token_latency_seconds"
+    assert s[(f"{itl}_count", ())] == 3
+    assert s[(f"{itl}_bucket", (("le", "0.02"),))] == 3
+    assert s[(f"{itl}_bucket", (("le", "0.01"),))] == 0
+    assert abs(s[(f"{itl}_sum", ())] - 0.06) < 1e-9
+
+
+def test_engine_steps_and_job_gauges() -> None:
+    metrics = Metrics()
+    metrics.step(0.03, batch=4)
+    metrics.step(0.01, batch=0)
+    metrics.jobs(running=4, waiting=7)
+    assert value(metrics, "trioserve_engine_steps_total") == 2
+    assert value(metrics, "trioserve_engine_step_duration_seconds_count") == 2
+    # An empty step (only cancellations) is not a batch.
+    assert value(metrics, "trioserve_engine_step_batch_size_count") == 1
+    assert value(metrics, "trioserve_jobs_running") == 4
+    assert value(metrics, "trioserve_jobs_waiting") == 7
+    metrics.jobs(running=0, waiting=0)
+    assert value(metrics, "trioserve_jobs_waiting") == 0
+
+
+def test_connections_rejections_cancellations_http() -> None:
+    metrics = Metrics()
+    for cause in CANCEL_CAUSES:
+        assert value(metrics, "trioserve_cancellations_total", cause=cause) == 0
+    metrics.cancelled("disconnect")
+    metrics.cancelled("disconnect")
+    metrics.cancelled("stop")
+    assert value(metrics, "trioserve_cancellations_total", cause="disconnect") == 2
+    assert value(metrics, "trioserve_cancellations_total", cause="stop") == 1
+    metrics.connection_opened("websocket")
+    metrics.connection_opened("http")
+    metrics.connection_opened("http")
+    metrics.connection_closed("http")
+    assert value(metrics, "trioserve_open_connections", protocol="http") == 1
+    assert value(metrics, "trioserve_open_connections", protocol="websocket") == 1
+    assert value(metrics, "trioserve_connections_total", protocol="http") == 2
+    metrics.handshake_rejected("auth")
+    assert value(metrics, "trioserve_rejected_handshakes_total", reason="auth") == 1
+    assert value(metrics, "trioserve_rejected_handshakes_total", reason="origin") == 0
+    metrics.http_response("/health", 200)
+    metrics.http_response("/health", 200)
+    metrics.http_response("unmatched", 404)
+    assert value(metrics, "trioserve_http_responses_total", route="/health", code="200") == 2
+    assert value(metrics, "trioserve_http_responses_total", route="unmatched", code="404") == 1
+
+
+def test_client_strings_never_become_labels() -> None:
+    metrics = Metrics()
+    metrics.request_finished(api="websocket", action="x" * 1000, outcome="unknown_action")
+    metrics.request_finished(api="gopher", action="infer", outcome="weird")
+    metrics.cancelled("cosmic ray")
+    metrics.handshake_rejected("because")
+    s = samples(metrics)
+    labels = {value for (_, pairs) in s for (_, value) in pairs}
+    assert "x" * 1000 not in labels
+    assert not {"gopher", "weird", "cosmic ray", "because"} & labels
+    key = {"api": "websocket", "action": "unknown", "outcome": "unknown_action"}
+    assert value(metrics, "trioserve_requests_total", **key) == 1
+    key = {"api": "other", "action": "infer", "outcome": "other"}
+    assert value(metrics, "trioserve_requests_total", **key) == 1
+    assert value(metrics, "trioserve_cancellations_total", cause="other") == 1
+    assert value(metrics, "trioserve_rejected_handshakes_total", reason="other") == 1
+
+
+def test_each_instance_has_its_own_registry() -> None:
+    a, b = Metrics(), Metrics()
+    a.cancelled("stop")
+    assert value(a, "trioserve_cancellations_total", cause="stop") == 1
+    assert value(b, "trioserve_cancellations_total", cause="stop") == 0
+    # The process-global registry is left alone.
+    assert REGISTRY.get_sample_value("trioserve_cancellations_total", {"cause": "stop"}) is None
+
+
+def test_build_info_names_the_model() -> None:
+    metrics = Metrics()
+    metrics.set_model(model="SmolLM2-135M-Instruct", engine="cpu")
+    s = samples(metrics)
+    [info] = [pairs for (name, pairs) in s if name == "trioserve_build_info"]
+    assert ("model", "SmolLM2-135M-Instruct") in info
+    assert ("engine", "cpu") in info
+
+
+def test_process_collectors_are_optional() -> None:
+    with_process = {name for name, _ in samples(Metrics())}
+    without = {name for name, _ in samples(Metrics(process=False))}
+    assert "python_info" in with_process
+    assert "python_info" not in without
+
+
+def test_openmetrics_when_the_scraper_asks() -> None:
+    metrics = Metrics()
+    metrics.cancelled("shutdown")
+    body, content_type = metrics.render("application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text")
+    text = body.decode("utf-8")
+    assert text.endswith("# EOF\n")
+    families = {f.name: f for f in openmetrics_families(text)}  # type: ignore[no-untyped-call]
+    cancellations = families["trioserve_cancellations"]
+    [shutdown] = [
+        s
+        for s in cancellations.samples
+        if s.name == "trioserve_cancellations_total" and s.labels == {"cause": "shutdown"}
+    ]
+    assert shutdown.value == 1
+    # A plain scraper (curl, an old Prometheus) gets the text format.
+    assert metrics.render("*/*")[1].startswith("text/plain")

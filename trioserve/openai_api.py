@@ -1,0 +1,1150 @@
+"""The OpenAI-compatible API as a pure core: request bodies in, typed requests,
+GenerationSpecs and JSON out. No I/O, no trio, no torch.
+
+The HTTP front door hands a route's body to :func:`parse_completion_request`
+or :func:`parse_chat_request` and gets a typed request or an
+:class:`OpenAIError` that already knows its status and body. After the prompt
+is tokenized (the chat prompt is rendered with the model's chat template
+first), :func:`build_spec` checks it against the model and makes the engine's
+:class:`~trioserve.engine.base.GenerationSpec`. The responses are built here too:
+:func:`completion_response` and :func:`chat_completion_response` for whole
+answers, :class:`CompletionStream` and :class:`ChatCompletionStream` for the
+Server-Sent Events of a streamed one, :func:`models_response` for the model
+list, and :meth:`OpenAIError.body` for errors in OpenAI's shape.
+
+What is accepted (``docs/openai.md`` has the table):
+
+* OpenAI's own sampling fields map onto the engine's sampler with OpenAI's
+  defaults, not the WebSocket protocol's: ``temperature`` 1, ``top_p`` 1, and
+  no top_k, min_p, typical, top_a, skew or repetition penalty unless the
+  request sets one of those ExLlamaV2 extension fields.
+* Fields that would change the output in a way this server cannot honour
+  (``logprobs``, ``tools``, ``response_format`` other than text, ``n`` > 1,
+  ``logit_bias``, ``suffix``, audio ...) are refused with a 400 naming the
+  field, unless their value asks for nothing (``n: 1``, ``tools: []``,
+  ``logprobs: false``, ``tool_choice: "none"`` ...).
+* Fields that do not change the output (``user``, ``metadata``, ``store``,
+  ``service_tier``, ``parallel_tool_calls``, prompt-cache hints,
+  ``reasoning_effort``, ``verbosity``, ``safety_identifier``) are accepted and
+  ignored.
+* Any other field is refused with a 400 naming it, as OpenAI does: a
+  misspelt field is a mistake the client should hear about.
+* ``model`` may name anything: the server has one model and serves it; the
+  responses carry its real name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Literal, TypeAlias
+
+import attrs
+import cattrs
+from cattrs.errors import ClassValidationError
+from cattrs.gen import make_dict_structure_fn, override
+
+from trioserve.engine.base import Finished, GenerationSpec, SamplingSettings
+from trioserve.errors import TrioserveError
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatCompletionStream",
+    "ChatMessage",
+    "CompletionRequest",
+    "CompletionStream",
+    "FinishReason",
+    "ModelLimits",
+    "OpenAIError",
+    "OpenAILimits",
+    "TokenUsage",
+    "build_spec",
+    "chat_completion_response",
+    "completion_response",
+    "error_body",
+    "finish_reason",
+    "model_object",
+    "models_response",
+    "new_id",
+    "parse_chat_request",
+    "parse_completion_request",
+    "sse_event",
+]
+
+FinishReason: TypeAlias = Literal["stop", "length"]
+
+#: The end of every stream.
+SSE_DONE: Final = b"data: [DONE]\n\n"
+
+_SEED_MIN: Final = -(2**63)
+_SEED_MAX: Final = 2**64 - 1
+#: top_k beyond any vocabulary is the same as none; the cap keeps the value
+#: representable wherever the engines put it (a 64-bit tensor, a C int).
+_TOP_K_MAX: Final = 2**31 - 1
+
+
+# --------------------------------------------------------------------------
+# Errors
+
+#: OpenAI's ``error.type`` for each status this API answers with.
+_ERROR_TYPES: Final[Mapping[int, str]] = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    409: "invalid_request_error",
+    411: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    431: "invalid_request_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+def error_body(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> bytes:
+    """An error in OpenAI's shape: ``{"error": {"message", "type", "param",
+    "code"}}``. The SDKs read ``message`` into their exceptions."""
+    payload = {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(
+                status, "server_error" if status >= 500 else "invalid_request_error"
+            ),
+            "param": param,
+            "code": code,
+        }
+    }
+    return _dumps(payload)
+
+
+class OpenAIError(TrioserveError):
+    """A request this API answers with an error: its status, and everything
+    for OpenAI's error body. ``retry_after`` (seconds) goes into a
+    ``Retry-After`` header for 429 and 503."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    def body(self) -> bytes:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+    def headers(self) -> list[tuple[str, str]]:
+        if self.retry_after is None:
+            return []
+        return [("Retry-After", str(self.retry_after))]
+
+    def __repr__(self) -> str:
+        return (
+            f"OpenAIError({self.status!r}, {self.message!r}, "
+            f"param={self.param!r}, code={self.code!r})"
+        )
+
+
+def _invalid(message: str, param: str | None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+# --------------------------------------------------------------------------
+# Limits
+
+
+@attrs.frozen(kw_only=True)
+class OpenAILimits:
+    """Bounds on a request's fields, checked before any work. The server sets
+    them to the WebSocket side's caps so that both doors take the same."""
+
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 1024
+    max_stop_token_ids: int = 1024
+    max_banned_ids: int = 8192
+    max_messages: int = 4096
+    max_name_chars: int = 256
+    max_content_parts: int = 1024
+
+
+@attrs.frozen(kw_only=True)
+class ModelLimits:
+    """What :func:`build_spec` checks a request against: the served model."""
+
+    name: str
+    context_length: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    #: The server's cap on generated tokens (at most ``context_length - 1``).
+    max_new_tokens: int
+
+
+# --------------------------------------------------------------------------
+# Requests
+
+
+@attrs.frozen
+class ChatMessage:
+    """One message of a chat, as the chat template sees it. ``developer``
+    messages arrive as ``system`` (templates know that role); multi-part text
+    content is joined with newlines."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+@attrs.frozen(kw_only=True)
+class _Generation:
+    """Fields both generation routes take."""
+
+    model: str | None = None
+    #: None: as many as the context leaves (chat) -- completions default to 16.
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    include_usage: bool = False
+    # ExLlamaV2 extensions (the WebSocket protocol's names) and vLLM's
+    # stop_token_ids; off by default, as OpenAI has none of them.
+    top_k: int = 0
+    min_p: float = 0.0
+    typical: float = 0.0
+    top_a: float = 0.0
+    skew: float = 0.0
+    rep_pen: float = 1.0
+    token_healing: bool = False
+    bann_bann: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    def sampling_settings(self) -> SamplingSettings:
+        top_p, top_k = self.top_p, self.top_k
+        if top_p == 0.0:
+            # OpenAI's top_p 0 keeps the single most likely token; the
+            # engine's top_p 0 means "off". top_k 1 is the same distribution.
+            top_p, top_k = 1.0, 1
+        return SamplingSettings(
+            temperature=self.temperature,
+            top_k=top_k,
+            top_p=top_p,
+            top_a=self.top_a,
+            min_p=self.min_p,
+            typical=self.typical,
+            skew=self.skew,
+            rep_pen=self.rep_pen,
+            freq_pen=self.frequency_penalty,
+            pres_pen=self.presence_penalty,
+            seed=self.seed,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class CompletionRequest(_Generation):
+    """``POST /v1/completions``: a prompt as text, or as token ids."""
+
+    prompt: str | tuple[int, ...]
+    max_tokens: int | None = 16
+    #: Prepend the prompt text to the completion (OpenAI's ``echo``).
+    echo: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class ChatCompletionRequest(_Generation):
+    """``POST /v1/chat/completions``: messages for the model's chat template."""
+
+    messages: tuple[ChatMessage, ...]
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.as_template_input() for m in self.messages]
+
+
+# --------------------------------------------------------------------------
+# Parsing: strict JSON, then fields
+
+
+class _BadParam(ValueError):
+    """A field broke its rule; carries the OpenAI ``param`` path."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a json value")
+
+
+def _finite_float(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"number {_show(text)} is too large")
+    return number
+
+
+_DECODER: Final = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+
+
+def _parse_body(body: bytes) -> dict[str, Any]:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _invalid("the request body is not valid utf-8", None) from None
+    try:
+        obj = _DECODER.decode(text)
+    except json.JSONDecodeError as exc:
+        raise _invalid(
+            f"the request body is not valid json: {exc.msg[:1].lower()}{exc.msg[1:]} "
+            f"at line {exc.lineno} column {exc.colno}",
+            None,
+        ) from None
+    except ValueError as exc:
+        raise _invalid(f"the request body is not valid json: {exc}", None) from None
+    except RecursionError:
+        raise _invalid("the request body is not valid json: nested too deeply", None) from None
+    if not isinstance(obj, dict):
+        raise _invalid("the request body must be a json object", None)
+    return obj
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _text(value: Any) -> bool:
+    """A str that is valid Unicode (json's ``\\udXXX`` escapes can make lone
+    surrogates, which no tokenizer takes and no reply can carry)."""
+    if not isinstance(value, str):
+        return False
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+_Hook: TypeAlias = Callable[[Any, Any], Any]
+
+
+def _int_rule(name: str, lo: int, hi: int | None = None) -> _Hook:
+    allowed = f"an integer from {lo} to {hi}" if hi is not None else f"an integer >= {lo}"
+
+    def hook(value: Any, _: Any) -> int | None:
+        if value is None:
+            return None
+        number = _as_int(value)
+        if number is None or number < lo or (hi is not None and number > hi):
+            raise _BadParam(name, f"{name} must be {allowed}, got {_show(value)}")
+        return number
+
+    return hook
+
+
+def _float_rule(name: str, lo: float, hi: float, *, default: float) -> _Hook:
+    def hook(value: Any, _: Any) -> float:
+        if value is None:
+            return default
+        number = _as_float(value)
+        if number is None or not lo <= number <= hi:
+            raise _BadParam(
+                name, f"{name} must be a number in [{lo:g}, {hi:g}], got {_show(value)}"
+            )
+        return number
+
+    return hook
+
+
+def _bool_rule(name: str) -> _Hook:
+    def hook(value: Any, _: Any) -> bool:
+        if value is None:
+            return False
+        if not isinstance(value, bool):
+            raise _BadParam(name, f"{name} must be true or false, got {_show(value)}")
+        return value
+
+    return hook
+
+
+def _model_hook(value: Any, _: Any) -> str | None:
+    if value is None:
+        return None
+    if not _text(value) or len(value) > 256:
+        raise _BadParam(
+            "model", f"model must be a string of at most 256 characters, got {_show(value)}"
+        )
+    return str(value)
+
+
+def _stop_rule(limits: OpenAILimits) -> _Hook:
+    def hook(value: Any, _: Any) -> tuple[str, ...]:
+        if value is None:
+            return ()
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list):
+            raise _BadParam(
+                "stop", f"stop must be a string or a list of strings, got {_show(value)}"
+            )
+        if len(items) > limits.max_stop_strings:
+            raise _BadParam(
+                "stop",
+                f"stop may hold at most {limits.max_stop_strings} strings, got {len(items)}",
+            )
+        out: list[str] = []
+        for index, item in enumerate(items):
+            param = "stop" if isinstance(value, str) else f"stop[{index}]"
+            if not _text(item) or not item:
+                raise _BadParam(param, f"{param} must be a non-empty string, got {_show(item)}")
+            if len(item) > limits.max_stop_string_chars:
+                raise _BadParam(
+                    param,
+                    f"{param} must be at most {limits.max_stop_string_chars} characters, "
+                    f"got {len(item)}",
+                )
+            out.append(item)
+        return tuple(out)
+
+    return hook
+
+
+def _ids_rule(name: str, cap: int) -> _Hook:
+    def hook(value: Any, _: Any) -> tuple[int, ...]:
+        if value is None:
+            return ()
+        items = value if isinstance(value, list) else [value]
+        if len(items) > cap:
+            raise _BadParam(name, f"{name} may hold at most {cap} token ids, got {len(items)}")
+        out: list[int] = []
+        for index, item in enumerate(items):
+            number = _as_int(item)
+            if number is None or number < 0 or number > _TOP_K_MAX:
+                param = f"{name}[{index}]" if isinstance(value, list) else name
+                raise _BadParam(
+                    param, f"{param} must be a token id (an integer >= 0), got {_show(item)}"
+                )
+            out.append(number)
+        return tuple(out)
+
+    return hook
+
+
+def _prompt_hook(value: Any, _: Any) -> str | tuple[int, ...]:
+    # A prompt is a string, a list of one string, or token ids (a list of
+    # ints, or a list of one such list). Several prompts are a batch, which
+    # this server answers one request at a time: refused like n > 1.
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
+    if isinstance(value, str):
+        if not _text(value):
+            raise _BadParam("prompt", "prompt is not valid unicode (it holds a lone surrogate)")
+        return value
+    if isinstance(value, list) and value and all(_as_int(v) is not None for v in value):
+        ids = tuple(_as_int(v) for v in value)
+        if any(i is None or i < 0 or i > _TOP_K_MAX for i in ids):
+            raise _BadParam("prompt", "prompt token ids must be integers >= 0")
+        return tuple(i for i in ids if i is not None)
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, str | list) for v in value):
+        raise _BadParam(
+            "prompt",
+            f"prompt holds {len(value)} prompts; this server takes one prompt per request",
+        )
+    raise _BadParam(
+        "prompt",
+        f"prompt must be a string or a non-empty list of token ids, got {_show(value)}",
+    )
+
+
+def _messages_rule(limits: OpenAILimits) -> _Hook:
+    def hook(value: Any, _: Any) -> tuple[ChatMessage, ...]:
+        if not isinstance(value, list) or not value:
+            raise _BadParam(
+                "messages", f"messages must be a non-empty list of messages, got {_show(value)}"
+            )
+        if len(value) > limits.max_messages:
+            raise _BadParam(
+                "messages",
+                f"messages may hold at most {limits.max_messages} messages, got {len(value)}",
+            )
+        return tuple(_message(item, f"messages[{i}]", limits) for i, item in enumerate(value))
+
+    return hook
+
+
+_MESSAGE_KEYS: Final = frozenset(
+    {"role", "content", "name", "tool_calls", "function_call", "refusal", "audio"}
+)
+
+
+def _message(obj: Any, path: str, limits: OpenAILimits) -> ChatMessage:
+    if not isinstance(obj, dict):
+        raise _BadParam(path, f"{path} must be an object with role and content, got {_show(obj)}")
+    for key in obj:
+        if key not in _MESSAGE_KEYS:
+            raise _BadParam(f"{path}.{key}", f"unknown field {_show(key)} in {path}")
+    role = obj.get("role")
+    if role == "developer":
+        role = "system"
+    if role in ("tool", "function"):
+        raise _BadParam(f"{path}.role", f"{path}.role {role!r}: tool calls are not supported")
+    if role not in ("system", "user", "assistant"):
+        raise _BadParam(
+            f"{path}.role",
+            f"{path}.role must be one of system, developer, user, assistant; got {_show(role)}",
+        )
+    for key in ("tool_calls", "function_call", "audio"):
+        if obj.get(key) not in (None, []):
+            raise _BadParam(
+                f"{path}.{key}", f"{path}.{key}: tool calls and audio are not supported"
+            )
+    name = obj.get("name")
+    if name is not None and (not _text(name) or len(name) > limits.max_name_chars):
+        raise _BadParam(
+            f"{path}.name",
+            f"{path}.name must be a string of at most {limits.max_name_chars} characters, "
+            f"got {_show(name)}",
+        )
+    content = _content(obj.get("content"), f"{path}.content", role, limits)
+    return ChatMessage(role=role, content=content, name=name)
+
+
+def _content(value: Any, path: str, role: str, limits: OpenAILimits) -> str:
+    if value is None:
+        if role == "assistant":
+            return ""  # an assistant turn that carried only a refusal or tool calls
+        raise _BadParam(path, f"{path} is required")
+    if isinstance(value, str):
+        if not _text(value):
+            raise _BadParam(path, f"{path} is not valid unicode (it holds a lone surrogate)")
+        return value
+    if not isinstance(value, list):
+        raise _BadParam(
+            path, f"{path} must be a string or a list of text parts, got {_show(value)}"
+        )
+    if len(value) > limits.max_content_parts:
+        raise _BadParam(path, f"{path} may hold at most {limits.max_content_parts} parts")
+    texts: list[str] = []
+    for index, part in enumerate(value):
+        where = f"{path}[{index}]"
+        if not isinstance(part, dict):
+            raise _BadParam(where, f"{where} must be an object, got {_show(part)}")
+        kind = part.get("type")
+        if kind != "text":
+            raise _BadParam(
+                f"{where}.type",
+                f"{where}.type must be 'text' (this model reads text only), got {_show(kind)}",
+            )
+        extra = set(part) - {"type", "text"}
+        if extra:
+            key = sorted(extra)[0]
+            raise _BadParam(f"{where}.{key}", f"unknown field {_show(key)} in {where}")
+        text = part.get("text")
+        if not isinstance(text, str) or not _text(text):
+            raise _BadParam(f"{where}.text", f"{where}.text must be a string, got {_show(text)}")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _harmless(accepted: Callable[[Any], bool], why: str) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        if not accepted(value):
+            raise _invalid(f"{name} {why}; got {_show(value)}", name, "unsupported_parameter")
+
+    return check
+
+
+def _none_or(*values: Any) -> Callable[[Any], bool]:
+    return lambda value: value is None or any(type(value) is type(v) and value == v for v in values)
+
+
+#: Fields accepted only with a value that asks for nothing; anything else
+#: would change the output in a way this server cannot honour.
+_REFUSED: Final[Mapping[str, Callable[[str, Any], None]]] = {
+    "n": _harmless(_none_or(1), "must be 1: this server generates one choice per request"),
+    "best_of": _harmless(_none_or(1), "must be 1: this server generates one choice per request"),
+    "logprobs": _harmless(
+        _none_or(False, 0), "is not supported: log probabilities are not computed"
+    ),
+    "top_logprobs": _harmless(_none_or(0), "is not supported: log probabilities are not computed"),
+    "logit_bias": _harmless(_none_or({}), "is not supported"),
+    "tools": _harmless(_none_or([]), "is not supported: tool calls are not implemented"),
+    "functions": _harmless(_none_or([]), "is not supported: function calls are not implemented"),
+    "tool_choice": _harmless(
+        _none_or("none", "auto"), "must be 'none' or 'auto': tool calls are not implemented"
+    ),
+    "function_call": _harmless(
+        _none_or("none", "auto"), "must be 'none' or 'auto': function calls are not implemented"
+    ),
+    "response_format": _harmless(
+        _none_or({"type": "text"}), "must be {'type': 'text'}: structured output is not supported"
+    ),
+    "suffix": _harmless(_none_or(""), "is not supported: insertion is not implemented"),
+    "modalities": _harmless(
+        _none_or(["text"]), "must be ['text']: this model reads and writes text only"
+    ),
+    "audio": _harmless(_none_or(), "is not supported: this model writes text only"),
+    "prediction": _harmless(_none_or(), "is not supported"),
+    "web_search_options": _harmless(_none_or(), "is not supported"),
+    "moderation": _harmless(_none_or(), "is not supported"),
+}
+
+#: Fields that do not change what is generated: accepted and ignored.
+_IGNORED: Final = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "parallel_tool_calls",
+        "prompt_cache_key",
+        "prompt_cache_options",
+        "prompt_cache_retention",
+        "safety_identifier",
+        "reasoning_effort",
+        "verbosity",
+    }
+)
+
+_FIELDS_COMMON: Final = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "stop",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "stream",
+        "top_k",
+        "min_p",
+        "typical",
+        "top_a",
+        "skew",
+        "rep_pen",
+        "token_healing",
+        "bann_bann",
+        "stop_token_ids",
+    }
+)
+
+
+def _common_hooks(limits: OpenAILimits) -> dict[str, Any]:
+    return {
+        "model": override(struct_hook=_model_hook),
+        "max_tokens": override(struct_hook=_int_rule("max_tokens", 1)),
+        "temperature": override(struct_hook=_float_rule("temperature", 0.0, 2.0, default=1.0)),
+        "top_p": override(struct_hook=_float_rule("top_p", 0.0, 1.0, default=1.0)),
+        "stop": override(struct_hook=_stop_rule(limits)),
+        "seed": override(struct_hook=_int_rule("seed", _SEED_MIN, _SEED_MAX)),
+        "presence_penalty": override(
+            struct_hook=_float_rule("presence_penalty", -2.0, 2.0, default=0.0)
+        ),
+        "frequency_penalty": override(
+            struct_hook=_float_rule("frequency_penalty", -2.0, 2.0, default=0.0)
+        ),
+        "stream": override(struct_hook=_bool_rule("stream")),
+        "include_usage": override(struct_hook=_bool_rule("stream_options.include_usage")),
+        "top_k": override(struct_hook=_zero_default(_int_rule("top_k", 0, _TOP_K_MAX))),
+        "min_p": override(struct_hook=_float_rule("min_p", 0.0, 1.0, default=0.0)),
+        "typical": override(struct_hook=_float_rule("typical", 0.0, 1.0, default=0.0)),
+        # top_a multiplies a probability squared; anything above 1 drops all
+        # but the top token already, so 1e6 is a generous, representable cap.
+        "top_a": override(struct_hook=_float_rule("top_a", 0.0, 1e6, default=0.0)),
+        # The draw raises a uniform to exp(-skew): past +-50 that is 0 or 1
+        # for every draw, and exp overflows long before the float range ends.
+        "skew": override(struct_hook=_float_rule("skew", -50.0, 50.0, default=0.0)),
+        # A repetition penalty divides logits: 1e-2 already multiplies them
+        # by 100, and a tiny one would overflow them to infinity.
+        "rep_pen": override(struct_hook=_float_rule("rep_pen", 0.01, 100.0, default=1.0)),
+        "token_healing": override(struct_hook=_bool_rule("token_healing")),
+        "bann_bann": override(struct_hook=_ids_rule("bann_bann", limits.max_banned_ids)),
+        "stop_token_ids": override(
+            struct_hook=_ids_rule("stop_token_ids", limits.max_stop_token_ids)
+        ),
+    }
+
+
+def _zero_default(hook: _Hook) -> _Hook:
+    def wrapped(value: Any, type_: Any) -> Any:
+        result = hook(value, type_)
+        return 0 if result is None else result
+
+    return wrapped
+
+
+#: Other servers' names for fields of this API: vLLM's and transformers'
+#: repetition_penalty, OpenAI's newer max_completion_tokens (chat).
+_ALIASES: Final[Mapping[str, str]] = {
+    "repetition_penalty": "rep_pen",
+    "max_completion_tokens": "max_tokens",
+}
+
+
+def _alias(obj: Mapping[str, Any], key: str) -> str | None:
+    """The field an alias stands for, or None when it adds nothing (null, or
+    the same value as the field). Both given with different values is an error."""
+    target = _ALIASES[key]
+    value, other = obj[key], obj.get(target)
+    if value is None:
+        return None
+    if other is not None:
+        if other != value:
+            raise _invalid(f"give {target} or {key}, not both", key)
+        return None
+    return target
+
+
+def _preprocess(obj: dict[str, Any], fields: frozenset[str]) -> dict[str, Any]:
+    """Sort a body's keys: ignored ones go, refused ones are checked, aliases
+    are renamed, ``stream_options`` is flattened, unknown ones are refused."""
+    payload: dict[str, Any] = {}
+    for key, value in obj.items():
+        if key in _IGNORED:
+            continue
+        if key in _REFUSED:
+            _REFUSED[key](key, value)
+            continue
+        if key in _ALIASES:
+            target = _alias(obj, key)
+            if target is None:
+                continue
+            key = target
+        elif key == "stream_options":
+            continue
+        elif key not in fields:
+            raise _invalid(
+                f"unrecognized request argument supplied: {_show(key)}", key, "unknown_parameter"
+            )
+        payload[key] = value
+    options = obj.get("stream_options")
+    if options is not None:
+        if obj.get("stream") is not True:
+            raise _invalid("stream_options is only allowed when stream is true", "stream_options")
+        if not isinstance(options, dict):
+            raise _invalid(
+                f"stream_options must be an object, got {_show(options)}", "stream_options"
+            )
+        for key, value in options.items():
+            if key == "include_usage":
+                payload["include_usage"] = value
+            elif key != "include_obfuscation":  # padding against side channels: moot here
+                raise _invalid(
+                    f"unrecognized stream option {_show(key)}",
+                    f"stream_options.{key}",
+                    "unknown_parameter",
+                )
+    return payload
+
+
+_converter: Final = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+
+
+def _structure_fn(
+    cls: type[Any], limits: OpenAILimits, extra: Mapping[str, Any]
+) -> Callable[[dict[str, Any]], Any]:
+    fn = make_dict_structure_fn(cls, _converter, **{**_common_hooks(limits), **extra})
+    return lambda payload: fn(payload, cls)
+
+
+@attrs.frozen
+class _Parsers:
+    completion: Callable[[dict[str, Any]], CompletionRequest]
+    chat: Callable[[dict[str, Any]], ChatCompletionRequest]
+
+
+_parsers_cache: dict[OpenAILimits, _Parsers] = {}
+
+
+def _parsers(limits: OpenAILimits) -> _Parsers:
+    """Structure functions are generated once per set of limits (the server
+    has one), not per request."""
+    parsers = _parsers_cache.get(limits)
+    if parsers is None:
+        parsers = _Parsers(
+            completion=_structure_fn(
+                CompletionRequest,
+                limits,
+                {
+                    "prompt": override(struct_hook=_prompt_hook),
+                    "echo": override(struct_hook=_bool_rule("echo")),
+                    "max_tokens": override(struct_hook=_default(_int_rule("max_tokens", 1), 16)),
+                },
+            ),
+            chat=_structure_fn(
+                ChatCompletionRequest,
+                limits,
+                {"messages": override(struct_hook=_messages_rule(limits))},
+            ),
+        )
+        if len(_parsers_cache) < 16:
+            _parsers_cache[limits] = parsers
+    return parsers
+
+
+def _default(hook: _Hook, default: Any) -> _Hook:
+    def wrapped(value: Any, type_: Any) -> Any:
+        result = hook(value, type_)
+        return default if result is None else result
+
+    return wrapped
+
+
+def _structure(payload: dict[str, Any], fn: Callable[[dict[str, Any]], Any], required: str) -> Any:
+    if required not in payload or payload[required] is None:
+        raise _invalid(f"{required} is required", required)
+    try:
+        return fn(payload)
+    except ClassValidationError as exc:
+        raise _first_error(exc) from None
+
+
+def _first_error(exc: BaseException) -> OpenAIError:
+    """The first field error inside a cattrs validation group."""
+    stack = [exc]
+    while stack:
+        error = stack.pop(0)
+        if isinstance(error, _BadParam):
+            return _invalid(error.message, error.param)
+        if isinstance(error, BaseExceptionGroup):
+            stack.extend(error.exceptions)
+    message = cattrs.transform_error(exc)[0] if isinstance(exc, ClassValidationError) else str(exc)
+    return _invalid(message, None)
+
+
+def parse_completion_request(
+    body: bytes, limits: OpenAILimits = OpenAILimits()
+) -> CompletionRequest:
+    """The body of ``POST /v1/completions`` as a typed request; raises
+    :class:`OpenAIError` (400, naming the field) for anything wrong."""
+    obj = _parse_body(body)
+    payload = _preprocess(obj, _FIELDS_COMMON | {"prompt", "echo"})
+    request: CompletionRequest = _structure(payload, _parsers(limits).completion, "prompt")
+    return request
+
+
+def parse_chat_request(body: bytes, limits: OpenAILimits = OpenAILimits()) -> ChatCompletionRequest:
+    """The body of ``POST /v1/chat/completions`` as a typed request; raises
+    :class:`OpenAIError` (400, naming the field) for anything wrong."""
+    obj = _parse_body(body)
+    payload = _preprocess(obj, _FIELDS_COMMON | {"messages"})
+    request: ChatCompletionRequest = _structure(payload, _parsers(limits).chat, "messages")
+    return request
+
+
+# --------------------------------------------------------------------------
+# From a request to the engine's job
+
+
+def build_spec(
+    request: CompletionRequest | ChatCompletionRequest,
+    prompt_ids: Sequence[int],
+    model: ModelLimits,
+    *,
+    job_id: int,
+) -> GenerationSpec:
+    """The engine job for ``request`` whose prompt encoded to ``prompt_ids``.
+
+    Unlike the WebSocket ``infer``, which trims a long prompt from the left,
+    this API refuses a prompt that does not fit, as OpenAI does
+    (``context_length_exceeded``): a chat client must not get an answer to a
+    conversation silently cut short. Without ``max_tokens`` (chat) the job may
+    generate as much as the context leaves, up to the server's cap.
+    """
+    if not prompt_ids:
+        raise _invalid("the prompt must encode to at least one token", _prompt_param(request))
+    vocab = model.vocab_size
+    for name, ids in (
+        ("prompt", prompt_ids if isinstance(request, CompletionRequest) else ()),
+        ("bann_bann", request.bann_bann),
+        ("stop_token_ids", request.stop_token_ids),
+    ):
+        for index, token in enumerate(ids):
+            if not 0 <= token < vocab:
+                raise _invalid(
+                    f"{name}[{index}] must be a token id in 0..{vocab - 1}, got {token!r}", name
+                )
+    room = model.context_length - len(prompt_ids)
+    if request.max_tokens is None:
+        max_new = min(model.max_new_tokens, room)
+        if max_new < 1:
+            raise _invalid(
+                f"this model's maximum context length is {model.context_length} tokens, and the "
+                f"prompt has {len(prompt_ids)}: no room is left to generate",
+                _prompt_param(request),
+                "context_length_exceeded",
+            )
+    else:
+        max_new = request.max_tokens
+        if max_new > model.max_new_tokens:
+            raise _invalid(
+                f"max_tokens must be at most {model.max_new_tokens} for this model, "
+                f"got {max_new!r}",
+                "max_tokens",
+            )
+        if max_new > room:
+            raise _invalid(
+                f"this model's maximum context length is {model.context_length} tokens; the prompt "
+                f"has {len(prompt_ids)} and max_tokens asks for {max_new}: reduce one of them",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+    return GenerationSpec(
+        job_id=job_id,
+        prompt_ids=tuple(prompt_ids),
+        max_new_tokens=max_new,
+        sampling=request.sampling_settings(),
+        stop_token_ids=model.eos_token_ids | frozenset(request.stop_token_ids),
+        stop_strings=request.stop,
+        banned_ids=frozenset(request.bann_bann),
+        token_healing=request.token_healing,
+    )
+
+
+def _prompt_param(request: CompletionRequest | ChatCompletionRequest) -> str:
+    return "prompt" if isinstance(request, CompletionRequest) else "messages"
+
+
+# --------------------------------------------------------------------------
+# Responses
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def new_id(kind: Literal["cmpl", "chatcmpl"]) -> str:
+    """A response id as OpenAI writes them (``chatcmpl-...``)."""
+    return f"{kind}-{secrets.token_hex(12)}"
+
+
+def finish_reason(finished: Finished) -> FinishReason:
+    """``length`` when max_tokens ended the job, ``stop`` for a stop token or
+    a stop string."""
+    return "length" if finished.reason == "max_new_tokens" else "stop"
+
+
+@attrs.frozen
+class TokenUsage:
+    """Token counts of one request: ``completion_tokens`` counts the stop
+    token too (as ``generated_tokens`` does on the WebSocket side);
+    ``cached_tokens`` is how many prompt tokens the engine did not compute."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+def completion_response(
+    *,
+    id: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: FinishReason,
+    usage: TokenUsage,
+) -> bytes:
+    """The body of a whole ``/v1/completions`` answer."""
+    return _dumps(
+        {
+            "id": id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            ],
+            "usage": usage.as_json(),
+            "system_fingerprint": None,
+        }
+    )
+
+
+def chat_completion_response(
+    *,
+    id: str,
+    created: int,
+    model: str,
+    content: str,
+    finish_reason: FinishReason,
+    usage: TokenUsage,
+) -> bytes:
+    """The body of a whole ``/v1/chat/completions`` answer."""
+    return _dumps(
+        {
+            "id": id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content, "refusal": None},
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                }
+            ],
+            "usage": usage.as_json(),
+            "system_fingerprint": None,
+        }
+    )
+
+
+def sse_event(obj: Any) -> bytes:
+    """One Server-Sent Event carrying ``obj`` as JSON (compact, so it holds
+    no newline and the event is one ``data:`` line)."""
+    return b"data: " + _dumps(obj) + b"\n\n"
+
+
+@attrs.define
+class _Stream:
+    id: str
+    created: int
+    model: str
+    include_usage: bool
+
+    def _chunk(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "system_fingerprint": None,
+        }
+        if self.include_usage:
+            # OpenAI puts "usage": null in every chunk but the last when the
+            # client asked for usage.
+            chunk["usage"] = None
+        return chunk
+
+    def _end(self, obj: str, last: list[dict[str, Any]], usage: TokenUsage) -> bytes:
+        out = sse_event(self._chunk(obj, last))
+        if self.include_usage:
+            final = self._chunk(obj, [])
+            final["usage"] = usage.as_json()
+            out += sse_event(final)
+        return out + SSE_DONE
+
+    def error(self, error: OpenAIError) -> bytes:
+        """An error after the stream began (the status is already sent): an
+        event in OpenAI's error shape, which the SDKs raise, then the end."""
+        return b"data: " + error.body() + b"\n\n" + SSE_DONE
+
+
+@attrs.define
+class CompletionStream(_Stream):
+    """The events of one streamed ``/v1/completions`` answer, in order:
+    :meth:`text` for each piece, then :meth:`finish` (its finish reason,
+    the usage chunk when asked for, and ``[DONE]``)."""
+
+    def text(self, text: str) -> bytes:
+        return sse_event(
+            self._chunk(
+                "text_completion",
+                [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}],
+            )
+        )
+
+    def finish(self, reason: FinishReason, usage: TokenUsage, text: str = "") -> bytes:
+        last = [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]
+        return self._end("text_completion", last, usage)
+
+
+@attrs.define
+class ChatCompletionStream(_Stream):
+    """The events of one streamed ``/v1/chat/completions`` answer, in order:
+    :meth:`start` (the assistant role), :meth:`text` for each piece, then
+    :meth:`finish`."""
+
+    def start(self) -> bytes:
+        return sse_event(
+            self._chunk(
+                "chat.completion.chunk",
+                [
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            )
+        )
+
+    def text(self, text: str) -> bytes:
+        return sse_event(
+            self._chunk(
+                "chat.completion.chunk",
+                [{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}],
+            )
+        )
+
+    def finish(self, reason: FinishReason, usage: TokenUsage, text: str = "") -> bytes:
+        delta = {"content": text} if text else {}
+        last = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]
+        return self._end("chat.completion.chunk", last, usage)
+
+
+def model_object(name: str, created: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "trioserve"}
+
+
+def models_response(name: str, created: int) -> bytes:
+    """The body of ``GET /v1/models``: the one served model."""
+    return _dumps({"object": "list", "data": [model_object(name, created)]})
