@@ -139,3 +139,69 @@ def gpu(session: nox.Session) -> None:
     # bench-results/ is git-ignored: numbers belong in docs, not in commits.
     os.makedirs("bench-results", exist_ok=True)
     session.run("python", "tests/gpu/bench_gpu.py", "--out", "bench-results/gpu.json")
+
+
+# The exl2-cpu session's versions: the torch of the project's GPU machines
+# (2.11.0, CUDA 13.0; PyPI's Linux build of it is the CUDA 13.0 one) and the
+# ExLlamaV2 release the adapter was checked against.
+EXL2_CPU_TORCH = "torch==2.11.0"
+EXL2_CPU_EXLLAMAV2 = "exllamav2==0.3.2"
+
+
+def _exl2_build_env(session: nox.Session) -> dict[str, str]:
+    """Environment for building ExLlamaV2's extension once and finding it again.
+
+    TORCH_EXTENSIONS_DIR is a cache outside the virtual environment, named by
+    what the build depends on, so a recreated environment (or another
+    checkout) reuses it; ninja rebuilds only what changed. MAX_JOBS=2 because
+    this machine has two cores shared by several people; TORCH_CUDA_ARCH_LIST
+    names the H200's sm_90, so the same build is the GPU check's fallback
+    (tests/gpu/README.md).
+    """
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0")
+    versions = f"{EXL2_CPU_EXLLAMAV2}_{EXL2_CPU_TORCH}".replace("==", "-")
+    tag = f"{versions}_py312_sm{arch.replace('.', '').replace(';', '-')}"
+    env = {
+        "TORCH_EXTENSIONS_DIR": os.environ.get(
+            "TORCH_EXTENSIONS_DIR", os.path.join(cache, "trioserve-exl2-cpu", tag)
+        ),
+        "MAX_JOBS": os.environ.get("MAX_JOBS", "2"),
+        "TORCH_CUDA_ARCH_LIST": arch,
+    }
+    # CUDA_HOME and the library headers a bare toolkit lacks, as the GPU
+    # check finds them too (tests/gpu/build_exllamav2.py, build_environment).
+    lines = session.run("python", "tests/gpu/build_exllamav2.py", "--env", silent=True)
+    for line in str(lines or "").splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key in ("CUDA_HOME", "CPLUS_INCLUDE_PATH"):
+            env[key] = value
+    return env
+
+
+@nox.session(name="exl2-cpu", python="3.12", default=False)
+def exl2_cpu(session: nox.Session) -> None:
+    """The ExLlamaV2 adapter against ExLlamaV2's real job code, on the CPU (opt-in).
+
+    Installs torch 2.11.0 with CUDA 13.0 (a download of several GB, in this
+    session's own environment only) and exllamav2 0.3.2, builds ExLlamaV2's
+    extension with the machine's nvcc (no GPU needed; about 18 CPU-minutes
+    the first time, then cached), and runs tests/test_exllamav2.py with the
+    tests that drive ``ExLlamaV2DynamicJob.receive_sample`` required to run.
+    CPython 3.12 (the GPU machines' Python, so that the build doubles as the
+    GPU check's fallback); with pyenv: ``PYENV_VERSION=3.11.7:3.12.1``.
+    """
+    session.install(EXL2_CPU_TORCH)
+    session.install(
+        "-e",
+        ".[exllamav2]",
+        EXL2_CPU_EXLLAMAV2,
+        *nox.project.dependency_groups(PYPROJECT, "test"),
+    )
+    env = _exl2_build_env(session)
+    session.log("build environment: %s", env)
+    session.run("python", "tests/gpu/build_exllamav2.py", env=env)
+    args = session.posargs or ["-p", "no:cacheprovider", "-rs", "tests/test_exllamav2.py"]
+    session.run(
+        "python", "-m", "pytest", "-m", "not gpu", *args, env={**env, "TRIOSERVE_EXL2_CPU": "1"}
+    )

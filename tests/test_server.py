@@ -81,6 +81,7 @@ async def test_infer_without_streaming_sends_one_final_frame() -> None:
         "prompt_tokens": len(b"say:Hi ") + 4,
         "trimmed_tokens": 0,
         "generated_tokens": len("Hi 🙂".encode()) + 1,
+        "cached_tokens": 0,
     }
     timing = final["timing"]
     assert 0 <= timing["queued_s"] <= timing["total_s"]

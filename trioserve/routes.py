@@ -380,7 +380,9 @@ class OpenAIRoutes:
                 text, finished = await self._collect(generation, tracker)
             finally:
                 self._release(generation, tracker)
-            usage = oa.TokenUsage(finished.prompt_tokens, finished.generated_tokens)
+            usage = oa.TokenUsage(
+                finished.prompt_tokens, finished.generated_tokens, finished.cached_tokens
+            )
             reason = oa.finish_reason(finished)
             if chat:
                 body = oa.chat_completion_response(
@@ -421,7 +423,9 @@ class OpenAIRoutes:
                             await out.send(stream.text(update.text))
                     elif isinstance(update, Finished):
                         tracker.update(update.generated_tokens)
-                        usage = oa.TokenUsage(update.prompt_tokens, update.generated_tokens)
+                        usage = oa.TokenUsage(
+                            update.prompt_tokens, update.generated_tokens, update.cached_tokens
+                        )
                         reason = oa.finish_reason(update)
                         tracker.finish("num_tokens" if reason == "length" else "eos")
                         await out.send(stream.finish(reason, usage, text=update.text))
