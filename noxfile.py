@@ -1,10 +1,17 @@
 """Developer sessions: ``nox -s tests`` (default), ``lint``, ``typecheck``, ``bench``,
 ``fuzz``, ``soak``, ``gpu``.
 
-Each session installs the project into its own virtual environment. torch is
-pinned to the CPU build first (``TRIOSERVE_TORCH`` overrides the requirement),
-because an unpinned ``torch`` would resolve to a multi-GB CUDA build. ``gpu``
-is the exception: it runs in the environment that has the machine's CUDA torch.
+Each session installs the project into its own virtual environment (reused by
+later runs), torch first: ``torch==2.13.0``, the version the project is tested
+with (``TRIOSERVE_TORCH`` overrides the requirement). Which build that is
+depends on where pip looks: from PyPI alone, on Linux x86-64, it is the CUDA
+build (about 2.7 GB with NVIDIA's libraries); with
+``PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu`` in the
+environment (pip reads it, and nox passes it on) it is the CPU-only build
+``2.13.0+cpu`` (about 190 MB), as README.md explains. The session prints which
+one it got. torch is installed once: the project's own ``torch>=2.4`` is then
+already satisfied. ``gpu`` is the exception: it runs in the environment that
+has the machine's CUDA torch.
 """
 
 from __future__ import annotations
@@ -21,11 +28,19 @@ PYPROJECT = nox.project.load_toml("pyproject.toml")
 TORCH = os.environ.get("TRIOSERVE_TORCH", "torch==2.13.0")
 
 
+# Says which torch build a session got, so that a 2.7 GB surprise is visible.
+_WHICH_TORCH = (
+    "import torch; cuda = torch.version.cuda; "
+    "print(f'torch {torch.__version__}: ' + (f'CUDA {cuda} build' if cuda else 'CPU-only build'))"
+)
+
+
 def install_project(session: nox.Session, *groups: str) -> None:
     session.install(TORCH)
     session.install("-e", ".")
     for group in groups:
         session.install(*nox.project.dependency_groups(PYPROJECT, group))
+    session.run("python", "-c", _WHICH_TORCH, silent=False)
 
 
 @nox.session

