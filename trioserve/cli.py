@@ -40,9 +40,10 @@ import trio
 from ._version import __version__
 from .engine import EngineOptions, load_engine
 from .engine.base import Engine
-from .errors import ConfigError, ListenError, TrioserveError
+from .errors import ConfigError, TrioserveError
 from .logs import LOG_FORMATS, LOG_LEVELS, configure_logging, phase
 from .server import Listening, Server, ServerConfig
+from .worker import EngineThread, open_engine_thread
 
 __all__ = ["OPTIONS", "Option", "build_parser", "env_name", "main"]
 
@@ -723,13 +724,38 @@ def model_problem(path: Path, source: str = "--model") -> str | None:
 # --- running ---------------------------------------------------------------------
 
 
+async def load_and_serve(
+    options: EngineOptions, config: ServerConfig, *, started: float | None = None
+) -> None:
+    """Load the engine on an engine thread, warm it up there, serve it until
+    SIGINT or SIGTERM, and close it there: every torch (and CUDA) call of the
+    model is made by that one thread."""
+    async with open_engine_thread() as thread:
+        with phase("load", f"loading the model (engine {options.engine})") as fields:
+            engine = await thread.run_sync(load_engine, options)
+            fields.update(engine=engine.info.engine, model=engine.info.model_name)
+        try:
+            warm_up = getattr(engine, "warm_up", None)
+            if callable(warm_up):
+                with phase("warm-up", "warming up the engine"):
+                    await thread.run_sync(warm_up)
+            await run_until_signalled(engine, config, started=started, engine_thread=thread)
+        finally:
+            with trio.CancelScope(shield=True):
+                await thread.run_sync(engine.close)
+
+
 async def run_until_signalled(
-    engine: Engine, config: ServerConfig, *, started: float | None = None
+    engine: Engine,
+    config: ServerConfig,
+    *,
+    started: float | None = None,
+    engine_thread: EngineThread | None = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM: the first starts the graceful shutdown,
     a second one interrupts everything at once. ``started`` (a
     :func:`time.perf_counter` value) dates the process start for the log."""
-    server = Server(engine, config)
+    server = Server(engine, config, engine_thread=engine_thread)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             serve_scope = trio.CancelScope()
@@ -882,19 +908,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"cannot listen on {where}: {reason}", settings.log_format)
     try:
         options = _obtain_model(options)
-        with phase("load", f"loading the model (engine {options.engine})") as fields:
-            engine = load_engine(options)
-            fields.update(engine=engine.info.engine, model=engine.info.model_name)
     except TrioserveError as exc:
         return _fail(str(exc), settings.log_format)
     try:
-        trio.run(functools.partial(run_until_signalled, engine, server_config, started=started))
+        trio.run(functools.partial(load_and_serve, options, server_config, started=started))
     except BaseException as exc:
-        # The port was taken between the check above and the server's bind.
+        # A model that cannot load, or the port taken between the check above
+        # and the server's bind.
         error = _unwrap(exc)
-        if not isinstance(error, ListenError):
+        if isinstance(error, KeyboardInterrupt):
+            # Ctrl-C before the server was up (while the model loaded).
+            log.info("interrupted")
+            return 130
+        if not isinstance(error, TrioserveError):
             raise
         return _fail(str(error), settings.log_format)
-    finally:
-        engine.close()
     return 0
