@@ -8,6 +8,7 @@ quick on two cores.
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -351,3 +352,98 @@ def test_bad_options_are_clear_errors(model_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
     with pytest.raises(ModelError, match="GPT2LMHeadModel"):
         CpuEngine.load(tmp_path)
+
+
+# --- token healing with a SentencePiece-style tokenizer --------------------------
+
+SP_WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
+
+
+def write_metaspace_model(path: Path, favourite: str) -> list[str]:
+    """A tiny Llama directory with a Metaspace (SentencePiece-style) word
+    tokenizer, whose greedy choice is always ``"▁" + favourite``.
+
+    Every layer's weights are zero, so the hidden state is the embedding (all
+    ones, the same for every token) and the logits are the untied lm_head's row
+    sums: one row of ones, every other row zero. Returns the vocabulary.
+    """
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer as HfTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = ["<unk>", "<s>", "</s>", *(f"\u2581{w}" for w in SP_WORDS)]
+    tok = HfTokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    d, f, layers, heads, head_dim = 32, 64, 1, 2, 16
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": len(vocab),
+        "hidden_size": d,
+        "intermediate_size": f,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    zeros = torch.zeros
+    tensors = {
+        "model.embed_tokens.weight": torch.ones(len(vocab), d),
+        "model.norm.weight": torch.ones(d),
+        "lm_head.weight": zeros(len(vocab), d),
+    }
+    tensors["lm_head.weight"][vocab.index(f"\u2581{favourite}")] = 1.0
+    p = "model.layers.0."
+    tensors |= {
+        p + "input_layernorm.weight": torch.ones(d),
+        p + "post_attention_layernorm.weight": torch.ones(d),
+        p + "self_attn.q_proj.weight": zeros(heads * head_dim, d),
+        p + "self_attn.k_proj.weight": zeros(heads * head_dim, d),
+        p + "self_attn.v_proj.weight": zeros(heads * head_dim, d),
+        p + "self_attn.o_proj.weight": zeros(d, heads * head_dim),
+        p + "mlp.gate_proj.weight": zeros(f, d),
+        p + "mlp.up_proj.weight": zeros(f, d),
+        p + "mlp.down_proj.weight": zeros(d, f),
+    }
+    save_file(tensors, str(path / "model.safetensors"))
+    return vocab
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_token_healing_on_a_sentencepiece_tokenizer_drops_the_space_too(
+    tmp_path: Path, dtype: str
+) -> None:
+    # Issue 8, defect 12: decoded alone, "▁lazy" is "lazy" (a Metaspace
+    # decoder drops the first token's space), while the healed token decodes
+    # as " lazy" after the prompt; the old code then emitted " lazy dog ...",
+    # repeating the word.
+    write_metaspace_model(tmp_path / "sp", favourite="dog")
+    engine = CpuEngine.load(tmp_path / "sp", dtype=dtype, max_batch=2)
+    try:
+        prompt = "the quick brown fox jumps over the lazy"
+        ids = tuple(engine.encode(prompt))
+        assert engine.decode(ids[-1:]) == "lazy"  # the trap: no space alone
+        spec = GenerationSpec(
+            job_id=next(_ids),
+            prompt_ids=ids,
+            max_new_tokens=4,
+            sampling=GREEDY,
+            token_healing=True,
+        )
+        healed = run_one(engine, spec)
+        # The healed token can only be "▁lazy" (the one token that extends
+        # " lazy"); then "▁dog" three times. Only the new text comes out.
+        assert healed.text == " dog dog dog"
+        assert healed.finished.generated_tokens == 4
+        assert healed.finished.prompt_tokens == len(ids) - 1
+        assert engine.decode(ids) + healed.text == prompt + " dog dog dog"
+        plain = run_one(engine, attrs.evolve(spec, job_id=next(_ids), token_healing=False))
+        assert plain.text == " dog dog dog dog"
+    finally:
+        engine.close()

@@ -78,6 +78,29 @@ class _Job:
     generated: int = 0
 
 
+#: Prompt ids decoded before the healed token to give it its context.
+_HEALING_CONTEXT = 8
+
+
+def _text_in_context(tokenizer: Tokenizer, prompt: Sequence[int]) -> str:
+    """The text the prompt's last token adds after the ids before it.
+
+    Decoded alone, a token can lose what only its context gives it: a
+    SentencePiece-style decoder drops the leading space of the first token it
+    sees (``"▁lazy"`` alone is ``"lazy"``, after ``"▁the"`` it is ``" lazy"``).
+    The healed token is decoded after the same context the text stream gives
+    the generated ids, so that the prefix it drops is the one they produce.
+    """
+    context = list(prompt[-1 - _HEALING_CONTEXT : -1])
+    before = tokenizer.decode(context)
+    after = tokenizer.decode([*context, prompt[-1]])
+    if context and after.startswith(before):
+        return after[len(before) :]
+    # The context ends inside a character that the last token completes:
+    # there is no clean split, so fall back to the token alone.
+    return tokenizer.decode(prompt[-1:])
+
+
 @attrs.define(eq=False)
 class CpuEngine:
     """The embedded torch engine; see the module docstring. Build it with :meth:`load`."""
@@ -356,7 +379,7 @@ class CpuEngine:
             allowed = torch.zeros(vocab, dtype=torch.bool, device=self._device)
             allowed[[i for i in ids if i < vocab]] = True
             prompt = prompt[:-1]
-            skip_prefix = self._tokenizer.decode(spec.prompt_ids[-1:])
+            skip_prefix = _text_in_context(self._tokenizer, spec.prompt_ids)
         banned: Tensor | None = None
         if spec.banned_ids:
             banned = torch.zeros(vocab, dtype=torch.bool, device=self._device)
