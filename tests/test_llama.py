@@ -59,6 +59,29 @@ def random_weights(config: llama.LlamaConfig, seed: int = 0) -> llama.LlamaWeigh
     return llama.LlamaWeights(embed=embed, layers=layers, norm=1 + rand(d), lm_head=embed)
 
 
+def to_bfloat16(layer: llama.LayerWeights) -> llama.LayerWeights:
+    """The layer with bfloat16 matmul weights (norm weights stay float32)."""
+    return attrs.evolve(
+        layer,
+        wqkv=as_tensor(layer.wqkv).bfloat16(),
+        wo=as_tensor(layer.wo).bfloat16(),
+        w_gate_up=as_tensor(layer.w_gate_up).bfloat16(),
+        w_down=as_tensor(layer.w_down).bfloat16(),
+    )
+
+
+def as_tensor(w: llama.Linear) -> torch.Tensor:
+    assert isinstance(w, torch.Tensor)
+    return w
+
+
+def dense(w: llama.Linear) -> torch.Tensor:
+    """The float32 weights of a plain or quantized linear layer."""
+    if isinstance(w, llama.QuantizedWeight):
+        return llama.dequantize(w, torch.float32)
+    return w.float()
+
+
 def reference_logits(
     weights: llama.LlamaWeights, config: llama.LlamaConfig, ids: list[int]
 ) -> torch.Tensor:
@@ -77,9 +100,9 @@ def reference_logits(
     def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * w
 
-    x = weights.embed[torch.tensor(ids)]
+    x = weights.embed[torch.tensor(ids)].float()
     for layer in weights.layers:
-        y = norm(x, layer.attn_norm) @ layer.wqkv.T
+        y = norm(x, layer.attn_norm) @ dense(layer.wqkv).T
         q, kk, v = torch.split(y, [h * e, k * e, k * e], dim=-1)
         q = q.view(t, h, e).transpose(0, 1)
         kk = kk.view(t, k, e).transpose(0, 1)
@@ -89,10 +112,10 @@ def reference_logits(
         kk = kk.repeat_interleave(h // k, 0)
         v = v.repeat_interleave(h // k, 0)
         att = F.scaled_dot_product_attention(q, kk, v, is_causal=True)
-        x = x + att.transpose(0, 1).reshape(t, h * e) @ layer.wo.T
-        gate, up = (norm(x, layer.mlp_norm) @ layer.w_gate_up.T).chunk(2, -1)
-        x = x + (F.silu(gate) * up) @ layer.w_down.T
-    return norm(x, weights.norm) @ weights.lm_head.T
+        x = x + att.transpose(0, 1).reshape(t, h * e) @ dense(layer.wo).T
+        gate, up = (norm(x, layer.mlp_norm) @ dense(layer.w_gate_up).T).chunk(2, -1)
+        x = x + (F.silu(gate) * up) @ dense(layer.w_down).T
+    return norm(x, weights.norm) @ weights.lm_head.float().T
 
 
 def new_cache() -> llama.KVCache:
@@ -283,17 +306,10 @@ def test_unsupported_architecture_is_named() -> None:
 
 def test_packed_bfloat16_weights_give_the_plain_results_bit_for_bit() -> None:
     plain = random_weights(CONFIG, seed=4)
-    bf16_layers = [
-        llama.LayerWeights(
-            **{k: v.bfloat16() for k, v in attrs.asdict(layer, recurse=False).items()}
-        )
-        for layer in plain.layers
-    ]
+    bf16_layers = [to_bfloat16(layer) for layer in plain.layers]
     embed = plain.embed.bfloat16()
-    unpacked = llama.LlamaWeights(
-        embed=embed, layers=bf16_layers, norm=plain.norm.bfloat16(), lm_head=embed
-    )
-    pack = llama._packer(embed)
+    unpacked = llama.LlamaWeights(embed=embed, layers=bf16_layers, norm=plain.norm, lm_head=embed)
+    pack = llama._packer(torch.bfloat16, CPU, CONFIG.hidden_size)
     packed = llama.LlamaWeights(
         embed=embed,
         layers=[

@@ -45,9 +45,12 @@ from trioserve.engine.text import TextStream
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError
 
-__all__ = ["DTYPES", "CpuEngine"]
+__all__ = ["DTYPES", "WEIGHT_MODES", "CpuEngine"]
 
 log = logging.getLogger("trioserve.engine")
+
+#: What ``CpuEngine.load(weights=...)`` accepts (see there).
+WEIGHT_MODES = llama.WEIGHT_MODES
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -129,12 +132,20 @@ class CpuEngine:
         max_batch: int = 8,
         offline: bool = False,
         threads: int | None = None,
+        weights: str = "auto",
     ) -> CpuEngine:
         """Load a Llama-family Hugging Face directory (the embedded SmolLM2 when
         ``model_dir`` is None, obtained with :func:`default_model_dir`).
 
         ``context_length`` lowers the model's context; ``threads`` sets torch's
-        (process-wide) thread count when given.
+        (process-wide) thread count when given. ``weights`` (one of
+        :data:`WEIGHT_MODES`) chooses what the linear layers run on: ``"auto"``
+        (the default) the directory's own 4-bit weights where it has them (the
+        embedded model does) and ``dtype`` is bfloat16 on a CPU, else the float
+        weights; ``"float"`` the float weights in ``dtype``; ``"q4"`` 4-bit
+        groups (the directory's, or quantized at load); ``"int8"`` 8 bits per
+        weight, quantized at load. Layers whose shape the quantized kernel
+        cannot run stay bfloat16.
 
         Raises:
             ConfigError: a bad dtype, device, context length, batch or thread count.
@@ -143,6 +154,13 @@ class CpuEngine:
         """
         if dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)!r}, got {dtype!r}")
+        if weights not in WEIGHT_MODES:
+            raise ConfigError(f"weights must be one of {list(WEIGHT_MODES)!r}, got {weights!r}")
+        if weights in ("q4", "int8") and (dtype != "bfloat16" or device != "cpu"):
+            raise ConfigError(
+                f"weights {weights!r} need dtype 'bfloat16' on device 'cpu',"
+                f" got dtype {dtype!r} on device {device!r}"
+            )
         try:
             torch_device = torch.device(device)
         except RuntimeError as exc:
@@ -170,7 +188,9 @@ class CpuEngine:
         context = limit if context_length is None else context_length
         tokenizer = Tokenizer.from_dir(model_dir)
         torch_dtype = DTYPES[dtype]
-        weights = llama.LlamaWeights.load(model_dir, config, dtype=torch_dtype, device=torch_device)
+        model = llama.LlamaWeights.load(
+            model_dir, config, dtype=torch_dtype, device=torch_device, weights=weights
+        )
         cache = llama.KVCache(
             config.n_layers, config.n_kv_heads, config.head_dim, torch_dtype, torch_device
         )
@@ -185,10 +205,13 @@ class CpuEngine:
             batching=True,
         )
         log.info(
-            "cpu engine: %s, %s on %s, context %d, max batch %d, torch threads %d",
+            "cpu engine: %s, %s on %s (linear layers: %s; %.0f MiB of weights),"
+            " context %d, max batch %d, torch threads %d",
             name,
             dtype,
             torch_device,
+            ", ".join(f"{n} {kind}" for kind, n in model.kinds().items()),
+            model.nbytes / 2**20,
             context,
             max_batch,
             torch.get_num_threads(),
@@ -196,7 +219,7 @@ class CpuEngine:
         return cls(
             tokenizer=tokenizer,
             config=config,
-            weights=weights,
+            weights=model,
             cache=cache,
             rope=llama.rope_tables(config, context, torch_device),
             info=info,
