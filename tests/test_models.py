@@ -170,7 +170,9 @@ def test_convert_keeps_q4_1_weights_bit_for_bit(tmp_path: Path) -> None:
 
     quantized = load_file(str(out / models.QUANTIZED_FILE))
     assert len(blocks) == 7 * LAYERS
-    assert set(quantized) == {f"{n}.{part}" for n in blocks for part in ("qweight", "scales", "mins")}
+    assert set(quantized) == {
+        f"{n}.{part}" for n in blocks for part in ("qweight", "scales", "mins")
+    }
     for name, raw in blocks.items():
         packed = quantized[f"{name}.qweight"]
         q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
@@ -254,9 +256,7 @@ def test_the_converted_model_is_reused(model_dir: Path) -> None:
     assert weights.stat().st_mtime_ns == before
     # Keyed by the GGUF and the conversion format: an older format's directory
     # is converted again.
-    assert model_dir.name.endswith(
-        f"{models.DEFAULT_GGUF_SHA256[:16]}-v{models.CONVERSION_FORMAT}"
-    )
+    assert model_dir.name.endswith(f"{models.DEFAULT_GGUF_SHA256[:16]}-v{models.CONVERSION_FORMAT}")
     assert (model_dir / models.QUANTIZED_FILE).is_file()
     config = json.loads((model_dir / "config.json").read_text())
     assert config["rope_theta"] == 100000.0
