@@ -26,7 +26,7 @@ from trioserve.engine.base import (
     TextUpdate,
     Update,
 )
-from trioserve.engine.cpu import CpuEngine
+from trioserve.engine.cpu import DEFAULT_PREFIX_CACHE_BYTES, CpuEngine
 from trioserve.errors import ConfigError, ModelError
 
 GREEDY = SamplingSettings(temperature=0.0, rep_pen=1.0)
@@ -447,3 +447,93 @@ def test_token_healing_on_a_sentencepiece_tokenizer_drops_the_space_too(
         assert plain.text == " dog dog dog dog"
     finally:
         engine.close()
+
+
+# --- the prefix cache ------------------------------------------------------------
+
+STORY = (
+    "Chapter {n}. The lighthouse keeper of the northern cape kept a logbook of every ship"
+    " that passed, every storm that broke against the rocks, and every letter the supply"
+    " boat brought. In the spring of that year the boat brought a stranger instead, a"
+    " surveyor with a brass theodolite and a habit of humming while he worked."
+)
+
+
+def story_chat(n: int, question: str) -> str:
+    """A chat whose first turn is long enough for several prefix-cache blocks,
+    with a number that keeps other tests' prompts from sharing its blocks."""
+    return chat(STORY.format(n=n) + " " + question)
+
+
+def test_a_reused_prefix_gives_the_same_greedy_text(cpu_engine: CpuEngine) -> None:
+    spec = make_spec(cpu_engine, story_chat(101, "Who came on the boat?"), 12)
+    before = cpu_engine.statistics().prefix_cache
+    cold = run_one(cpu_engine, spec)
+    assert cold.finished.cached_tokens == 0
+    warm = run_one(cpu_engine, attrs.evolve(spec, job_id=next(_ids)))
+    after = cpu_engine.statistics().prefix_cache
+    # Every whole block before the last prompt token came from the cache.
+    block = after.block_tokens
+    assert warm.finished.cached_tokens == (len(spec.prompt_ids) - 1) // block * block > 0
+    assert warm.finished.prompt_tokens == cold.finished.prompt_tokens
+    assert warm.chunks == cold.chunks
+    assert after.hits == before.hits + 1
+    assert after.hit_tokens == before.hit_tokens + warm.finished.cached_tokens
+    assert 0 < after.bytes <= after.capacity_bytes
+
+
+def test_a_chats_next_turn_reuses_the_answer_and_matches_a_cold_run(
+    cpu_engine: CpuEngine, model_dir: Path
+) -> None:
+    """The next turn's prompt holds the first turn's prompt and answer; the
+    answer's keys and values were computed one decode step at a time, the cold
+    run computes them in a prefill chunk, and the greedy text is the same."""
+    first = make_spec(cpu_engine, story_chat(102, "Describe the surveyor."), 40)
+    answer = run_one(cpu_engine, first)
+    assert answer.finished.generated_tokens > 8
+    history = story_chat(102, "Describe the surveyor.") + answer.text
+    second_prompt = history + "<|im_end|>\n<|im_start|>user\nAnd the keeper?<|im_end|>\n"
+    second = make_spec(cpu_engine, second_prompt + "<|im_start|>assistant\n", 12)
+    warm = run_one(cpu_engine, second)
+    assert warm.finished.cached_tokens > len(first.prompt_ids)
+    cold_engine = CpuEngine.load(model_dir, max_batch=2, prefix_cache_bytes=0)
+    try:
+        cold = run_one(cold_engine, attrs.evolve(second, job_id=next(_ids)))
+        assert cold.finished.cached_tokens == 0
+        assert cold_engine.statistics().prefix_cache.blocks == 0
+    finally:
+        cold_engine.close()
+    assert warm.chunks == cold.chunks
+
+
+def test_reuse_keeps_batch_invariance(cpu_engine: CpuEngine) -> None:
+    """Eight jobs sharing a long first part run together (nothing cached yet
+    for them), then each alone (served from the cache): same greedy text."""
+    questions = ["Who is the keeper?", "What did the boat bring?", "Name the season.", "Why?"]
+    specs = [make_spec(cpu_engine, story_chat(103, q), 10) for q in questions * 2]
+    together = run_all(cpu_engine, specs)
+    assert all(together[s.job_id].finished.cached_tokens == 0 for s in specs[:1])
+    for spec in specs:
+        alone = run_one(cpu_engine, attrs.evolve(spec, job_id=next(_ids)))
+        assert alone.finished.cached_tokens > 0
+        assert alone.chunks == together[spec.job_id].chunks
+
+
+def test_statistics_report_jobs_and_memory(cpu_engine: CpuEngine) -> None:
+    stats = cpu_engine.statistics()
+    assert (stats.running_jobs, stats.waiting_jobs, stats.kv_cache_bytes) == (0, 0, 0)
+    assert stats.weight_bytes > 0
+    assert stats.prefix_cache.capacity_bytes == DEFAULT_PREFIX_CACHE_BYTES
+    spec = make_spec(cpu_engine, chat("Name a color."), 4)
+    cpu_engine.step([spec], [])
+    running = cpu_engine.statistics()
+    assert running.running_jobs == 1
+    assert running.kv_cache_bytes > 0
+    cpu_engine.step([], [spec.job_id])
+    assert cpu_engine.statistics().running_jobs == 0
+
+
+def test_the_default_model_runs_on_its_4bit_weights(cpu_engine: CpuEngine) -> None:
+    weights = cpu_engine._weights
+    assert weights is not None
+    assert weights.kinds() == {"q4": 4 * 30}

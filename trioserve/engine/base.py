@@ -154,6 +154,9 @@ class Finished:
     prompt_tokens: int
     #: Tokens generated, the stop token included.
     generated_tokens: int
+    #: Of ``prompt_tokens``, those whose keys and values came from the
+    #: engine's prefix cache instead of being computed (0 without one).
+    cached_tokens: int = 0
 
 
 @attrs.frozen

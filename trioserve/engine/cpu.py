@@ -40,17 +40,45 @@ from trioserve.engine.base import (
     Update,
 )
 from trioserve.engine.models import DEFAULT_MODEL_NAME, default_model_dir
+from trioserve.engine.prefix import PrefixCache, PrefixCacheStatistics
 from trioserve.engine.sampling import SamplingError, make_generator, sample, settings_problem
 from trioserve.engine.text import TextStream
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError
 
-__all__ = ["DTYPES", "WEIGHT_MODES", "CpuEngine"]
+__all__ = [
+    "DEFAULT_PREFIX_CACHE_BYTES",
+    "DTYPES",
+    "WEIGHT_MODES",
+    "CpuEngine",
+    "CpuEngineStatistics",
+    "PrefixCacheStatistics",
+]
 
 log = logging.getLogger("trioserve.engine")
 
 #: What ``CpuEngine.load(weights=...)`` accepts (see there).
 WEIGHT_MODES = llama.WEIGHT_MODES
+
+#: The prefix cache's default bound: 128 MiB holds about 5,800 positions of
+#: the embedded model (23 KiB each), a few long conversations.
+DEFAULT_PREFIX_CACHE_BYTES = 128 * 2**20
+#: Tokens per prefix-cache block: a reused prefix is a multiple of this.
+PREFIX_BLOCK_TOKENS = 64
+
+
+@attrs.frozen
+class CpuEngineStatistics:
+    """A snapshot of the CPU engine, from :meth:`CpuEngine.statistics`."""
+
+    running_jobs: int
+    waiting_jobs: int
+    #: Bytes the running jobs' KV cache holds.
+    kv_cache_bytes: int
+    #: Bytes the model's weights hold.
+    weight_bytes: int
+    prefix_cache: PrefixCacheStatistics
+
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -79,6 +107,14 @@ class _Job:
     #: The last sampled id, to be fed at the next decode step.
     pending: int | None = None
     generated: int = 0
+    #: The prompt, then every sampled id: ``tokens[:cached]`` are the ids
+    #: whose keys and values the slot holds.
+    tokens: list[int] = attrs.field(factory=list)
+    #: Prompt tokens served from the prefix cache.
+    reused: int = 0
+    #: The prefix cache's blocks still to be copied into the slot (at the
+    #: job's first step, once the cache has room).
+    restore: list[Tensor] = attrs.field(factory=list)
 
 
 #: Prompt ids decoded before the healed token to give it its context.
@@ -115,9 +151,18 @@ class CpuEngine:
     _rope: tuple[Tensor, Tensor]
     _info: EngineInfo
     _device: torch.device
+    _prefix_cache: PrefixCache
     #: Prompt tokens per prefill chunk, and the prefill budget of one step
     #: over all new jobs (a step runs at least one chunk, and never splits one).
     prefill_chunk: int = 512
+    #: A prefill chunk whose window (from the chunk boundary before it to its
+    #: end) spans at least this many positions runs its 4-bit layers on their
+    #: bfloat16 dequantization: with many rows the matmuls are bound by
+    #: compute, where bfloat16's dot-product instructions beat the 4-bit
+    #: kernel. Decided by the window, not by the rows actually run, so that a
+    #: chunk resumed from the prefix cache computes its rows with the same
+    #: kernels as the same prompt run cold (see :meth:`_prefill`).
+    dense_rows: int = 64
     _waiting: deque[GenerationSpec] = attrs.field(factory=deque)
     _slots: list[_Job] = attrs.field(factory=list)
 
@@ -133,6 +178,7 @@ class CpuEngine:
         offline: bool = False,
         threads: int | None = None,
         weights: str = "auto",
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     ) -> CpuEngine:
         """Load a Llama-family Hugging Face directory (the embedded SmolLM2 when
         ``model_dir`` is None, obtained with :func:`default_model_dir`).
@@ -146,6 +192,10 @@ class CpuEngine:
         groups (the directory's, or quantized at load); ``"int8"`` 8 bits per
         weight, quantized at load. Layers whose shape the quantized kernel
         cannot run stay bfloat16.
+
+        ``prefix_cache_bytes`` bounds the prefix cache (the keys and values of
+        finished jobs, reused by later prompts that start with the same tokens;
+        see :mod:`trioserve.engine.prefix`); 0 turns it off.
 
         Raises:
             ConfigError: a bad dtype, device, context length, batch or thread count.
@@ -169,6 +219,8 @@ class CpuEngine:
             raise EngineError(f"device {device!r} was asked for but torch has no CUDA here")
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch!r}")
+        if prefix_cache_bytes < 0:
+            raise ConfigError(f"prefix_cache_bytes must be >= 0, got {prefix_cache_bytes!r}")
         if threads is not None:
             if threads < 1:
                 raise ConfigError(f"threads must be >= 1, got {threads!r}")
@@ -221,6 +273,7 @@ class CpuEngine:
             config=config,
             weights=model,
             cache=cache,
+            prefix_cache=PrefixCache(prefix_cache_bytes, PREFIX_BLOCK_TOKENS),
             rope=llama.rope_tables(config, context, torch_device),
             info=info,
             device=torch_device,
@@ -236,8 +289,20 @@ class CpuEngine:
 
     @property
     def cache_bytes(self) -> int:
-        """Bytes the KV cache holds now (it grows and shrinks with the jobs)."""
+        """Bytes the KV cache of running jobs holds now (it grows and shrinks
+        with the jobs; the prefix cache is apart, see :meth:`statistics`)."""
         return self._cache.nbytes
+
+    def statistics(self) -> CpuEngineStatistics:
+        """Jobs, memory and prefix-cache counters now, for metrics. Read it
+        from the thread that runs :meth:`step`, or between steps."""
+        return CpuEngineStatistics(
+            running_jobs=len(self._slots),
+            waiting_jobs=len(self._waiting),
+            kv_cache_bytes=self._cache.nbytes,
+            weight_bytes=0 if self._weights is None else self._weights.nbytes,
+            prefix_cache=self._prefix_cache.statistics(),
+        )
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text)
@@ -248,6 +313,7 @@ class CpuEngine:
     def close(self) -> None:
         self._weights = None
         self._cache.release()
+        self._prefix_cache.clear()
         self._waiting.clear()
         self._slots.clear()
 
@@ -299,6 +365,10 @@ class CpuEngine:
             for job in self._slots
         )
         self._cache.fit(len(self._slots), need)
+        for job in prefilling:
+            if job.restore:
+                self._cache.write(job.slot, 0, torch.cat(job.restore, dim=2))
+                job.restore = []
 
         rows: list[_Job] = []
         row_logits: list[Tensor] = []
@@ -310,7 +380,8 @@ class CpuEngine:
             # that a job's numbers (hence its greedy text) do not depend on
             # which jobs arrived with it.
             start = job.cached
-            end = min((start // self.prefill_chunk + 1) * self.prefill_chunk, len(job.prompt))
+            window = start // self.prefill_chunk * self.prefill_chunk
+            end = min(window + self.prefill_chunk, len(job.prompt))
             chunk = job.prompt[start:end]
             budget -= len(chunk)
             try:
@@ -322,6 +393,7 @@ class CpuEngine:
                     torch.tensor([chunk], device=self._device),
                     torch.arange(start, start + len(chunk), device=self._device)[None],
                     torch.tensor([job.slot], device=self._device),
+                    dense=end - window >= self.dense_rows,
                 )
             except RuntimeError as exc:
                 log.exception("prefill of job %s failed", job.spec.job_id)
@@ -410,6 +482,9 @@ class CpuEngine:
         counts = torch.bincount(torch.tensor(prompt), minlength=vocab).to(
             device=self._device, dtype=torch.int32
         )
+        # At least the last prompt token is run: its logits give the first sample.
+        restore = self._prefix_cache.lookup(prompt, len(prompt) - 1)
+        reused = sum(int(block.shape[2]) for block in restore)
         stream = TextStream(
             self._tokenizer.decode,
             spec.stop_strings,
@@ -426,6 +501,10 @@ class CpuEngine:
                 counts=counts,
                 banned=banned,
                 allowed=allowed,
+                cached=reused,
+                tokens=list(prompt),
+                reused=reused,
+                restore=restore,
             )
         )
 
@@ -465,6 +544,7 @@ class CpuEngine:
                 continue
             job.allowed = None
             job.pending = token
+            job.tokens.append(token)
             job.generated += 1
             job.counts[token] += 1
             updates.append(self._emit(job, token))
@@ -496,6 +576,7 @@ class CpuEngine:
         stop_string: str | None = None,
         stop_token: int | None = None,
     ) -> Finished:
+        self._keep_prefix(job)
         self._free(job)
         return Finished(
             job_id=job.spec.job_id,
@@ -505,6 +586,7 @@ class CpuEngine:
             stop_token=stop_token,
             prompt_tokens=len(job.prompt),
             generated_tokens=job.generated,
+            cached_tokens=job.reused,
         )
 
     def _fail(self, job: _Job, message: str) -> Failed:
@@ -514,7 +596,20 @@ class CpuEngine:
     def _cancel(self, job_ids: set[int]) -> None:
         self._waiting = deque(spec for spec in self._waiting if spec.job_id not in job_ids)
         for job in [job for job in self._slots if job.spec.job_id in job_ids]:
+            # What a stopped job computed is as good as a finished one's.
+            self._keep_prefix(job)
             self._free(job)
+
+    def _keep_prefix(self, job: _Job) -> None:
+        """Offer the job's cached positions to the prefix cache (whole blocks)."""
+        if job.restore:
+            return  # its slot never received the blocks it was to start from
+        slot = job.slot
+
+        def read(start: int, end: int) -> Tensor:
+            return self._cache.read(slot, start, end)
+
+        self._prefix_cache.insert(job.tokens[: job.cached], read)
 
     def _free(self, job: _Job) -> None:
         """Give the job's slot back, moving the last slot into it so that the

@@ -345,7 +345,8 @@ class LlamaWeights:
             def linear_of(names: list[str]) -> Linear:
                 if q4_handle is not None:
                     parts = [_q4_parts(q4_handle, n, path) for n in names]
-                    return _q4_weight(*(torch.cat(p) for p in zip(*parts, strict=True)), pack)
+                    q, d, m = (torch.cat([part[i] for part in parts]) for i in range(3))
+                    return _q4_weight(q, d, m, pack)
                 if mode == "q4":
                     w = torch.cat([raw(n).float() for n in names])
                     return _q4_weight(*_quantize_q4(w), pack)
@@ -448,7 +449,9 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> Tenso
     n, k = w.out_features, w.in_features
     q = _q4_unpack(w.data, n, k).view(n, k // w.group_size, w.group_size)
     scale, zero = w.scales.float().permute(2, 1, 0)[..., None]  # [N, K / group, 1] each
-    return torch.addcmul(zero, q.float() - 8, scale).view(n, k).to(dtype)
+    # (q - 8) * scale is exact in float32 (4 bits times bfloat16's 8), so the
+    # sum rounds once, as the kernel's fused multiply-add does.
+    return q.float().sub_(8).mul_(scale).add_(zero).view(n, k).to(dtype)
 
 
 #: Output rows per block of the 4-bit kernel's packed layout with AVX-512
@@ -758,25 +761,23 @@ def _spans(
     g: int,
     cache: KVCache,
     dtype: torch.dtype,
-    *,
-    bucket: bool,
 ) -> list[_Span]:
     """Split the rows into runs that attend over one length each.
 
-    Prefill (one row) attends over exactly its positions. Decode rows attend
-    over their own length rounded up to :data:`ATTENTION_BUCKET`, never over
-    the batch's longest: the attention kernel's sums then see the same masked
-    padding whether a row runs alone or beside others, so a job's greedy text
-    does not depend on its companions (with kernels whose rows do not depend
-    on the other rows: checked at load, see :func:`_packer` and :func:`_q4_works`).
+    Each row attends over its own length rounded up to
+    :data:`ATTENTION_BUCKET` (masked beyond its position), never over the
+    batch's longest or a chunk's exact end: the attention kernel's sums then
+    see every key at the same place of its vectors whether a row runs alone or
+    beside others, in a decode step or inside a prefill chunk of any size (an
+    unaligned tail goes through other code and may round differently). So a
+    job's greedy text does not depend on its companions, nor on whether its
+    prefix came from the prefix cache (given matmul kernels whose rows do not
+    depend on the other rows: checked at load, see :func:`_packer` and
+    :func:`_q4_works`).
     """
     b, c = positions.shape
-    ends = (positions.amax(dim=1) + 1).tolist()  # [B]
-    if bucket:
-        step = ATTENTION_BUCKET
-        ends = [min(-(-n // step) * step, cache.length) for n in ends]
-    else:
-        ends = [max(ends)] * b
+    step = ATTENTION_BUCKET
+    ends = [min(-(-(n + 1) // step) * step, cache.length) for n in positions.amax(dim=1).tolist()]
     device = positions.device
     spans: list[_Span] = []
     r0 = 0
@@ -840,7 +841,7 @@ def _prepare(
 ) -> _Step:
     b, c = positions.shape
     h, k = config.n_heads, config.n_kv_heads
-    spans = _spans(positions, slots.tolist(), h // k, cache, weights.dtype, bucket=c == 1)
+    spans = _spans(positions, slots.tolist(), h // k, cache, weights.dtype)
     cos, sin = (table[positions][:, :, None, :] for table in rope)  # [B, C, 1, E]
     shape = (b, c, k, config.head_dim)
     cos = torch.cat([cos.expand(b, c, h + k, -1), cos.new_ones(shape)], dim=2)
