@@ -420,40 +420,39 @@ def test_q4_model_matches_the_reference_on_its_dequantized_weights() -> None:
 
 
 def test_q4_rows_do_not_depend_on_the_chunk_they_run_in() -> None:
-    """The property prefix reuse rests on: positions [p, n) computed after a
-    cached [0, p) give bit for bit what the whole prompt computed cold gives,
-    with the 4-bit kernel and with the dense (dequantized) path alike."""
+    """The property prefix reuse rests on: a position's keys and values, and
+    the last hidden state, come out bit for bit the same whether the prompt
+    runs in one chunk, resumes after a cached prefix at any split, or feeds
+    its last positions one decode step at a time."""
     weights = q4_weights(Q4_CONFIG, seed=7)
     rope = llama.rope_tables(Q4_CONFIG, 128, CPU)
     ids = torch.randint(
         0, Q4_CONFIG.vocab_size, (1, 70), generator=torch.Generator().manual_seed(1)
     )
-    for dense in (False, True):
-        caches, hiddens = [], []
-        for split in (0, 37, 64):
-            cache = llama.KVCache(
-                Q4_CONFIG.n_layers, Q4_CONFIG.n_kv_heads, Q4_CONFIG.head_dim, torch.bfloat16, CPU
-            )
-            cache.fit(1, 70)
-            with torch.inference_mode():
-                for start, end in ((0, split), (split, 70)):
-                    if start == end:
-                        continue
-                    hidden = llama.forward(
-                        weights,
-                        Q4_CONFIG,
-                        cache,
-                        rope,
-                        ids[:, start:end],
-                        torch.arange(start, end)[None],
-                        torch.tensor([0]),
-                        dense=dense,
-                    )
-            caches.append(cache.kv[:, 0, :, :70].clone())
-            hiddens.append(hidden)
-        for cache_kv, hidden in zip(caches[1:], hiddens[1:], strict=True):
-            assert torch.equal(cache_kv, caches[0]), f"dense={dense}"
-            assert torch.equal(hidden, hiddens[0]), f"dense={dense}"
+    schedules = [[(0, 70)], [(0, 37), (37, 70)], [(0, 64), (64, 70)]]
+    schedules.append([(0, 60)] + [(p, p + 1) for p in range(60, 70)])
+    caches, hiddens = [], []
+    for schedule in schedules:
+        cache = llama.KVCache(
+            Q4_CONFIG.n_layers, Q4_CONFIG.n_kv_heads, Q4_CONFIG.head_dim, torch.bfloat16, CPU
+        )
+        cache.fit(2, 70)
+        with torch.inference_mode():
+            for start, end in schedule:
+                hidden = llama.forward(
+                    weights,
+                    Q4_CONFIG,
+                    cache,
+                    rope,
+                    ids[:, start:end],
+                    torch.arange(start, end)[None],
+                    torch.tensor([1]),
+                )
+        caches.append(cache.kv[:, 1, :, :70].clone())
+        hiddens.append(hidden)
+    for schedule, cache_kv, hidden in zip(schedules[1:], caches[1:], hiddens[1:], strict=True):
+        assert torch.equal(cache_kv, caches[0]), schedule
+        assert torch.equal(hidden, hiddens[0]), schedule
 
 
 def test_q4_unpacking_reads_the_kernels_layout() -> None:

@@ -155,14 +155,6 @@ class CpuEngine:
     #: Prompt tokens per prefill chunk, and the prefill budget of one step
     #: over all new jobs (a step runs at least one chunk, and never splits one).
     prefill_chunk: int = 512
-    #: A prefill chunk whose window (from the chunk boundary before it to its
-    #: end) spans at least this many positions runs its 4-bit layers on their
-    #: bfloat16 dequantization: with many rows the matmuls are bound by
-    #: compute, where bfloat16's dot-product instructions beat the 4-bit
-    #: kernel. Decided by the window, not by the rows actually run, so that a
-    #: chunk resumed from the prefix cache computes its rows with the same
-    #: kernels as the same prompt run cold (see :meth:`_prefill`).
-    dense_rows: int = 64
     _waiting: deque[GenerationSpec] = attrs.field(factory=deque)
     _slots: list[_Job] = attrs.field(factory=list)
 
@@ -380,8 +372,7 @@ class CpuEngine:
             # that a job's numbers (hence its greedy text) do not depend on
             # which jobs arrived with it.
             start = job.cached
-            window = start // self.prefill_chunk * self.prefill_chunk
-            end = min(window + self.prefill_chunk, len(job.prompt))
+            end = min((start // self.prefill_chunk + 1) * self.prefill_chunk, len(job.prompt))
             chunk = job.prompt[start:end]
             budget -= len(chunk)
             try:
@@ -393,7 +384,6 @@ class CpuEngine:
                     torch.tensor([chunk], device=self._device),
                     torch.arange(start, start + len(chunk), device=self._device)[None],
                     torch.tensor([job.slot], device=self._device),
-                    dense=end - window >= self.dense_rows,
                 )
             except RuntimeError as exc:
                 log.exception("prefill of job %s failed", job.spec.job_id)

@@ -826,8 +826,6 @@ class _Step:
     #: Where each row's keys and values go in a layer's cache viewed as
     #: [S * 2K * T, E]: [B * C * 2K], in (row, position, head) order.
     write_index: Tensor
-    #: Use dequantized bfloat16 weights instead of the 4-bit kernel.
-    dense: bool
 
 
 def _prepare(
@@ -837,7 +835,6 @@ def _prepare(
     rope: tuple[Tensor, Tensor],
     positions: Tensor,
     slots: Tensor,
-    dense: bool,
 ) -> _Step:
     b, c = positions.shape
     h, k = config.n_heads, config.n_kv_heads
@@ -849,13 +846,7 @@ def _prepare(
     heads = torch.arange(2 * k, device=positions.device)
     t = cache.length
     index = slots[:, None, None] * (2 * k * t) + heads * t + positions[:, :, None]
-    return _Step(spans, cos, sin, index.reshape(-1), dense and _q4_unpack_works())
-
-
-def _weight(w: Linear, step: _Step) -> Linear:
-    if step.dense and isinstance(w, QuantizedWeight):
-        return dequantize(w)
-    return w
+    return _Step(spans, cos, sin, index.reshape(-1))
 
 
 def attention(
@@ -869,7 +860,7 @@ def attention(
     b, c, _ = x.shape  # x [B, C, D]
     h, k, e = config.n_heads, config.n_kv_heads, config.head_dim
     g = h // k
-    qkv = linear(x, _weight(layer.wqkv, step)).view(b, c, h + 2 * k, e)
+    qkv = linear(x, layer.wqkv).view(b, c, h + 2 * k, e)
     qkv = apply_rope(qkv, step.cos, step.sin)  # [B, C, H + 2K, E]
     # Write this step's keys and values at (slot, position) of every row.
     layer_cache = cache.kv[layer_index]  # [S, 2K, T, E]
@@ -894,13 +885,13 @@ def attention(
         out = out.reshape(b, 1, h * e)
     else:
         out = out.view(b, k, g, c, e).permute(0, 3, 1, 2, 4).reshape(b, c, h * e)
-    return linear(out, _weight(layer.wo, step))
+    return linear(out, layer.wo)
 
 
-def mlp(x: Tensor, layer: LayerWeights, step: _Step) -> Tensor:
-    gate_up = linear(x, _weight(layer.w_gate_up, step))
+def mlp(x: Tensor, layer: LayerWeights) -> Tensor:
+    gate_up = linear(x, layer.w_gate_up)
     f = gate_up.shape[-1] // 2
-    return linear(F.silu(gate_up[..., :f]) * gate_up[..., f:], _weight(layer.w_down, step))
+    return linear(F.silu(gate_up[..., :f]) * gate_up[..., f:], layer.w_down)
 
 
 def forward(
@@ -912,22 +903,26 @@ def forward(
     positions: Tensor,
     slots: Tensor,
     *,
-    dense: bool = False,
+    every_position: bool = False,
 ) -> Tensor:
     """Run ``tokens`` [B, C] at ``positions`` [B, C] of cache ``slots`` [B].
 
     Writes their keys and values into the cache and returns the final-norm
-    hidden state of each row's last position, [B, D], in the weights' dtype.
+    hidden state of each row's last position, [B, D], in the weights' dtype
+    (with ``every_position``, of every position: [B, C, D]).
     Each row attends to its own slot's positions up to its own position; the
     cache must already fit ``max(positions) + 1`` positions (:meth:`KVCache.fit`).
 
     The residual stream is float32 whatever the weights' dtype; matmuls take
-    their input in the weights' dtype. ``dense`` runs 4-bit layers on their
-    bfloat16 dequantization (faster than the 4-bit kernel for many rows, where
-    compute and not memory bounds the matmul; ignored where the packed layout
-    cannot be read, see :func:`_q4_unpack_works`).
+    their input in the weights' dtype. 4-bit layers run the 4-bit kernel at
+    every row count, prefill included: its rows do not depend on the other
+    rows, so a position's keys and values come out the same from a decode
+    step, a prefill chunk of any size or a chunk resumed after a cached
+    prefix, and the prefix cache can serve them all without changing a
+    greedy result. (Its bfloat16 dequantization would prefill faster on
+    CPUs with bfloat16 matrix units, but gives other numbers.)
     """
-    step = _prepare(weights, config, cache, rope, positions, slots, dense)
+    step = _prepare(weights, config, cache, rope, positions, slots)
     dtype = weights.dtype
     eps = config.rms_norm_eps
     x = F.embedding(tokens, weights.embed).float()  # [B, C, D]
@@ -935,8 +930,8 @@ def forward(
         h = rms_norm(x, layer.attn_norm, eps).to(dtype)
         x.add_(attention(h, layer, config, i, cache, step))
         h = rms_norm(x, layer.mlp_norm, eps).to(dtype)
-        x.add_(mlp(h, layer, step))
-    return rms_norm(x[:, -1], weights.norm, eps).to(dtype)
+        x.add_(mlp(h, layer))
+    return rms_norm(x if every_position else x[:, -1], weights.norm, eps).to(dtype)
 
 
 def logits(weights: LlamaWeights, hidden: Tensor) -> Tensor:
