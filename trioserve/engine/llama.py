@@ -627,9 +627,16 @@ class KVCache:
     device: torch.device
     block: int = 256
     kv: Tensor = attrs.field(init=False)  # [L, S, 2K, T, E]
+    #: Per layer: its cache [S, 2K, T, E] and the same as [S * 2K * T, E] rows
+    #: (made once per allocation, not by every layer of every step).
+    layer_views: list[tuple[Tensor, Tensor]] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self.kv = self._empty(0, 0)
+        self._set(self._empty(0, 0))
+
+    def _set(self, kv: Tensor) -> None:
+        self.kv = kv
+        self.layer_views = [(layer, layer.view(-1, self.head_dim)) for layer in kv]
 
     def _empty(self, slots: int, length: int) -> Tensor:
         shape = (self.n_layers, slots, 2 * self.n_kv_heads, length, self.head_dim)
@@ -669,13 +676,12 @@ class KVCache:
         new_len = want_len if shrink and want_len < self.length else max(want_len, self.length)
         keep_s, keep_t = min(new_slots, self.slots), min(new_len, self.length)
         old = self.kv
-        # Freed before the new one is made when nothing is kept.
-        self.kv = self._empty(0, 0)
+        self._set(self._empty(0, 0))
         new = self._empty(new_slots, new_len)
         if keep_s and keep_t:
             new[:, :keep_s, :, :keep_t] = old[:, :keep_s, :, :keep_t]
         del old
-        self.kv = new
+        self._set(new)
 
     def move(self, src: int, dst: int) -> None:
         """Copy slot ``src`` into slot ``dst`` (to keep the used slots packed)."""
@@ -690,7 +696,7 @@ class KVCache:
         self.kv[:, slot, :, start : start + data.shape[2]] = data
 
     def release(self) -> None:
-        self.kv = self._empty(0, 0)
+        self._set(self._empty(0, 0))
 
     @property
     def nbytes(self) -> int:
@@ -706,14 +712,14 @@ def linear(x: Tensor, w: Linear) -> Tensor:
     matrix-matrix path does for one row, and decoding one job is exactly that.
     """
     if isinstance(w, QuantizedWeight):
-        rows = x.reshape(-1, w.in_features)
+        rows = x if x.dim() == 2 else x.reshape(-1, w.in_features)
         if w.kind == "q4":
             out: Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 rows, w.data, w.group_size, w.scales
             )
         else:
             out = torch.ops.aten._weight_int8pack_mm(rows, w.data, w.scales)
-        return out.view(*x.shape[:-1], w.out_features)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], w.out_features)
     if w.is_mkldnn:
         return _mkldnn_linear(x.contiguous(), w)
     if x.numel() == x.shape[-1]:
@@ -826,6 +832,8 @@ class _Step:
     #: Where each row's keys and values go in a layer's cache viewed as
     #: [S * 2K * T, E]: [B * C * 2K], in (row, position, head) order.
     write_index: Tensor
+    #: (B, C): the pass runs B * C rows of hidden states, [B * C, D].
+    rows: tuple[int, int]
 
 
 def _prepare(
@@ -846,7 +854,7 @@ def _prepare(
     heads = torch.arange(2 * k, device=positions.device)
     t = cache.length
     index = slots[:, None, None] * (2 * k * t) + heads * t + positions[:, :, None]
-    return _Step(spans, cos, sin, index.reshape(-1))
+    return _Step(spans, cos, sin, index.reshape(-1), (b, c))
 
 
 def attention(
@@ -857,14 +865,14 @@ def attention(
     cache: KVCache,
     step: _Step,
 ) -> Tensor:
-    b, c, _ = x.shape  # x [B, C, D]
+    b, c = step.rows  # x [B * C, D]
     h, k, e = config.n_heads, config.n_kv_heads, config.head_dim
     g = h // k
     qkv = linear(x, layer.wqkv).view(b, c, h + 2 * k, e)
     qkv = apply_rope(qkv, step.cos, step.sin)  # [B, C, H + 2K, E]
     # Write this step's keys and values at (slot, position) of every row.
-    layer_cache = cache.kv[layer_index]  # [S, 2K, T, E]
-    layer_cache.view(-1, e).index_copy_(0, step.write_index, qkv[:, :, h:].reshape(-1, e))
+    layer_cache, flat = cache.layer_views[layer_index]  # [S, 2K, T, E], [S * 2K * T, E]
+    flat.index_copy_(0, step.write_index, qkv[:, :, h:].reshape(-1, e))
     # [B, C, H, E] -> [B, K, G * C, E]: the G query heads of a KV head become rows.
     if c == 1:
         q = qkv[:, 0, :h].view(b, k, g, e)
@@ -873,7 +881,7 @@ def attention(
     keys, values = slice(0, k), slice(k, 2 * k)
     outs = [
         F.scaled_dot_product_attention(
-            q[span.rows],
+            q if len(step.spans) == 1 else q[span.rows],
             _span_rows(layer_cache, span, keys),  # [n, K, T, E]
             _span_rows(layer_cache, span, values),
             attn_mask=span.mask,
@@ -882,9 +890,9 @@ def attention(
     ]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [B, K, G * C, E]
     if c == 1:
-        out = out.reshape(b, 1, h * e)
+        out = out.view(b, h * e)
     else:
-        out = out.view(b, k, g, c, e).permute(0, 3, 1, 2, 4).reshape(b, c, h * e)
+        out = out.view(b, k, g, c, e).permute(0, 3, 1, 2, 4).reshape(b * c, h * e)
     return linear(out, layer.wo)
 
 
@@ -925,12 +933,15 @@ def forward(
     step = _prepare(weights, config, cache, rope, positions, slots)
     dtype = weights.dtype
     eps = config.rms_norm_eps
-    x = F.embedding(tokens, weights.embed).float()  # [B, C, D]
+    b, c = tokens.shape
+    # Hidden states as [B * C, D] rows throughout: matmuls take them as they are.
+    x = F.embedding(tokens.reshape(-1), weights.embed).float()
     for i, layer in enumerate(weights.layers):
         h = rms_norm(x, layer.attn_norm, eps).to(dtype)
         x.add_(attention(h, layer, config, i, cache, step))
         h = rms_norm(x, layer.mlp_norm, eps).to(dtype)
         x.add_(mlp(h, layer))
+    x = x.view(b, c, -1)
     return rms_norm(x if every_position else x[:, -1], weights.norm, eps).to(dtype)
 
 
