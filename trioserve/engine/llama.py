@@ -755,6 +755,10 @@ class _Span:
     #: [n, 1, G * C, length] in the model dtype: 0 where a query sees a key,
     #: -inf elsewhere (built once per forward, not by each layer's attention).
     mask: Tensor
+    #: Per layer, the keys and values [n, K, length, E] the rows attend to, as
+    #: views of the cache (which see this pass's writes); None when the slots
+    #: are not consecutive and each layer gathers them after its write.
+    views: list[tuple[Tensor, Tensor]] | None
 
 
 #: Decode rows attend over their length rounded up to this (see :func:`_spans`).
@@ -798,6 +802,12 @@ def _spans(
             ~visible, float("-inf")
         )
         n = r1 - r0
+        views = None
+        if consecutive:
+            # Two views per pass instead of several per layer.
+            k = cache.n_kv_heads
+            window = cache.kv[:, run[0] : run[0] + n, :, :length]
+            views = list(zip(window[:, :, :k].unbind(0), window[:, :, k:].unbind(0), strict=True))
         spans.append(
             _Span(
                 rows=slice(r0, r1),
@@ -805,19 +815,20 @@ def _spans(
                 slots=torch.tensor(run, device=device),
                 length=length,
                 mask=bias[:, None].expand(n, g, c, length).reshape(n, 1, g * c, length),
+                views=views,
             )
         )
         r0 = r1
     return spans
 
 
-def _span_rows(cache: Tensor, span: _Span, heads: slice) -> Tensor:
-    """cache [S, 2K, T, E] -> [n, K, span.length, E] for the span's slots and
-    ``heads`` (the key or the value heads)."""
-    if span.first_slot is not None:
-        n = span.rows.stop - span.rows.start
-        return cache[span.first_slot : span.first_slot + n, heads, : span.length]
-    return cache[span.slots, heads, : span.length]
+def _span_rows(cache: Tensor, layer: int, span: _Span, k: int) -> tuple[Tensor, Tensor]:
+    """The keys and values [n, K, span.length, E] of the span's slots in one
+    layer's cache [S, 2K, T, E]."""
+    if span.views is not None:
+        return span.views[layer]
+    rows = cache[span.slots, :, : span.length]  # gathered after this layer's write
+    return rows[:, :k], rows[:, k:]
 
 
 @attrs.frozen
@@ -878,12 +889,10 @@ def attention(
         q = qkv[:, 0, :h].view(b, k, g, e)
     else:
         q = qkv[:, :, :h].permute(0, 2, 1, 3).reshape(b, k, g * c, e)
-    keys, values = slice(0, k), slice(k, 2 * k)
     outs = [
         F.scaled_dot_product_attention(
             q if len(step.spans) == 1 else q[span.rows],
-            _span_rows(layer_cache, span, keys),  # [n, K, T, E]
-            _span_rows(layer_cache, span, values),
+            *_span_rows(layer_cache, layer_index, span, k),  # [n, K, T, E] each
             attn_mask=span.mask,
         )
         for span in step.spans
