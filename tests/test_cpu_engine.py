@@ -541,7 +541,7 @@ def test_the_default_model_runs_on_its_4bit_weights(cpu_engine: CpuEngine) -> No
 
 # --- quality of the 4-bit path ------------------------------------------------------
 
-#: A fixed English text for the perplexity guard (about 120 tokens).
+#: A fixed English text for the perplexity guard (88 tokens).
 PERPLEXITY_TEXT = (
     "The river town grew around a ford, a mill and a Thursday market. Farmers brought grain"
     " and wool; merchants brought salt, iron and news from the coast. Over three centuries the"
