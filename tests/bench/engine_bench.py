@@ -284,7 +284,7 @@ def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
-def run(results: list[dict[str, Any]], *, say: Any = print) -> None:
+def run(results: list[dict[str, Any]], *, say: Any = print, rounds: int = ROUNDS) -> None:
     """Measure everything and append one row per metric to ``results``.
 
     trioserve and llama.cpp (when importable) alternate within each round,
@@ -312,8 +312,8 @@ def run(results: list[dict[str, Any]], *, say: Any = print) -> None:
         _drive(cold, [_spec(ids(), engine.encode(chat("Hello")), 8)])
         if ref is not None:
             ref.first_token(_story(engine, 0))
-        for r in range(ROUNDS):
-            say(f"engine bench: round {r + 1}/{ROUNDS}, load average {load_average()}")
+        for r in range(rounds):
+            say(f"engine bench: round {r + 1}/{rounds}, load average {load_average()}")
             story = _story(engine, r)
 
             def ours(r: int = r) -> None:
@@ -438,13 +438,14 @@ def load_average() -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rss-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds (medians over them)")
     args = parser.parse_args(argv)
     if args.rss_child:
         peak_rss_child()
         return
     results: list[dict[str, Any]] = []
     before = load_average()
-    run(results)
+    run(results, say=lambda line: print(line, file=sys.stderr, flush=True), rounds=args.rounds)
     print(f"Engine (CPU): {environment()}; load average {before} before, {load_average()} after\n")
     print(markdown(results))
 
