@@ -342,6 +342,10 @@ def run(results: list[dict[str, Any]], *, say: Any = print, rounds: int = ROUNDS
                 note("ref_next_warm", ref.next_turn(history, engine.encode(NEXT_QUESTION)))
                 note("ratio_single", series["single"][-1] / series["ref_single"][-1])
                 note("ratio_agg_8", series["agg_8"][-1] / series["ref_single"][-1])
+            say(
+                f"engine bench: round {r + 1}: "
+                + ", ".join(f"{key} {values[-1]:.3g}" for key, values in series.items())
+            )
         stats = engine.statistics()
     finally:
         engine.close()
