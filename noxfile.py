@@ -66,12 +66,38 @@ def typecheck(session: nox.Session) -> None:
     session.run("mypy", "trioserve", "tests", "noxfile.py", "docs/examples")
 
 
+#: llama-cpp-python for the engine bench's llama.cpp column (opt-in: it is
+#: an sdist that compiles llama.cpp, about 8 minutes on 2 cores).
+LLAMA_CPP = "llama-cpp-python==0.3.36"
+#: Its default native build uses every instruction the build machine has,
+#: AMX included, and dies with SIGILL where the kernel does not allow AMX:
+#: name the instruction sets instead. Override with TRIOSERVE_LLAMA_CPP_CMAKE_ARGS.
+LLAMA_CPP_CMAKE_ARGS = os.environ.get(
+    "TRIOSERVE_LLAMA_CPP_CMAKE_ARGS",
+    "-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
+    " -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_AVX2=ON -DGGML_FMA=ON"
+    " -DGGML_F16C=ON",
+)
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks (tests/bench/); prints Markdown tables for docs/performance.md and
-    docs/reliability.md (the hostile-client bench: ``nox -s bench -- --only hostile``)."""
+    docs/reliability.md (the hostile-client bench: ``nox -s bench -- --only hostile``).
+
+    ``nox -s bench -- --llama-cpp [args]`` first builds and installs
+    llama-cpp-python (without its dependencies' unpinned extras, so no torch
+    is pulled) for the engine bench's side-by-side llama.cpp column.
+    """
     install_project(session, "test", "bench")
-    session.run("python", "tests/bench/run.py", *session.posargs)
+    args = list(session.posargs)
+    if "--llama-cpp" in args:
+        args.remove("--llama-cpp")
+        session.install("numpy", "typing-extensions", "diskcache", "jinja2")
+        session.install(
+            "--no-deps", LLAMA_CPP, env={"CMAKE_ARGS": LLAMA_CPP_CMAKE_ARGS, "FORCE_CMAKE": "1"}
+        )
+    session.run("python", "tests/bench/run.py", *args)
 
 
 @nox.session

