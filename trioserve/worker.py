@@ -94,7 +94,15 @@ class EngineThread:
 
     def _main(self) -> None:
         self._ident = threading.get_ident()
-        threading.current_thread().name = self.name
+        # trio's worker threads are cached and reused: the name is lent.
+        current = threading.current_thread()
+        cached_name, current.name = current.name, self.name
+        try:
+            self._serve_calls()
+        finally:
+            current.name = cached_name
+
+    def _serve_calls(self) -> None:
         while True:
             with self._cond:
                 while not self._calls and not self._closing:
@@ -124,12 +132,18 @@ async def open_engine_thread(name: str = "trioserve-engine") -> AsyncIterator[En
     thread outlives it.
     """
     thread = EngineThread(name)
+
+    async def run_thread() -> None:
+        # Shielded: a cancellation that arrives before this task first runs
+        # must not keep the thread from starting, or a call queued meanwhile
+        # would wait forever. The thread ends once _close() is called below.
+        with trio.CancelScope(shield=True):
+            # Its own limiter: the engine thread never waits for, nor takes,
+            # one of the default limiter's threads (tokenization uses those).
+            await trio.to_thread.run_sync(thread._main, limiter=trio.CapacityLimiter(1))
+
     async with trio.open_nursery() as nursery:
-        # Its own limiter: the engine thread never waits for, nor takes, one of
-        # the default limiter's threads (tokenization uses those).
-        nursery.start_soon(
-            lambda: trio.to_thread.run_sync(thread._main, limiter=trio.CapacityLimiter(1))
-        )
+        nursery.start_soon(run_thread)
         try:
             yield thread
         finally:
