@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 import openai
 import pytest
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection
 from websockets.sync.client import connect as websocket_connect
 
@@ -438,11 +438,30 @@ def test_openai_routes_are_balanced(cluster: Cluster) -> None:
     assert sum(served) == 8
     assert all(n >= 1 for n in served), "one instance took every request"
 
-    # The key is forwarded as sent: a wrong one is refused by the instance.
+    cluster.assert_no_errors_logged()
+
+
+# --- Keys, limits and errors through nginx --------------------------------------------
+
+
+def test_keys_limits_and_errors_through_nginx(cluster: Cluster) -> None:
+    cluster.wait_idle()
+    client = cluster.openai_client()
+    model = client.models.list().data[0].id
+
+    # The key is forwarded as sent, and checked by the instance: a wrong one is
+    # refused, on HTTP and at the WebSocket handshake, and not retried elsewhere.
     with pytest.raises(openai.AuthenticationError):
         cluster.openai_client(key="wrong").models.list()
+    with pytest.raises(InvalidStatus) as handshake:
+        with websocket_connect(
+            cluster.ws_url, additional_headers={"Authorization": "Bearer wrong"}
+        ):
+            pass
+    assert handshake.value.response.status_code == 401
 
-    # A body over the limit is refused by nginx itself, in OpenAI's error shape.
+    # A body over the limit is refused by nginx itself, in OpenAI's error shape,
+    # before any instance sees it.
     with pytest.raises(openai.APIStatusError) as refused:
         client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "x" * 300_000}], max_tokens=1
@@ -452,6 +471,18 @@ def test_openai_routes_are_balanced(cluster: Cluster) -> None:
     assert any(
         '"POST /v1/chat/completions' in line and _status_of(line) == 413 and "upstream=-" in line
         for line in cluster.balancer.access_lines()
+    )
+
+    # A WebSocket frame over the instance's limit (the same 256 KiB) ends that
+    # connection with 1009, which nginx passes on.
+    with cluster.connect() as ws:
+        ws.send(json.dumps({"action": "estimate_token", "text": "x" * 300_000}))
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=RECV_TIMEOUT)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+    print(
+        f"wrong key: 401 (HTTP and handshake); 300 kB body: 413 from nginx; "
+        f"300 kB frame: closed {closed.value.rcvd.code} by the instance"
     )
 
     # /metrics is per instance: nginx does not hand out a random instance's.
@@ -494,6 +525,52 @@ def test_tls_termination(cluster: Cluster) -> None:
     with pytest.raises(ssl.SSLCertVerificationError):
         cluster.connect(f"wss://{base}/", ssl.create_default_context())
     cluster.assert_no_errors_logged()
+
+
+# --- No instance at all ---------------------------------------------------------------
+
+
+def test_with_no_instance_up_nginx_answers_503_in_openai_shape() -> None:
+    """The shipped configuration with both upstream ports closed: nginx's own answer
+    replaces its 502 page (no cluster needed)."""
+    directory = enterable_directory("trioserve-no-upstream-")
+    balancer = None
+    try:
+        with cleared_proxy_environment():
+            nginx = ensure_nginx()
+            dead_a, dead_b, http_port, tls_port = free_ports(4)
+            balancer = Balancer(
+                nginx,
+                directory,
+                upstreams=(dead_a, dead_b),
+                http_port=http_port,
+                tls_port=tls_port,
+                certificate=make_certificate(directory),
+            )
+            balancer.start()
+            wait_for(lambda: _status(f"{balancer.url}/health") != 0, "nginx to listen")
+            client = openai.OpenAI(
+                base_url=f"{balancer.url}/v1", api_key=API_KEY, max_retries=0, timeout=30
+            )
+            with pytest.raises(openai.APIStatusError) as unavailable:
+                client.models.list()
+            response = unavailable.value.response
+            assert response.status_code == 503
+            assert response.headers["retry-after"] == "1"
+            assert response.json()["error"]["code"] == "overloaded"
+            with pytest.raises(InvalidStatus) as handshake:
+                with websocket_connect(f"ws://127.0.0.1:{http_port}/", additional_headers=AUTH):
+                    pass
+            assert handshake.value.response.status_code == 503
+            refused = [line for line in balancer.error_lines() if "Connection refused" in line]
+            print(f"both instances down: 503 {response.json()}; nginx tried {len(refused)} times")
+            # Each request tried both instances before giving up.
+            assert any(str(dead_a) in line for line in refused)
+            assert any(str(dead_b) in line for line in refused)
+    finally:
+        if balancer is not None:
+            balancer.stop()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 # --- (c) a drained instance leaves the rotation without losing a request --------------
