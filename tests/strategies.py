@@ -9,11 +9,13 @@ of the decoder so that a test can compare the two.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from hypothesis import strategies as st
 
 from trioserve import protocol as p
+from trioserve.engine.base import Range, setting_ranges
 
 __all__ = [
     "echoed_ids",
@@ -51,6 +53,8 @@ KNOWN_KEYS: tuple[str, ...] = (
     "bann_bann",
     "token_healing",
     "seed",
+    "compact_chunks",
+    "messages",
     "target",
 )
 
@@ -106,8 +110,10 @@ def _float_wire(
         exclude_min=exclude_min,
     ).map(lambda x: (x, x))
     # Bounded so that every int converts to a float exactly.
-    lo = -(2**53) if min_value is None else int(min_value) + (1 if exclude_min else 0)
-    hi = 2**53 if max_value is None else int(max_value)
+    lo = -(2**53) if min_value is None else math.floor(min_value) + 1
+    if min_value is not None and not exclude_min and float(math.ceil(min_value)) == min_value:
+        lo = math.ceil(min_value)
+    hi = 2**53 if max_value is None else math.floor(max_value)
     ints = st.integers(lo, hi).map(lambda n: (n, float(n)))
     return floats | ints
 
@@ -130,35 +136,49 @@ def _bann_bann() -> Any:
     return ids.map(lambda x: (x, (x,))) | st.lists(ids, max_size=4).map(lambda xs: (xs, tuple(xs)))
 
 
+def _in_range(allowed: Range) -> Any:
+    """(wire value, decoded value) of a sampler field, within its range."""
+    if allowed.integer:
+        return _int_wire(int(allowed.lo), int(allowed.hi))
+    return _float_wire(allowed.lo, allowed.hi)
+
+
+_messages = st.lists(
+    st.builds(p.ChatMessage, role=st.text(min_size=1, max_size=10), content=st.text(max_size=20)),
+    min_size=1,
+    max_size=4,
+).map(tuple)
+
+
+def _messages_wire() -> Any:
+    return _messages.map(lambda ms: ([{"role": m.role, "content": m.content} for m in ms], ms))
+
+
 #: Wire name -> (attribute name, strategy of (wire value, decoded value)).
 _INFER_FIELDS: dict[str, tuple[str, Any]] = {
     "stream": ("stream", _same(st.booleans())),
     "stream_full": ("stream_full", _same(st.booleans())),
-    "top_k": ("top_k", _int_wire(0)),
-    "top_p": ("top_p", _float_wire(0.0, 1.0)),
-    "top_a": ("top_a", _float_wire(0.0)),
-    "min_p": ("min_p", _float_wire(0.0, 1.0)),
-    "typical": ("typical", _float_wire(0.0, 1.0)),
-    "temperature": ("temperature", _float_wire(0.0)),
-    "skew": ("skew", _float_wire()),
-    "rep_pen": ("rep_pen", _float_wire(0.0, exclude_min=True)),
-    "freq_pen": ("freq_pen", _float_wire()),
-    "pres_pen": ("pres_pen", _float_wire()),
     "customBos": ("custom_bos", _same(st.text(max_size=10))),
     "stop_conditions": ("stop_conditions", _stop_conditions()),
     "bann_bann": ("bann_bann", _bann_bann()),
     "token_healing": ("token_healing", _same(st.booleans())),
-    "seed": ("seed", _int_wire(-(2**63), 2**64 - 1)),
+    "compact_chunks": ("compact_chunks", _same(st.booleans())),
+    **{name: (name, _in_range(allowed)) for name, allowed in setting_ranges().items()},
 }
 
 
 @st.composite
 def _infer_pair(draw: st.DrawFn) -> tuple[dict[str, Any], p.Request]:
     ids = draw(echoed_ids(tag=True))
-    text = draw(st.text(max_size=30))
     wire_max, max_new_tokens = draw(_int_wire(1, 100_000))
-    frame: dict[str, Any] = {"action": "infer", **ids, "text": text, "max_new_tokens": wire_max}
+    frame: dict[str, Any] = {"action": "infer", **ids, "max_new_tokens": wire_max}
     kwargs: dict[str, Any] = {}
+    # Mostly text: a server without a chat template answers messages with
+    # invalid_request, and server tests want infers that run.
+    if draw(st.integers(0, 4)) > 0:
+        frame["text"] = kwargs["text"] = draw(st.text(max_size=30))
+    else:
+        frame["messages"], kwargs["messages"] = draw(_messages_wire())
     for wire in draw(st.lists(st.sampled_from(sorted(_INFER_FIELDS)), unique=True)):
         attr, pairs = _INFER_FIELDS[wire]
         wire_value, value = draw(pairs)
@@ -166,7 +186,7 @@ def _infer_pair(draw: st.DrawFn) -> tuple[dict[str, Any], p.Request]:
         kwargs[attr] = value
     # Key order on the wire carries no meaning.
     items = draw(st.permutations(list(frame.items())))
-    expected = p.InferRequest(text=text, max_new_tokens=max_new_tokens, echoed=ids, **kwargs)
+    expected = p.InferRequest(max_new_tokens=max_new_tokens, echoed=ids, **kwargs)
     return dict(items), expected
 
 
@@ -212,31 +232,33 @@ def _ints(lo: int = 0) -> st.SearchStrategy[int]:
 def requests_objects() -> st.SearchStrategy[p.Request]:
     """Request objects built directly, every action."""
     ids = echoed_ids()
-    unit = st.floats(0.0, 1.0)
-    non_negative = st.floats(0.0, 1e6)
-    anyf = st.floats(-1e6, 1e6)
-    infer = st.builds(
-        p.InferRequest,
-        text=st.text(max_size=30),
-        max_new_tokens=_ints(1),
-        stream=st.booleans(),
-        stream_full=st.booleans(),
-        top_k=_ints(),
-        top_p=unit,
-        top_a=non_negative,
-        min_p=unit,
-        typical=unit,
-        temperature=non_negative,
-        skew=anyf,
-        rep_pen=st.floats(0.0, 10.0, exclude_min=True),
-        freq_pen=anyf,
-        pres_pen=anyf,
-        custom_bos=st.text(max_size=10),
-        stop_conditions=st.lists(_stop_item, max_size=4).map(tuple),
-        bann_bann=st.lists(st.integers(0, 200_000), max_size=4).map(tuple),
-        token_healing=st.booleans(),
-        seed=st.none() | st.integers(-(2**63), 2**64 - 1),
-        echoed=echoed_ids(tag=True),
+    sampler: dict[str, st.SearchStrategy[Any]] = {
+        name: (
+            st.integers(int(allowed.lo), int(allowed.hi))
+            if allowed.integer
+            else st.floats(allowed.lo, allowed.hi)
+        )
+        for name, allowed in setting_ranges().items()
+    }
+    sampler["seed"] = st.none() | sampler["seed"]
+    prompt = st.fixed_dictionaries({"text": st.text(max_size=30)}) | st.fixed_dictionaries(
+        {"messages": _messages}
+    )
+    infer = prompt.flatmap(
+        lambda given: st.builds(
+            p.InferRequest,
+            **{name: st.just(value) for name, value in given.items()},
+            max_new_tokens=_ints(1),
+            stream=st.booleans(),
+            stream_full=st.booleans(),
+            custom_bos=st.text(max_size=10),
+            stop_conditions=st.lists(_stop_item, max_size=4).map(tuple),
+            bann_bann=st.lists(st.integers(0, 200_000), max_size=4).map(tuple),
+            token_healing=st.booleans(),
+            compact_chunks=st.booleans(),
+            echoed=echoed_ids(tag=True),
+            **sampler,
+        )
     )
     stop = st.builds(p.StopRequest, echoed=ids) | st.builds(
         p.StopRequest, has_target=st.just(True), target=json_values(4), echoed=ids
@@ -303,7 +325,13 @@ def replies() -> st.SearchStrategy[p.Reply]:
         st.builds(p.EchoReply, echoed=ids),
         st.builds(p.EstimateTokenReply, num_tokens=_ints(), echoed=ids),
         st.builds(p.LefttrimTokenReply, trimmed_text=text, echoed=ids),
-        st.builds(p.InferChunk, chunk=text, response=st.none() | text, echoed=infer_ids),
+        st.builds(
+            p.InferChunk,
+            chunk=text,
+            response=st.none() | text,
+            util_text=st.none() | text,
+            echoed=infer_ids,
+        ),
         final,
         st.builds(p.StopReply, stopped=_ints(), echoed=ids),
         info,

@@ -134,8 +134,14 @@ class RuleServer:
             jobs.remove(job)
             job.done.set()
             return
-        slow = "slow" in request.text
-        answer = request.text.upper()
+        # A chat is answered like its contents joined (no template here).
+        prompt = (
+            request.text
+            if request.text is not None
+            else " ".join(m.content for m in request.messages or ())
+        )
+        slow = "slow" in prompt
+        answer = prompt.upper()
         chunks: Iterable[str] = (
             itertools.repeat("ab")
             if slow
@@ -148,7 +154,10 @@ class RuleServer:
                 response += chunk
                 if request.stream:
                     frame = p.InferChunk(
-                        chunk, response if request.stream_full else None, echoed=request.echoed
+                        chunk,
+                        response if request.stream_full else None,
+                        util_text=None if request.compact_chunks else prompt,
+                        echoed=request.echoed,
                     )
                     await ws.send_message(p.encode_reply(frame))
                 await trio.sleep(0.01 if slow else 0)
@@ -156,12 +165,12 @@ class RuleServer:
             stop_reason = "interrupted"
         final = p.InferFinal(
             response=response,
-            util_text=request.text,
+            util_text=prompt,
             stop_reason=stop_reason,
             eos_reason=None,
             stop_string=None,
             stop_token=None,
-            usage=p.Usage(len(request.text.split()), 0, len(response)),
+            usage=p.Usage(len(prompt.split()), 0, len(response)),
             timing=p.Timing(0.0, 0.0, 0.0),
             echoed=request.echoed,
         )
@@ -248,7 +257,7 @@ async def test_error_frames_raise_server_error(client: Client) -> None:
         await client.generate("hi", 5, top_k=-1, request_id="r", tag="t")
     error = info.value
     assert (error.error_type, error.field, error.action) == ("invalid_request", "$.top_k", "infer")
-    assert error.message == "top_k must be an integer >= 0, got -1"
+    assert error.message == "top_k must be an integer from 0 to 2^31-1, got -1"
     assert error.echoed == {"request_id": "r", "tag": "t"}
     stream = client.infer("hi", 5, top_k=5000)
     with pytest.raises(ServerError) as info:

@@ -788,6 +788,11 @@ async def test_one_connection_flooding_does_not_starve_another() -> None:
     ],
     ids=["issue_frame", "just_over_in_bytes", "ascii_under"],
 )
+async def send_then_receive(ws: Any, frame: str) -> None:
+    await ws.send(frame)
+    await ws.recv()
+
+
 async def test_the_frame_limit_counts_bytes(text: str, closed: bool) -> None:
     """Issue 8, defect 9: with --max-message-bytes 65536 a 261,944-byte frame of
     emoji was accepted, since the limit counted characters."""
@@ -801,8 +806,7 @@ async def test_the_frame_limit_counts_bytes(text: str, closed: bool) -> None:
             # The server may close before the client has sent the whole frame
             # (it counts as the bytes arrive): then the send itself fails.
             with pytest.raises(trio_websocket.ConnectionClosed) as error:
-                await ws.send(frame)
-                await ws.recv()
+                await send_then_receive(ws, frame)
             assert error.value.reason is not None and error.value.reason.code == 1009
         await still_serves(listening.url)
 

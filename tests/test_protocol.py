@@ -315,14 +315,35 @@ BAD_INFER_FIELDS: list[tuple[str, str]] = [
     ("seed", "0.5"),
     ("seed", "true"),
     ("seed", str(2**64)),
+    ("compact_chunks", "0"),
+    ("messages", "5"),
+    ("messages", "[]"),
+    ("messages", '"hi"'),
+    # Beyond what the engines can represent (issue 8): each must be named, not
+    # reach a sampling step.
+    ("top_k", str(2**31)),
+    ("top_k", str(2**63)),
+    ("top_k", "1e30"),
+    ("top_k", "1e308"),
+    ("temperature", "1e30"),
+    ("temperature", "1001"),
+    ("rep_pen", "1e-300"),
+    ("rep_pen", "0.001"),
+    ("rep_pen", "101"),
+    ("pres_pen", "-1e308"),
+    ("freq_pen", "1e30"),
+    ("skew", "1e308"),
+    ("top_a", "1e308"),
 ]
 
 
 @pytest.mark.parametrize(("field", "bad"), BAD_INFER_FIELDS)
 def test_each_bad_infer_field_is_named(field: str, bad: str) -> None:
+    # messages replaces text (exactly one of them is given).
+    prompt = "" if field == "messages" else '"text": "hi", '
     frame = (
-        f'{{"action": "infer", "request_id": "r1", "tag": [2], "text": "hi",'
-        f' "max_new_tokens": 8, "{field}": {bad}}}'
+        f'{{"action": "infer", "request_id": "r1", "tag": [2], {prompt}'
+        f'"max_new_tokens": 8, "{field}": {bad}}}'
     )
     error = decode_error(frame)
     assert error.error_type == "invalid_request"
@@ -335,8 +356,14 @@ def test_each_bad_infer_field_is_named(field: str, bad: str) -> None:
 
 
 def test_every_infer_field_has_a_bad_value_case() -> None:
-    wire_fields = {"text", "max_new_tokens", *p.INFER_DEFAULTS, "seed"}
-    assert {field for field, _ in BAD_INFER_FIELDS} == wire_fields
+    assert {field for field, _ in BAD_INFER_FIELDS} == set(p.INFER_FIELDS)
+    assert set(p.INFER_FIELDS) == {
+        "text",
+        "max_new_tokens",
+        *p.INFER_DEFAULTS,
+        "seed",
+        "messages",
+    }
 
 
 @pytest.mark.parametrize(
@@ -391,6 +418,8 @@ def test_defaults_are_the_seed_servers() -> None:
     assert (request.stream, request.stream_full, request.token_healing) == (False, False, False)
     assert (request.custom_bos, request.stop_conditions, request.bann_bann) == ("", (), ())
     assert request.seed is None
+    assert request.messages is None
+    assert request.compact_chunks is False
     assert request.echoed == {}
     # The engine's own defaults agree with the protocol's.
     assert request.sampling_settings() == SamplingSettings()

@@ -25,6 +25,9 @@ PUBLIC = {
     "Job": "trioserve.scheduler",
     "QueueFull": "trioserve.scheduler",
     "SchedulerClosed": "trioserve.scheduler",
+    "EngineThread": "trioserve.worker",
+    "EngineThreadClosed": "trioserve.worker",
+    "open_engine_thread": "trioserve.worker",
     # engines and the contract between them and the server
     "Engine": "trioserve.engine.base",
     "EngineInfo": "trioserve.engine.base",

@@ -3,15 +3,13 @@
 The public API is what this module exports (``__all__``); everything else may
 change between releases. Serving from a trio program::
 
-    engine = await trio.to_thread.run_sync(load_engine, EngineOptions(engine="cpu"))
-    try:
-        async with trio.open_nursery() as nursery:
-            listening = await nursery.start(serve, engine, ServerConfig(port=0))
-            async with open_client(listening.url) as client:
-                print((await client.generate("Hello", 20)).response)
-            nursery.cancel_scope.cancel()
-    finally:
-        engine.close()
+    options = EngineOptions(engine="cpu")
+    async with trio.open_nursery() as nursery:
+        # serve loads the engine on its engine thread, serves, and closes it.
+        listening = await nursery.start(serve, lambda: load_engine(options), ServerConfig(port=0))
+        async with open_client(listening.url) as client:
+            print((await client.generate("Hello", 20)).response)
+        nursery.cancel_scope.cancel()
 
 ``import trioserve`` does not import torch: the engines import it when one is
 loaded, so a program that only talks to a server never pays for it.
@@ -38,6 +36,7 @@ from .errors import ConfigError, EngineError, ListenError, ModelError, Trioserve
 from .protocol import InferChunk, InferFinal, ProtocolError
 from .scheduler import Job, QueueFull, Scheduler, SchedulerClosed, SchedulerStatistics
 from .server import Listening, Server, ServerConfig, ServerStatistics, serve
+from .worker import EngineThread, EngineThreadClosed, open_engine_thread
 
 if TYPE_CHECKING:
     from .client import (
@@ -58,6 +57,8 @@ __all__ = [
     "EngineError",
     "EngineInfo",
     "EngineOptions",
+    "EngineThread",
+    "EngineThreadClosed",
     "Failed",
     "FinishReason",
     "Finished",
@@ -85,6 +86,7 @@ __all__ = [
     "__version__",
     "load_engine",
     "open_client",
+    "open_engine_thread",
     "serve",
 ]
 

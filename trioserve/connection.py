@@ -34,6 +34,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from . import protocol as p
+from .chat_template import ChatTemplateError
 from .inference import (
     Generation,
     GenerationRequest,
@@ -47,6 +48,9 @@ if TYPE_CHECKING:
 __all__ = ["Connection", "InferEntry", "Outbox", "OutboxOverflow"]
 
 log = logging.getLogger("trioserve.server")
+
+#: Messages longer than this (characters in all) are rendered in a worker thread.
+_RENDER_INLINE_CHARS = 4096
 access_log = logging.getLogger("trioserve.access")
 
 
@@ -88,6 +92,9 @@ class InferEntry:
     chunk_pending: bool = False
     #: Length of the response already sent in chunk frames.
     sent: int = 0
+    #: Why the request was interrupted, for metrics: ``stop``, ``shutdown``,
+    #: or (when nobody says) ``disconnect``.
+    cancel_cause: str | None = None
 
 
 class Outbox:
@@ -198,6 +205,7 @@ class Connection:
     def interrupt_all(self) -> None:
         for entry in self.requests:
             if not entry.generation.decided:
+                entry.cancel_cause = "shutdown"
                 entry.scope.cancel()
 
     async def wait_requests_done(self) -> None:
@@ -303,6 +311,7 @@ class Connection:
         return p.encode_reply(
             p.InferChunk(
                 chunk=chunk,
+                util_text=None if request.compact_chunks else generation.util_text,
                 response=generation.response if request.stream_full else None,
                 echoed=request.echoed,
             )
@@ -390,6 +399,7 @@ class Connection:
         server = self.server
         if isinstance(request, p.EchoRequest):
             self._reply(p.EchoReply(echoed=request.echoed))
+            self._log_request(request, quiet=True)
         elif isinstance(request, p.EstimateTokenRequest):
             ids = await server.tokenizing.encode(request.text)
             self._reply(p.EstimateTokenReply(num_tokens=len(ids), echoed=request.echoed))
@@ -403,8 +413,10 @@ class Connection:
         elif isinstance(request, p.StopRequest):
             stopped = await self._stop(request)
             self._reply(p.StopReply(stopped=stopped, echoed=request.echoed))
+            self._log_request(request, stopped=stopped)
         elif isinstance(request, p.InfoRequest):
             self._reply(server.info_reply(request.echoed))
+            self._log_request(request, quiet=True)
         else:  # pragma: no cover - decode_request returns only the above
             raise AssertionError(request)
 
@@ -435,14 +447,40 @@ class Connection:
                 action="infer",
                 echoed=request.echoed,
             )
+        info = server.engine.info
+        p.validate_against_model(
+            request,
+            vocab_size=info.vocab_size,
+            max_new_tokens=server.max_new_tokens,
+            context_length=info.context_length,
+            renders_messages=server.chat_template is not None,
+        )
         generation = Generation(
-            request=generation_request(request), received=trio.current_time(), owner=self
+            request=generation_request(request),
+            received=trio.current_time(),
+            owner=self,
+            observer=server.metrics,
         )
         entry = InferEntry(request, generation)
         generation.on_text = lambda _text: self._text_released(entry)
         self.requests.add(entry)
         assert self._nursery is not None
         self._nursery.start_soon(self._run_infer, entry)
+
+    async def _render(self, request: p.InferRequest) -> str:
+        """The prompt of an ``infer`` with ``messages``: the model's chat template
+        (in a worker thread when the messages are long)."""
+        template = self.server.chat_template
+        assert template is not None and request.messages is not None
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        try:
+            if sum(len(m.content) for m in request.messages) > _RENDER_INLINE_CHARS:
+                return await trio.to_thread.run_sync(
+                    template.render, messages, limiter=self.server.tokenizing.limiter
+                )
+            return template.render(messages)
+        except ChatTemplateError as exc:
+            raise InvalidGeneration(str(exc), "$.messages") from None
 
     def _text_released(self, entry: InferEntry) -> None:
         if entry.request.stream and not entry.chunk_pending:
@@ -454,6 +492,7 @@ class Connection:
             e for e in self.requests if e.request.matches_stop(request) and not e.generation.decided
         ]
         for entry in targets:
+            entry.cancel_cause = "stop"
             entry.scope.cancel()
         # Their final frames go out before this stop's reply.
         for entry in targets:
@@ -470,6 +509,10 @@ class Connection:
         try:
             with entry.scope:
                 try:
+                    if request.messages is not None:
+                        generation.request = attrs.evolve(
+                            generation.request, text=await self._render(request)
+                        )
                     await generation.run(
                         server.scheduler, server.tokenizing, max_new_tokens=server.max_new_tokens
                     )
@@ -556,7 +599,7 @@ class Connection:
         first_token_s = generation.first_token_s
         return p.InferFinal(
             response=generation.response,
-            util_text=generation.util_text or (request.custom_bos + request.text),
+            util_text=generation.util_text or _prompt_of(request),
             stop_reason=stop_reason,
             eos_reason=eos_reason,
             stop_string=stop_string,
@@ -593,16 +636,38 @@ class Connection:
             if generation.tokens_per_second is None
             else round(generation.tokens_per_second, 1),
         }
+        outcome: str = "internal"
         if isinstance(reply, p.InferFinal):
-            fields["stop_reason"] = reply.stop_reason
+            fields["stop_reason"] = outcome = reply.stop_reason
         elif isinstance(reply, p.ErrorReply):
-            fields["error_type"] = reply.error.type
+            fields["error_type"] = outcome = reply.error.type
+        metrics = self.server.metrics
+        metrics.request_finished(
+            api="websocket",
+            action="infer",
+            outcome=outcome,
+            prompt_tokens=generation.prompt_tokens,
+            generated_tokens=generation.generated_tokens,
+            duration=generation.total_s,
+        )
+        if generation.job is not None and generation.job.started_at is not None:
+            metrics.queue_wait(generation.queued_s)
+        if outcome == "interrupted":
+            metrics.cancelled(entry.cancel_cause or "disconnect")
         if self.server.config.log_prompts:
-            fields["prompt"] = entry.request.custom_bos + entry.request.text
+            fields["prompt"] = entry.generation.util_text or _prompt_of(entry.request)
         access_log.info("infer done", extra={"fields": fields})
 
-    def _log_request(self, request: p.Request | None, **extra: Any) -> None:
-        if not access_log.isEnabledFor(logging.INFO):
+    def _log_request(self, request: p.Request | None, *, quiet: bool = False, **extra: Any) -> None:
+        """Count a quick action and log it (echo and info, which clients use
+        as pings, at DEBUG; the others at INFO)."""
+        self.server.metrics.request_finished(
+            api="websocket",
+            action=_action_name(request) or "unknown",
+            outcome=extra.get("error_type", "ok"),
+        )
+        level = logging.DEBUG if quiet and "error_type" not in extra else logging.INFO
+        if not access_log.isEnabledFor(level):
             return
         fields: dict[str, Any] = {
             "peer": self.peer,
@@ -613,7 +678,7 @@ class Connection:
             else None,
             **extra,
         }
-        access_log.info("%s done", fields["action"] or "request", extra={"fields": fields})
+        access_log.log(level, "%s done", fields["action"] or "request", extra={"fields": fields})
 
 
 def _action_name(request: p.Request | None) -> str | None:
@@ -635,19 +700,20 @@ _ACTIONS: dict[str, type] = {
 }
 
 
+def _prompt_of(request: p.InferRequest) -> str:
+    return request.custom_bos + (request.text or "")
+
+
 def generation_request(request: p.InferRequest) -> GenerationRequest:
     """The transport-neutral part of an ``infer`` request."""
-    stop_tokens = [
-        (index, c) for index, c in enumerate(request.stop_conditions) if isinstance(c, int)
-    ]
     return GenerationRequest(
-        text=request.text,
+        text=request.text or "",
         custom_bos=request.custom_bos,
         max_new_tokens=request.max_new_tokens,
         sampling=request.sampling_settings(),
         stop_strings=request.stop_strings,
-        stop_token_ids=tuple(token for _, token in stop_tokens),
-        stop_token_positions=tuple(index for index, _ in stop_tokens),
+        stop_token_ids=tuple(c for c in request.stop_conditions if isinstance(c, int)),
         banned_ids=tuple(request.bann_bann),
         token_healing=request.token_healing,
+        text_field="$.text" if request.messages is None else "$.messages",
     )

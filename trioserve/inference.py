@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Sequence
-from typing import Literal, TypeAlias
+from typing import Literal, Protocol, TypeAlias
 
 import attrs
 import trio
@@ -70,18 +70,12 @@ class GenerationRequest:
     max_new_tokens: int
     sampling: SamplingSettings = attrs.field(factory=SamplingSettings)
     stop_strings: tuple[str, ...] = ()
-    #: Stop token ids in the request's order, and their positions in the
-    #: request's own list (for the field path of an error).
     stop_token_ids: tuple[int, ...] = ()
-    stop_token_positions: tuple[int, ...] = ()
     banned_ids: tuple[int, ...] = ()
     token_healing: bool = False
-    #: Wire paths of the fields, for errors: the WebSocket protocol names
-    #: ``$.stop_conditions``, an HTTP API may name its own.
-    stop_token_field: str = "$.stop_conditions"
-    banned_field: str = "$.bann_bann"
+    #: Wire path of the prompt, for errors (``$.text``, or ``$.messages``
+    #: when the prompt was rendered from them).
     text_field: str = "$.text"
-    max_new_tokens_field: str = "$.max_new_tokens"
 
 
 def trim_prompt(ids: Sequence[int], keep: int, *, keep_first: bool) -> list[int]:
@@ -125,30 +119,6 @@ def build_spec(
     )
 
 
-def check_against_model(request: GenerationRequest, info: EngineInfo, max_new_tokens: int) -> None:
-    """Limits that depend on the model: raise :class:`InvalidGeneration`."""
-    if request.max_new_tokens > max_new_tokens:
-        raise InvalidGeneration(
-            f"max_new_tokens must be at most {max_new_tokens} for this model "
-            f"(context length {info.context_length}), got {request.max_new_tokens!r}",
-            request.max_new_tokens_field,
-        )
-    vocab = info.vocab_size
-    positions = request.stop_token_positions or tuple(range(len(request.stop_token_ids)))
-    for position, token in zip(positions, request.stop_token_ids, strict=True):
-        if not 0 <= token < vocab:
-            raise InvalidGeneration(
-                f"stop token ids must be in 0..{vocab - 1}, got {token!r}",
-                f"{request.stop_token_field}[{position}]",
-            )
-    for index, banned in enumerate(request.banned_ids):
-        if not 0 <= banned < vocab:
-            raise InvalidGeneration(
-                f"banned token ids must be in 0..{vocab - 1}, got {banned!r}",
-                f"{request.banned_field}[{index}]",
-            )
-
-
 class Tokenizing:
     """Runs an engine's tokenizer for the event loop: short texts inline (a
     few microseconds), long ones in a worker thread of its own limiter, so
@@ -173,6 +143,14 @@ class Tokenizing:
 
 
 Outcome: TypeAlias = Literal["finished", "failed", "interrupted"]
+
+
+class GenerationObserver(Protocol):
+    """What a generation reports as it goes (``trioserve.metrics.Metrics`` is one)."""
+
+    def first_token(self, seconds: float, *, api: str) -> None: ...
+
+    def tokens(self, seconds: float, count: int = 1) -> None: ...
 
 
 @attrs.define(eq=False)
@@ -204,6 +182,11 @@ class Generation:
     finished: Finished | None = None
     failure: str | None = None
     ended_at: float | None = None
+    #: Told of the first token and of the gaps between later ones (metrics),
+    #: under ``api``'s name.
+    observer: GenerationObserver | None = None
+    api: str = "websocket"
+    last_token_at: float | None = None
     #: Called with each piece of released text; the front end sets it.
     on_text: Callable[[str], None] = attrs.field(default=lambda _text: None, repr=False)
     _prompt_ids: list[int] = attrs.field(factory=list, init=False, repr=False)
@@ -219,12 +202,14 @@ class Generation:
     ) -> None:
         """Prepare, submit and follow the job until it ends.
 
-        Raises :class:`InvalidGeneration` or :class:`Overloaded` before the
-        job is submitted; after that, the outcome says how it ended.
+        The request has been checked against the model already (limits and
+        token ids: ``protocol.validate_against_model``, or the OpenAI core's
+        own checks). Raises :class:`InvalidGeneration` (an empty prompt) or
+        :class:`Overloaded` before the job is submitted; after that, the
+        outcome says how it ended.
         """
         info = scheduler.engine.info
         request = self.request
-        check_against_model(request, info, max_new_tokens)
         # Room first, so a full server does not tokenize megabytes for nothing.
         if not scheduler.has_room(self.owner):
             raise Overloaded(
@@ -278,9 +263,7 @@ class Generation:
         if isinstance(update, Failed):
             self._settle("failed", failure=update.message)
             return True
-        self.generated_tokens = update.generated_tokens
-        if self.first_token_at is None and update.generated_tokens > 0:
-            self.first_token_at = trio.current_time()
+        self._count_tokens(update.generated_tokens)
         if isinstance(update, TextUpdate):
             self.held = update.held
             self._release(update.text)
@@ -291,6 +274,23 @@ class Generation:
         self.finished = update
         self._settle("finished")
         return True
+
+    def _count_tokens(self, generated: int) -> None:
+        new = generated - self.generated_tokens
+        if new <= 0:
+            return
+        now = trio.current_time()
+        observer = self.observer
+        if self.first_token_at is None:
+            self.first_token_at = now
+            if observer is not None:
+                observer.first_token(now - self.received, api=self.api)
+                if new > 1:
+                    observer.tokens(0.0, new - 1)
+        elif observer is not None and self.last_token_at is not None:
+            observer.tokens(now - self.last_token_at, new)
+        self.last_token_at = now
+        self.generated_tokens = generated
 
     def _release(self, text: str) -> None:
         if text:

@@ -184,10 +184,12 @@ async def serve(
     closes the engine before it returns.
 
     Cancellation: cancelling ``serve`` starts a graceful shutdown rather than an
-    abrupt one: the listener closes at once, running and queued jobs get up to
-    ``config.shutdown_grace`` seconds to finish, then the rest are interrupted
-    and their clients receive their final frames; connections are closed with
-    code 1001 (going away). ``serve`` returns when all of that is done.
+    abrupt one: ``/ready`` answers 503 at once and new WebSocket upgrades and
+    generation requests are refused (503, or ``overloaded`` on open
+    connections), running and queued jobs get up to ``config.shutdown_grace``
+    seconds to finish, then the rest are interrupted and their clients receive
+    their final frames; then the listener closes and connections are closed
+    with code 1001 (going away). ``serve`` returns when all of that is done.
     """
     if isinstance(engine, Engine):
         await Server(engine, config).run(task_status=task_status)
@@ -354,12 +356,14 @@ class Server:
             ) from group
 
     def begin_shutdown(self) -> None:
-        """Stop accepting connections and start the graceful shutdown.
+        """Start the graceful shutdown: readiness false, no new work.
 
         Synchronous and idempotent, so it can run in a ``finally`` block.
         """
         self._draining = True
-        self._listener_scope.cancel()
+        # The listener stays open during the drain: /ready answers 503 and new
+        # WebSocket upgrades 503, so that a load balancer takes this instance
+        # out of its rotation before the port goes away.
         self.front_door.drain()
         self._shutdown_requested.set()
 
@@ -418,6 +422,7 @@ class Server:
         with trio.move_on_after(self.config.close_timeout):
             for connection in list(self._connections):
                 await connection.wait_requests_done()
+        self._listener_scope.cancel()
         with trio.move_on_after(2 * self.config.close_timeout):
             async with trio.open_nursery() as nursery:
                 for connection in list(self._connections):

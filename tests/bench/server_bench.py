@@ -43,12 +43,21 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import h11
 import trio
 import trio_websocket
 
 from tests.helpers import RawClient, raw_client
 from trioserve import protocol as p
-from trioserve.engine.base import Engine, EngineInfo, Failed, Finished, GenerationSpec, Update
+from trioserve.engine.base import (
+    Engine,
+    EngineInfo,
+    Failed,
+    Finished,
+    GenerationSpec,
+    SamplingSettings,
+    Update,
+)
 from trioserve.server import Server, ServerConfig
 from trioserve.worker import EngineThread
 
@@ -243,7 +252,7 @@ def engine_specs(
     the frame goes through the protocol codec, so both sides sample with the
     same settings (the protocol's defaults besides the greedy temperature)."""
     request = p.decode_request(json.dumps(infer_frame("engine", max_new_tokens)))
-    assert isinstance(request, p.InferRequest)
+    assert isinstance(request, p.InferRequest) and request.text is not None
     prompt_ids = tuple(engine.encode(request.custom_bos + request.text))
     return [
         GenerationSpec(
@@ -269,6 +278,8 @@ class EngineRun:
     #: Seconds spent inside ``engine.step``, and how many steps ran.
     busy: float
     steps: int
+    #: Duration of the first step (prefill and the first token).
+    first_step: float = 0.0
 
 
 def drive_engine(engine: Engine, specs: Sequence[GenerationSpec]) -> EngineRun:
@@ -283,6 +294,7 @@ def drive_engine(engine: Engine, specs: Sequence[GenerationSpec]) -> EngineRun:
     gaps: list[float] = []
     submit: Sequence[GenerationSpec] = specs
     start = last_end = time.perf_counter()
+    first_step = 0.0
     while pending:
         before = time.perf_counter()
         if submit is not specs:
@@ -291,6 +303,8 @@ def drive_engine(engine: Engine, specs: Sequence[GenerationSpec]) -> EngineRun:
         last_end = time.perf_counter()
         if not submit:
             decode_steps.append(last_end - before)
+        elif not first_step:
+            first_step = last_end - before
         submit = ()
         for update in updates:
             if isinstance(update, Failed):
@@ -300,7 +314,9 @@ def drive_engine(engine: Engine, specs: Sequence[GenerationSpec]) -> EngineRun:
                 tokens += update.generated_tokens
     elapsed = time.perf_counter() - start
     busy = elapsed - sum(gaps)
-    return EngineRun(elapsed, tokens, tuple(decode_steps), tuple(gaps), busy, len(gaps) + 1)
+    return EngineRun(
+        elapsed, tokens, tuple(decode_steps), tuple(gaps), busy, len(gaps) + 1, first_step
+    )
 
 
 async def stream_to_final(client: RawClient, frame: dict[str, Any]) -> tuple[dict[str, Any], int]:
@@ -368,6 +384,167 @@ class ThroughputResult:
     #: clients' requests reach the engine in more than one step.
     engine_steps: tuple[int, ...]
     socket_steps: tuple[int, ...]
+
+
+# --- the HTTP path: streamed /v1/chat/completions -----------------------------------------
+
+
+#: The chat message of the HTTP path: PROMPT's user turn.
+CHAT_MESSAGE = "Tell me a long story about a dragon who learns to bake bread."
+
+
+def chat_body(max_tokens: int) -> bytes:
+    """A streamed, greedy chat completion of ``max_tokens`` tokens (EOS banned,
+    through the ExLlamaV2 extension field, so every run generates exactly that)."""
+    return json.dumps(
+        {
+            "model": "any",
+            "messages": [{"role": "user", "content": CHAT_MESSAGE}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "bann_bann": [EOS_ID],
+        }
+    ).encode()
+
+
+@attrs.frozen
+class HttpRun:
+    seconds: float
+    first_token: float
+    tokens: int
+
+
+async def http_stream(port: int, body: bytes) -> HttpRun:
+    """POST one streamed chat completion and read its Server-Sent Events to
+    ``[DONE]``: wall time, time to the first content delta, and the
+    completion tokens its usage reports. A plain h11 client, so that the
+    client's own cost is small and the same every run."""
+    conn = h11.Connection(h11.CLIENT)
+    started = time.perf_counter()
+    first: float | None = None
+    tokens = 0
+    buffer = b""
+    done = False
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        head = h11.Request(
+            method="POST",
+            target="/v1/chat/completions",
+            headers=[
+                ("Host", "bench"),
+                ("Content-Type", "application/json"),
+                ("Content-Length", str(len(body))),
+            ],
+        )
+        await stream.send_all(
+            (conn.send(head) or b"")
+            + (conn.send(h11.Data(data=body)) or b"")
+            + (conn.send(h11.EndOfMessage()) or b"")
+        )
+        while not done:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                data = await stream.receive_some(65536)
+                if not data:
+                    break
+                conn.receive_data(data)
+                continue
+            if isinstance(event, h11.Response) and event.status_code != 200:
+                raise RuntimeError(f"chat completion failed with {event.status_code}")
+            if isinstance(event, h11.Data):
+                buffer += bytes(event.data)
+                while b"\n\n" in buffer:
+                    line, buffer = buffer.split(b"\n\n", 1)
+                    payload = line.removeprefix(b"data: ")
+                    if payload == b"[DONE]":
+                        done = True
+                        break
+                    chunk = json.loads(payload)
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    choices = chunk.get("choices") or []
+                    if first is None and choices and choices[0]["delta"].get("content"):
+                        first = time.perf_counter()
+            if isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                break
+    ended = time.perf_counter()
+    if not done or first is None:
+        raise RuntimeError("the chat completion stream ended without [DONE] or content")
+    return HttpRun(ended - started, first - started, tokens)
+
+
+@attrs.frozen
+class HttpResult:
+    tokens: int
+    engine_tps: tuple[float, ...]
+    http_tps: tuple[float, ...]
+    ratios: tuple[float, ...]
+    #: Time to the first content delta, through HTTP; and the engine alone's
+    #: first token (the step that prefills and samples it) in the same rounds.
+    http_first_token: LatencySummary
+    engine_first_token: LatencySummary
+
+
+async def measure_http(
+    timed: TimedEngine,
+    server: Server,
+    port: int,
+    max_new_tokens: int,
+    rounds: int,
+    say: Callable[[str], None],
+) -> HttpResult:
+    """One streamed chat completion at a time vs the engine alone on the same
+    prompt (the chat template's rendering of the same message), alternating."""
+    engine = timed.engine
+    thread = server.engine_thread
+    assert thread is not None and server.chat_template is not None
+    prompt = server.chat_template.render([{"role": "user", "content": CHAT_MESSAGE}])
+    prompt_ids = tuple(engine.encode(prompt))
+
+    def specs(tokens: int) -> list[GenerationSpec]:
+        return [
+            GenerationSpec(
+                job_id=server.scheduler.new_job_id(),
+                prompt_ids=prompt_ids,
+                max_new_tokens=tokens,
+                sampling=SamplingSettings(temperature=0.0, top_k=0, top_p=1.0, rep_pen=1.0),
+                stop_token_ids=frozenset(engine.info.eos_token_ids),
+                banned_ids=frozenset({EOS_ID}),
+            )
+        ]
+
+    await thread.run_sync(drive_engine, engine, specs(4))
+    await http_stream(port, chat_body(4))
+    engine_tps: list[float] = []
+    http_tps: list[float] = []
+    http_first: list[float] = []
+    engine_first: list[float] = []
+    for round_ in range(rounds):
+        order = ("engine", "http") if round_ % 2 == 0 else ("http", "engine")
+        for side in order:
+            if side == "engine":
+                run = await thread.run_sync(drive_engine, engine, specs(max_new_tokens))
+                engine_tps.append(run.tokens / run.seconds)
+                engine_first.append(run.first_step)
+            else:
+                result = await http_stream(port, chat_body(max_new_tokens))
+                if result.tokens != max_new_tokens:
+                    raise RuntimeError(f"the chat completion made {result.tokens} tokens")
+                http_tps.append(result.tokens / result.seconds)
+                http_first.append(result.first_token)
+        say(
+            f"  http round {round_ + 1}/{rounds}: engine {engine_tps[-1]:.1f} tok/s, "
+            f"http {http_tps[-1]:.1f} tok/s"
+        )
+    return HttpResult(
+        tokens=max_new_tokens,
+        engine_tps=tuple(engine_tps),
+        http_tps=tuple(http_tps),
+        ratios=tuple(h / e for h, e in zip(http_tps, engine_tps, strict=True)),
+        http_first_token=LatencySummary.of(http_first),
+        engine_first_token=LatencySummary.of(engine_first),
+    )
 
 
 @asynccontextmanager
@@ -785,6 +962,7 @@ class ServerResults:
     echo: tuple[EchoResult, ...]
     memory: MemoryResult | None
     seconds: float
+    http: HttpResult | None = None
 
 
 async def run_server_bench(
@@ -833,6 +1011,10 @@ async def run_server_bench(
                     say,
                 )
             )
+        say("http: streamed chat completions")
+        http = await measure_http(
+            timed, server, listening.port, scale.single_tokens, scale.rounds, say
+        )
         say("echo round trip, idle")
         echoes.append(await measure_echo(timed, url, scale.echo_samples, 0))
         say("stop latency, one stream")
@@ -860,6 +1042,7 @@ async def run_server_bench(
         echo=tuple(echoes),
         memory=memory_result,
         seconds=time.perf_counter() - begun,
+        http=http,
     )
 
 
@@ -903,6 +1086,23 @@ def format_server_tables(results: ServerResults) -> str:
             f"| {_ms(t.engine_gaps.p50, 2)}, {_ms(t.engine_gaps.p99, 2)} / "
             f"{_ms(t.socket_gaps.p50, 2)}, {_ms(t.socket_gaps.p99, 2)} |"
         )
+    h = results.http
+    if h is not None:
+        ratio = median(h.ratios)
+        lines += [
+            "",
+            "#### The HTTP path: streamed /v1/chat/completions vs the engine alone",
+            "",
+            f"One request at a time, {h.tokens} tokens each, {len(h.ratios)} interleaved rounds.",
+            "",
+            "| engine alone tok/s | through HTTP (SSE) tok/s | ratio | ratio spread | goal "
+            "| first token ms, HTTP (p50, p99) | first step ms, engine alone (p50) |",
+            "|---|---|---|---|---|---|---|",
+            f"| {median(h.engine_tps):.1f} | {median(h.http_tps):.1f} | {ratio:.3f} "
+            f"| {min(h.ratios):.3f}-{max(h.ratios):.3f} | >= 0.97: {_met(ratio >= 0.97)} "
+            f"| {_ms(h.http_first_token.p50)}, {_ms(h.http_first_token.p99)} "
+            f"| {_ms(h.engine_first_token.p50)} |",
+        ]
     lines += [
         "",
         "#### Latency (ms)",

@@ -26,21 +26,25 @@ its client. Its slot and cache pages are freed before the step's model work.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from typing import Literal, Protocol, TypeAlias, runtime_checkable
+from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 import attrs
 
 __all__ = [
+    "RANGE",
     "Engine",
     "EngineInfo",
     "Failed",
     "FinishReason",
     "Finished",
     "GenerationSpec",
+    "Range",
     "SamplingSettings",
     "TextUpdate",
     "Update",
+    "setting_ranges",
 ]
 
 
@@ -74,30 +78,98 @@ class EngineInfo:
 
 
 @attrs.frozen
+class Range:
+    """The values a numeric setting may take: ``lo <= value <= hi``, finite,
+    and an int (not a bool) when ``integer``.
+
+    Bounds are inclusive. Each sampler setting's range is declared once, on
+    its :class:`SamplingSettings` field, and both the sampler's own guard
+    (``engine.sampling.settings_problem``) and the protocol's validation of
+    ``infer`` read it there.
+    """
+
+    lo: float
+    hi: float
+    integer: bool = False
+
+    def contains(self, value: object) -> bool:
+        if isinstance(value, bool):
+            return False
+        if isinstance(value, int):
+            # Compared as ints: a huge int must not overflow a float first.
+            return self.lo <= value <= self.hi
+        return (
+            not self.integer
+            and isinstance(value, float)
+            and math.isfinite(value)
+            and self.lo <= value <= self.hi
+        )
+
+    def describe(self) -> str:
+        """What the range allows, in words: ``an integer from 0 to 10``,
+        ``a number in [0, 1]``."""
+        if self.integer:
+            return f"an integer from {_number(self.lo)} to {_number(self.hi)}"
+        return f"a number in [{_number(self.lo)}, {_number(self.hi)}]"
+
+
+def _number(value: float) -> str:
+    if isinstance(value, int):
+        # Powers of two read better as such: -2^63, 2^31-1.
+        for exponent in (31, 32, 53, 63, 64):
+            if value == 2**exponent - 1:
+                return f"2^{exponent}-1"
+            if value == -(2**exponent):
+                return f"-2^{exponent}"
+        return str(value)
+    return f"{value:g}"
+
+
+#: Metadata key of a :class:`SamplingSettings` field's :class:`Range`.
+RANGE = "trioserve.range"
+
+
+def _setting(default: Any, lo: float, hi: float, *, integer: bool = False) -> Any:
+    return attrs.field(default=default, metadata={RANGE: Range(lo, hi, integer)})
+
+
+@attrs.frozen
 class SamplingSettings:
     """Sampler settings of one job, with the ExLlamaV2 server's defaults.
 
     Applied in ExLlamaV2's order: repetition / frequency / presence penalties,
     banned ids, then temperature, top_k, top_p, top_a, min_p, typical, and skew
     on the final draw. ``temperature == 0`` is greedy.
+
+    Each field declares its default and its :class:`Range` here, once; the
+    protocol's ``infer`` fields take both from these declarations. The ranges
+    keep every value finite in the float32 arithmetic of both engines, and
+    each upper bound lies far beyond the point where the setting stops
+    changing the distribution (docs/protocol.md, "Limits", says why each).
     """
 
-    temperature: float = 0.9
-    top_k: int = 100
-    top_p: float = 0.8
-    top_a: float = 0.0
-    min_p: float = 0.0
-    typical: float = 0.0
-    skew: float = 0.0
-    rep_pen: float = 1.05
-    freq_pen: float = 0.0
-    pres_pen: float = 0.0
-    #: Seed of the job's own random generator; None draws a fresh seed.
-    seed: int | None = None
+    temperature: float = _setting(0.9, 0.0, 1000.0)
+    top_k: int = _setting(100, 0, 2**31 - 1, integer=True)
+    top_p: float = _setting(0.8, 0.0, 1.0)
+    top_a: float = _setting(0.0, 0.0, 1000.0)
+    min_p: float = _setting(0.0, 0.0, 1.0)
+    typical: float = _setting(0.0, 0.0, 1.0)
+    skew: float = _setting(0.0, -100.0, 100.0)
+    rep_pen: float = _setting(1.05, 0.01, 100.0)
+    freq_pen: float = _setting(0.0, -100.0, 100.0)
+    pres_pen: float = _setting(0.0, -100.0, 100.0)
+    #: Seed of the job's own random generator; None draws a fresh seed. Any
+    #: int of 64 bits, signed or not (reduced modulo 2^64).
+    seed: int | None = _setting(None, -(2**63), 2**64 - 1, integer=True)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def setting_ranges() -> dict[str, Range]:
+    """Name -> :class:`Range` of every :class:`SamplingSettings` field."""
+    return {a.name: a.metadata[RANGE] for a in attrs.fields(SamplingSettings)}
 
 
 @attrs.frozen

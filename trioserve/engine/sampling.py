@@ -27,14 +27,15 @@ and whose top_p, top_a or min_p do not bound them to a few thousand.
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, TypeAlias
 
 import torch
 
-from trioserve.engine.base import SamplingSettings
+from trioserve.engine.base import SamplingSettings, setting_ranges
 from trioserve.errors import EngineError, TrioserveError
 
 __all__ = [
@@ -56,7 +57,14 @@ _UNBOUNDED_TRIES = (512, 4096)
 _Kind: TypeAlias = Literal["greedy", "top_k", "ordered", "plain"]
 _KINDS: tuple[_Kind, ...] = ("greedy", "top_k", "ordered", "plain")
 
+logger = logging.getLogger("trioserve.engine")
+
 _NEG_INF = float("-inf")
+_RANGES = setting_ranges()
+#: The smallest positive float32: a temperature below it would round to 0
+#: in float32 and turn the row's maximum into 0/0.
+_TINY32 = torch.finfo(torch.float32).tiny
+_FLOAT32_EXP_FLOOR = -100.0
 _NEUTRAL = SamplingSettings(temperature=0.0, rep_pen=1.0)
 
 
@@ -93,34 +101,17 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 def settings_problem(settings: SamplingSettings) -> str | None:
     """What is wrong with ``settings`` (one lowercase sentence), or None.
 
-    The protocol layer validates requests; this is the sampler's own guard, so
-    that a bad value fails one job instead of producing NaNs.
+    The protocol layer validates requests against the same ranges (declared
+    once, on :class:`SamplingSettings`); this is the sampler's own guard, so
+    that a bad value fails one job instead of producing NaNs or overflowing
+    a tensor of the whole batch.
     """
-    s = settings
-
-    def finite(x: float) -> bool:
-        return isinstance(x, int | float) and math.isfinite(x)
-
-    if not finite(s.temperature) or s.temperature < 0:
-        return f"temperature must be a finite number >= 0, got {s.temperature!r}"
-    if not isinstance(s.top_k, int) or isinstance(s.top_k, bool) or s.top_k < 0:
-        return f"top_k must be an int >= 0, got {s.top_k!r}"
-    if not finite(s.top_p) or not 0 <= s.top_p <= 1:
-        return f"top_p must be a number in [0, 1], got {s.top_p!r}"
-    if not finite(s.top_a) or s.top_a < 0:
-        return f"top_a must be a finite number >= 0, got {s.top_a!r}"
-    if not finite(s.min_p) or not 0 <= s.min_p <= 1:
-        return f"min_p must be a number in [0, 1], got {s.min_p!r}"
-    if not finite(s.typical) or not 0 <= s.typical <= 1:
-        return f"typical must be a number in [0, 1], got {s.typical!r}"
-    if not finite(s.skew):
-        return f"skew must be a finite number, got {s.skew!r}"
-    if not finite(s.rep_pen) or s.rep_pen <= 0:
-        return f"rep_pen must be a finite number > 0, got {s.rep_pen!r}"
-    if not finite(s.freq_pen):
-        return f"freq_pen must be a finite number, got {s.freq_pen!r}"
-    if not finite(s.pres_pen):
-        return f"pres_pen must be a finite number, got {s.pres_pen!r}"
+    for name, allowed in _RANGES.items():
+        value = getattr(settings, name)
+        if name == "seed" and value is None:
+            continue
+        if not allowed.contains(value):
+            return f"{name} must be {allowed.describe()}, got {value!r}"
     return None
 
 
@@ -166,12 +157,51 @@ def sample(
             # argmax returns the first maximum: ties go to the lower id.
             out[index] = sub.argmax(dim=1)
             continue
-        probs, ids = _candidates(sub, [usable[r] for r in rows], kind)
-        out[index] = _draw(probs, ids, [usable[r] for r in rows], [generators[r] for r in rows])
+        # Each row's one uniform is drawn first, so that a row sampled again
+        # alone (below) uses the same number and its generator advances once.
+        uniforms = [_uniform(generators[r]) for r in rows]
+
+        def draw(
+            part: torch.Tensor,
+            part_rows: list[int],
+            part_uniforms: list[float],
+            kind: _Kind = kind,
+        ) -> None:
+            row_settings = [usable[r] for r in part_rows]
+            probs, ids = _candidates(part, row_settings, kind)
+            out[torch.tensor(part_rows, dtype=torch.int64, device=device)] = _draw(
+                probs, ids, row_settings, part_uniforms
+            )
+
+        _rows_apart(sub, rows, uniforms, draw, reasons)
 
     if reasons:
         raise SamplingError(reasons, out)
     return out
+
+
+def _rows_apart(
+    sub: torch.Tensor,
+    rows: list[int],
+    uniforms: list[float],
+    work: Callable[[torch.Tensor, list[int], list[float]], None],
+    reasons: dict[int, str],
+) -> None:
+    """``work`` on the rows together; if it fails, on each row alone, so that
+    a failure the checks before did not foresee fails only its own row (and
+    its job), never the batch. The rows that fail alone get a reason."""
+    if len(rows) > 1:
+        try:
+            work(sub, rows, uniforms)
+            return
+        except Exception:
+            logger.warning("sampling %d rows together failed; sampling them one by one", len(rows))
+    for position, row in enumerate(rows):
+        try:
+            work(sub[position : position + 1], [row], uniforms[position : position + 1])
+        except Exception as exc:
+            logger.exception("sampling row %d failed", row)
+            reasons[row] = f"{type(exc).__name__}: {exc}"[:200]
 
 
 def distribution(
@@ -190,20 +220,26 @@ def distribution(
     when some rows cannot be sampled.
     """
     x, usable, reasons = _prepare(logits, settings, counts, banned, allowed)
-    if reasons:
-        raise SamplingError(reasons, None)
     batch, vocab = x.shape
     out = torch.zeros((batch, vocab), dtype=torch.float64, device=x.device)
     for kind, index in _groups(usable, reasons, x.device):
         sub = x if index.numel() == batch else x.index_select(0, index)
-        if kind == "greedy":
-            rows_out = torch.zeros((index.numel(), vocab), dtype=torch.float64, device=x.device)
-            rows_out.scatter_(1, sub.argmax(dim=1, keepdim=True), 1.0)
-        else:
-            probs, ids = _candidates(sub, [usable[r] for r in index.tolist()], kind)
-            rows_out = torch.zeros((index.numel(), vocab), dtype=torch.float64, device=x.device)
-            rows_out.scatter_(1, ids, probs)
-        out[index] = rows_out
+        rows = index.tolist()
+
+        def fill(
+            part: torch.Tensor, part_rows: list[int], _: list[float], kind: _Kind = kind
+        ) -> None:
+            rows_out = torch.zeros((len(part_rows), vocab), dtype=torch.float64, device=x.device)
+            if kind == "greedy":
+                rows_out.scatter_(1, part.argmax(dim=1, keepdim=True), 1.0)
+            else:
+                probs, ids = _candidates(part, [usable[r] for r in part_rows], kind)
+                rows_out.scatter_(1, ids, probs)
+            out[torch.tensor(part_rows, dtype=torch.int64, device=x.device)] = rows_out
+
+        _rows_apart(sub, rows, [0.0] * len(rows), fill, reasons)
+    if reasons:
+        raise SamplingError(reasons, None)
     return out
 
 
@@ -401,6 +437,11 @@ def _candidates(
         k_max = min(max(s.top_k for s in settings), vocab)
         values, ids = _top_candidates(x, k_max)
         scaled = (values.to(torch.float64) - values[:, :1].to(torch.float64)) / temperature
+        # The other kinds take probabilities from a float32 softmax, where
+        # exp() of less than about -103 is 0. Dropping such candidates here
+        # too (e^-100 is 4e-44: never drawn) keeps top_k a filter that only
+        # removes tokens from what the same row without top_k could draw.
+        scaled = scaled.masked_fill(scaled < _FLOAT32_EXP_FLOOR, _NEG_INF)
         if any(s.top_k < k_max for s in settings):
             top_k = torch.tensor([s.top_k for s in settings], device=device).unsqueeze(1)
             position = torch.arange(k_max, device=device).unsqueeze(0)
@@ -408,7 +449,7 @@ def _candidates(
         probs = torch.softmax(scaled, dim=1)
         return _filter(probs, settings), ids
 
-    scaled32 = (x - x.amax(dim=1, keepdim=True)) / temperature.to(torch.float32)
+    scaled32 = (x - x.amax(dim=1, keepdim=True)) / temperature.to(torch.float32).clamp(min=_TINY32)
     probs_full = torch.softmax(scaled32, dim=1)
     if kind == "plain":
         # Nothing to filter and no skew: the order of the draw does not change
@@ -529,20 +570,21 @@ def _filter(probs: torch.Tensor, settings: Sequence[SamplingSettings]) -> torch.
     return probs
 
 
+def _uniform(generator: torch.Generator) -> float:
+    return float(torch.rand((), generator=generator, dtype=torch.float64, device=generator.device))
+
+
 def _draw(
     probs: torch.Tensor,
     ids: torch.Tensor,
     settings: Sequence[SamplingSettings],
-    generators: Sequence[torch.Generator],
+    uniforms: Sequence[float],
 ) -> torch.Tensor:
     """Inverse-CDF draw, one uniform per row, over candidates in descending
     order of probability; ``skew`` bends the uniform as ExLlamaV2 does
     (``u ** exp(-skew)``: skew > 0 leans to less likely tokens)."""
     device = probs.device
-    uniforms = [
-        float(torch.rand((), generator=g, dtype=torch.float64, device=g.device)) for g in generators
-    ]
-    u = torch.tensor(uniforms, dtype=torch.float64, device=device).unsqueeze(1)
+    u = torch.tensor(list(uniforms), dtype=torch.float64, device=device).unsqueeze(1)
     if any(s.skew != 0 for s in settings):
         u = u ** torch.exp(-_row_param(settings, "skew", device))
     cdf = probs.cumsum(dim=1)

@@ -18,8 +18,9 @@ stages, in this order:
    held; on a match, the text before it is released and the stream ends.
 
 Cost per push is a decode of a window of a few tokens, whatever the length of
-the generation: after each release the window restarts at the ids just
-released.
+the generation (after each release the window restarts at the ids just
+released), plus amortised O(1) per new character for the stop strings,
+whatever their number (an Aho-Corasick matcher, :mod:`trioserve.engine.stops`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from trioserve.engine.stops import earliest_stop, partial_stop_length
+from trioserve.engine.stops import stop_automaton
 from trioserve.errors import ConfigError, TrioserveError
 
 __all__ = ["StreamEndedError", "StreamPiece", "TextStream"]
@@ -89,6 +90,10 @@ class TextStream:
             raise ConfigError(f"stop strings must not be empty, got {list(stop_strings)!r}")
         self._decode = decode
         self._stops = tuple(dict.fromkeys(stop_strings))
+        # The matcher reads each new character once, however many stop
+        # strings there are (engine.stops), and keeps the rule of
+        # earliest_stop / partial_stop_length.
+        self._matcher = stop_automaton(self._stops).matcher() if self._stops else None
         # Decoding state: ids[prefix:read] were passed on already and give
         # context; prefix_text is their text on its own; `sent` counts the
         # characters after prefix_text in the current window that were passed
@@ -251,16 +256,17 @@ class TextStream:
     # -- stage 3: stop strings ---------------------------------------------------
 
     def _stop_stage(self, text: str, *, final: bool) -> StreamPiece:
-        if not self._stops:
+        if self._matcher is None:
             return StreamPiece(text)
-        buffer = self._pending + text
-        match = earliest_stop(buffer, self._stops)
+        pending = self._pending
+        match = self._matcher.feed(text)
         if match is not None:
-            index, stop = match
+            index = len(pending) + match.start
             self._pending = self._tail = self._skip_buffer = ""
             self._ended = True
-            self._stop_string = stop
-            return StreamPiece(buffer[:index], stop)
-        keep = 0 if final else partial_stop_length(buffer, self._stops)
+            self._stop_string = match.stop_string
+            return StreamPiece((pending + text)[:index], match.stop_string)
+        buffer = pending + text
+        keep = 0 if final else self._matcher.partial_length
         self._pending = buffer[len(buffer) - keep :]
         return StreamPiece(buffer[: len(buffer) - keep])

@@ -1,0 +1,554 @@
+"""The typed messages of the protocol, and its errors.
+
+Request classes declare their wire fields once (see ``_fields``): the codec,
+the error paths, the per-field limits of ``info`` and the docs' field table
+are derived from these declarations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final, Literal, TypeAlias
+
+import attrs
+
+from trioserve.engine.base import SamplingSettings
+from trioserve.errors import TrioserveError
+
+from ._fields import (
+    WIRE,
+    AnyJson,
+    Bool,
+    Int,
+    Messages,
+    Rule,
+    StopConditions,
+    Str,
+    TokenIds,
+    Wire,
+    sampler_field,
+    wire_field,
+)
+from ._json import MAX_JSON_DEPTH, json_equal
+
+__all__ = [
+    "ACTIONS",
+    "ENVELOPE",
+    "ERROR_TYPES",
+    "FIELD_LIMITS",
+    "ChatMessage",
+    "EchoReply",
+    "EchoRequest",
+    "EosReason",
+    "ErrorDetail",
+    "ErrorReply",
+    "ErrorType",
+    "EstimateTokenReply",
+    "EstimateTokenRequest",
+    "InferChunk",
+    "InferFinal",
+    "InferRequest",
+    "InfoReply",
+    "InfoRequest",
+    "LefttrimTokenReply",
+    "LefttrimTokenRequest",
+    "Limits",
+    "ModelInfo",
+    "ProtocolError",
+    "Reply",
+    "Request",
+    "ServerInfo",
+    "StopReason",
+    "StopReply",
+    "StopRequest",
+    "Timing",
+    "Usage",
+]
+
+#: The six actions, in the order the protocol document lists them.
+ACTIONS: Final[tuple[str, ...]] = (
+    "echo",
+    "estimate_token",
+    "lefttrim_token",
+    "infer",
+    "stop",
+    "info",
+)
+
+ErrorType: TypeAlias = Literal[
+    "invalid_json", "invalid_request", "unknown_action", "overloaded", "internal"
+]
+
+#: Every ``error.type`` an error frame may carry (protocol section 5).
+ERROR_TYPES: Final[tuple[ErrorType, ...]] = (
+    "invalid_json",
+    "invalid_request",
+    "unknown_action",
+    "overloaded",
+    "internal",
+)
+
+
+def _echoed_field() -> Any:
+    # Echoed ids may hold lists and objects, which do not hash; equality still
+    # compares them.
+    return attrs.field(factory=dict, hash=False)
+
+
+# --------------------------------------------------------------------------
+# Errors
+
+
+class ProtocolError(TrioserveError):
+    """A frame that cannot be served, with everything needed to answer it.
+
+    Raised by ``decode_request`` for anything a client got wrong, and by the
+    server itself for ``overloaded``, ``internal`` and limits that depend on
+    the model. It keeps as much of the envelope as could be read (``action``
+    and the echoed ids, plus ``tag`` for infer) so that the error frame
+    reaches the right request on the client side even when another field was
+    bad.
+    """
+
+    error_type: ErrorType
+    message: str
+    field: str | None
+    action: str | None
+    echoed: Mapping[str, Any]
+
+    def __init__(
+        self,
+        error_type: ErrorType,
+        message: str,
+        *,
+        field: str | None = None,
+        action: str | None = None,
+        echoed: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+        self.message = message
+        self.field = field
+        self.action = action
+        self.echoed = {} if echoed is None else echoed
+
+    def reply(self) -> ErrorReply:
+        """The error frame that answers the request (protocol section 5)."""
+        return ErrorReply(
+            action=self.action,
+            error=ErrorDetail(type=self.error_type, message=self.message, field=self.field),
+            echoed=self.echoed,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"ProtocolError({self.error_type!r}, {self.message!r}, field={self.field!r}, "
+            f"action={self.action!r}, echoed={self.echoed!r})"
+        )
+
+
+# --------------------------------------------------------------------------
+# The envelope and the limits of free-form values
+
+#: Echoed ids (and a ``stop`` target, which is compared with them) are short
+#: in real clients: a counter, a UUID (38 bytes as JSON), a small object.
+_ID = AnyJson(1024, "max_id_bytes")
+#: ``tag`` is client state echoed in *every* frame of the request, chunks
+#: included; the seed gave it no limit. 16 KiB holds any real bookkeeping
+#: object and keeps a streamed answer's frames small.
+_TAG = AnyJson(16384, "max_tag_bytes")
+
+#: Envelope keys: copied into every frame answering the request. ``tag``
+#: belongs to ``infer`` only (the seed echoed it there and nowhere else).
+ENVELOPE: Final[Mapping[str, Wire]] = {
+    "request_id": Wire("request_id", _ID, "any json value, echoed in every frame of the answer"),
+    "response_id": Wire("response_id", _ID, "any json value, echoed in every frame of the answer"),
+    "tag": Wire("tag", _TAG, "echoed in every frame of the request"),
+}
+
+
+# --------------------------------------------------------------------------
+# Requests
+
+
+@attrs.frozen
+class ChatMessage:
+    """One message of a chat (``infer``'s ``messages``)."""
+
+    role: str
+    content: str
+
+
+@attrs.frozen
+class EchoRequest:
+    """``echo``: a ping / health check."""
+
+    echoed: Mapping[str, Any] = _echoed_field()
+
+
+@attrs.frozen
+class EstimateTokenRequest:
+    """``estimate_token``: how many tokens ``text`` encodes to."""
+
+    text: str = wire_field(Str(), "the text to count")
+    echoed: Mapping[str, Any] = _echoed_field()
+
+
+@attrs.frozen
+class LefttrimTokenRequest:
+    """``lefttrim_token``: the last ``trimmed_length`` tokens of ``text``."""
+
+    text: str = wire_field(Str(), "the text to trim")
+    trimmed_length: int = wire_field(Int(0), "tokens to keep, counted from the end")
+    echoed: Mapping[str, Any] = _echoed_field()
+
+
+#: ``stop_conditions``: real clients send a few end markers ("\n\nUser:",
+#: "<|eot_id|>", "###"); 64 strings of 256 characters leave room for any of
+#: them and bound the per-job stop-string automaton (about 16 k states, built
+#: in tens of milliseconds).
+_STOP_CONDITIONS = StopConditions(max_count=64, max_chars=256)
+#: ``bann_bann``: lists of a few to a few hundred ids are usual; 65,536 is half
+#: of a 128 k vocabulary, enough to ban a whole script (English-only output),
+#: and still a frame of 0.5 MB whose check takes about a millisecond.
+_BANNED = TokenIds(max_count=65536, limit_name="max_banned_ids")
+#: ``messages``: OpenAI's API takes at most 2,048 messages; roles are short
+#: names ("system", "user", "assistant", "tool", "ipython").
+_MESSAGES = Messages(ChatMessage, max_count=2048, max_role_chars=64)
+
+
+@attrs.frozen(kw_only=True)
+class InferRequest:
+    """``infer``: generate a completion of ``text`` (or of ``messages``).
+
+    Each attribute is one wire field, declared here once: its wire name,
+    rule (type and range), default and doc line. Sampler settings take their
+    defaults and ranges from :class:`~trioserve.engine.base.SamplingSettings`.
+    Attribute names are the wire names except ``custom_bos`` (``customBos``).
+    ``echoed`` holds ``request_id``, ``response_id`` and ``tag`` as the
+    client sent them.
+    """
+
+    text: str | None = wire_field(
+        Str(),
+        "the prompt",
+        default=None,
+        group="prompt",
+        default_doc="required, unless `messages` is given",
+    )
+    max_new_tokens: int = wire_field(
+        Int(1),
+        "at most this many new tokens (a stop token counts); at most the context length "
+        "minus 1 (`info`: `limits.max_new_tokens`)",
+    )
+    stream: bool = wire_field(Bool(), "send `chunk` frames while generating", default=False)
+    stream_full: bool = wire_field(
+        Bool(), "every chunk frame also carries `response`, the completion so far", default=False
+    )
+    top_k: int = sampler_field("top_k", "0 turns it off")
+    top_p: float = sampler_field("top_p", "0 or 1 turn it off")
+    top_a: float = sampler_field("top_a", "0 turns it off")
+    min_p: float = sampler_field("min_p", "0 turns it off")
+    typical: float = sampler_field("typical", "0 or 1 turn it off")
+    temperature: float = sampler_field("temperature", "0 is greedy")
+    skew: float = sampler_field("skew", "skews the final draw")
+    rep_pen: float = sampler_field(
+        "rep_pen", "repetition penalty over the whole context; 1 turns it off"
+    )
+    freq_pen: float = sampler_field("freq_pen", "frequency penalty")
+    pres_pen: float = sampler_field("pres_pen", "presence penalty")
+    custom_bos: str = wire_field(
+        Str(),
+        "put before `text`; its first token survives trimming",
+        default="",
+        name="customBos",
+    )
+    stop_conditions: tuple[str | int, ...] = wire_field(
+        _STOP_CONDITIONS,
+        "stop strings and stop token ids, besides the model's own end-of-sequence ids",
+        default=(),
+    )
+    bann_bann: tuple[int, ...] = wire_field(_BANNED, "token ids never sampled", default=())
+    token_healing: bool = wire_field(
+        Bool(), "regenerate the prompt's last token, constrained to extend its text", default=False
+    )
+    seed: int | None = sampler_field(
+        "seed", "makes sampling repeatable for one engine, model and batch", extension=True
+    )
+    compact_chunks: bool = wire_field(
+        Bool(),
+        "leave `util_text` (the whole prompt) out of chunk frames",
+        default=False,
+        extension=True,
+    )
+    messages: tuple[ChatMessage, ...] | None = wire_field(
+        _MESSAGES,
+        "a chat instead of `text`, rendered with the model's chat template (a model without "
+        "one answers `invalid_request`); `customBos` is not used with it",
+        default=None,
+        extension=True,
+        group="prompt",
+        default_doc="absent",
+    )
+    echoed: Mapping[str, Any] = _echoed_field()
+
+    def __attrs_post_init__(self) -> None:
+        if (self.text is None) == (self.messages is None):
+            raise ValueError("an infer request has exactly one of text and messages")
+
+    @property
+    def request_id(self) -> tuple[bool, Any]:
+        """``(present, value)`` of the client's ``request_id``; what a scoped
+        ``stop`` compares its ``target`` with."""
+        return ("request_id" in self.echoed, self.echoed.get("request_id"))
+
+    def matches_stop(self, stop: StopRequest) -> bool:
+        """Whether ``stop`` targets this request (protocol section 3.5).
+
+        A stop without ``target`` matches every request; with one, only
+        requests whose ``request_id`` equals it as JSON values (``true`` is not
+        ``1``, ``1`` is ``1.0``).
+        """
+        if not stop.has_target:
+            return True
+        present, value = self.request_id
+        return present and json_equal(value, stop.target)
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """The string entries of ``stop_conditions``, in order."""
+        return tuple(c for c in self.stop_conditions if isinstance(c, str))
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """The int entries of ``stop_conditions`` (the model's EOS ids are
+        added by the server, not here)."""
+        return frozenset(c for c in self.stop_conditions if isinstance(c, int))
+
+    def sampling_settings(self) -> SamplingSettings:
+        """The sampler part of the request, for the engine."""
+        return SamplingSettings(**{name: getattr(self, name) for name in _SAMPLER_NAMES})
+
+
+_SAMPLER_NAMES: Final = tuple(a.name for a in attrs.fields(SamplingSettings))
+# Every sampler setting is a wire field of infer (a new setting needs its line).
+assert {a.name for a in attrs.fields(InferRequest)} >= set(_SAMPLER_NAMES)
+
+
+@attrs.frozen
+class StopRequest:
+    """``stop``: interrupt this connection's infers, all or those whose
+    ``request_id`` equals ``target``. ``has_target`` tells an absent target
+    from an explicit ``null`` one."""
+
+    has_target: bool = False
+    # wire_field is attrs.field with metadata (ruff cannot tell).
+    target: Any = wire_field(  # noqa: RUF009
+        AnyJson(1024, "max_id_bytes"),
+        "stop only the infers whose `request_id` equals it",
+        default=None,
+        default_doc="absent",
+    )
+    echoed: Mapping[str, Any] = _echoed_field()
+
+
+@attrs.frozen
+class InfoRequest:
+    """``info``: what server, model and limits answer this connection."""
+
+    echoed: Mapping[str, Any] = _echoed_field()
+
+
+Request: TypeAlias = (
+    EchoRequest
+    | EstimateTokenRequest
+    | LefttrimTokenRequest
+    | InferRequest
+    | StopRequest
+    | InfoRequest
+)
+
+#: Action -> request class.
+REQUEST_CLASSES: Final[Mapping[str, type[Any]]] = {
+    "echo": EchoRequest,
+    "estimate_token": EstimateTokenRequest,
+    "lefttrim_token": LefttrimTokenRequest,
+    "infer": InferRequest,
+    "stop": StopRequest,
+    "info": InfoRequest,
+}
+
+
+def _rules() -> list[Rule]:
+    rules = [wire.rule for wire in ENVELOPE.values()]
+    for cls in REQUEST_CLASSES.values():
+        rules.extend(a.metadata[WIRE].rule for a in attrs.fields(cls) if WIRE in a.metadata)
+    return rules
+
+
+def _field_limits() -> dict[str, int]:
+    limits = {"max_json_depth": MAX_JSON_DEPTH}
+    for rule in _rules():
+        for name, value in rule.limits.items():
+            if limits.setdefault(name, value) != value:  # pragma: no cover - a declaration bug
+                raise AssertionError(f"two values for the limit {name}")
+    return limits
+
+
+#: Per-field limits of the protocol (the same for every server), from the
+#: field declarations; ``info`` reports them beside the server's own limits.
+FIELD_LIMITS: Final[Mapping[str, int]] = _field_limits()
+
+
+# --------------------------------------------------------------------------
+# Replies
+
+
+@attrs.frozen
+class EchoReply:
+    echoed: Mapping[str, Any] = _echoed_field()
+
+
+@attrs.frozen
+class EstimateTokenReply:
+    num_tokens: int
+    echoed: Mapping[str, Any] = _echoed_field()
+
+
+@attrs.frozen
+class LefttrimTokenReply:
+    trimmed_text: str
+    echoed: Mapping[str, Any] = _echoed_field()
+
+
+@attrs.frozen
+class InferChunk:
+    """New text of a streaming infer. ``response`` (the completion so far) is
+    set only when the request asked for ``stream_full``; ``util_text`` (the
+    prompt used) is set unless it asked for ``compact_chunks``."""
+
+    chunk: str
+    response: str | None = None
+    util_text: str | None = None
+    echoed: Mapping[str, Any] = _echoed_field()
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    trimmed_tokens: int
+    generated_tokens: int
+
+
+@attrs.frozen
+class Timing:
+    """Seconds from arrival: until the job reached the engine, until its
+    first token (None when it produced none), until its final frame."""
+
+    queued_s: float
+    first_token_s: float | None
+    total_s: float
+
+
+StopReason: TypeAlias = Literal["eos", "num_tokens", "interrupted"]
+EosReason: TypeAlias = Literal["stop_token", "stop_string"]
+
+
+@attrs.frozen(kw_only=True)
+class InferFinal:
+    """The terminal frame of a successful infer (protocol section 3.4).
+
+    ``chunk`` is always ``""``: ExLlamaV2's server sends it, and clients that
+    handle the final frame like a chunk frame append it."""
+
+    chunk: str = attrs.field(default="", validator=attrs.validators.in_(("",)))
+    response: str
+    util_text: str
+    stop_reason: StopReason
+    eos_reason: EosReason | None
+    stop_string: str | None
+    stop_token: int | None
+    usage: Usage
+    timing: Timing
+    echoed: Mapping[str, Any] = _echoed_field()
+
+
+@attrs.frozen
+class StopReply:
+    stopped: int
+    echoed: Mapping[str, Any] = _echoed_field()
+
+
+@attrs.frozen
+class ServerInfo:
+    name: str
+    version: str
+
+
+@attrs.frozen
+class ModelInfo:
+    name: str
+    engine: str
+    context_length: int
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    max_batch: int
+    batching: bool
+
+
+@attrs.frozen
+class Limits:
+    """The limits a client meets: the server's own (options), then the
+    protocol's per-field limits (the same on every server; their defaults
+    come from the field declarations)."""
+
+    max_message_bytes: int
+    max_requests_per_connection: int
+    max_waiting_jobs: int
+    max_new_tokens: int
+    max_json_depth: int = FIELD_LIMITS["max_json_depth"]
+    max_id_bytes: int = FIELD_LIMITS["max_id_bytes"]
+    max_tag_bytes: int = FIELD_LIMITS["max_tag_bytes"]
+    max_stop_conditions: int = FIELD_LIMITS["max_stop_conditions"]
+    max_stop_string_chars: int = FIELD_LIMITS["max_stop_string_chars"]
+    max_banned_ids: int = FIELD_LIMITS["max_banned_ids"]
+    max_messages: int = FIELD_LIMITS["max_messages"]
+    max_role_chars: int = FIELD_LIMITS["max_role_chars"]
+
+
+@attrs.frozen
+class InfoReply:
+    server: ServerInfo
+    model: ModelInfo
+    limits: Limits
+    echoed: Mapping[str, Any] = _echoed_field()
+
+
+@attrs.frozen
+class ErrorDetail:
+    type: ErrorType
+    message: str
+    field: str | None = None
+
+
+@attrs.frozen
+class ErrorReply:
+    """The one error frame of a request that cannot be served. ``action`` is
+    None when the frame had no readable action."""
+
+    action: str | None
+    error: ErrorDetail
+    echoed: Mapping[str, Any] = _echoed_field()
+
+
+Reply: TypeAlias = (
+    EchoReply
+    | EstimateTokenReply
+    | LefttrimTokenReply
+    | InferChunk
+    | InferFinal
+    | StopReply
+    | InfoReply
+    | ErrorReply
+)
