@@ -215,7 +215,7 @@ class Balancer:
             ("server 127.0.0.1:7863 ", f"server 127.0.0.1:{upstreams[1]} ", 1),
             ("listen 443 ssl;", f"listen 127.0.0.1:{self.tls_port} ssl;", 1),
             # IPv6 may be off on a test machine; the IPv4 line above serves.
-            ("    listen [::]:443 ssl;\n", "", 1),
+            ("listen [::]:443 ssl;", "# listen [::]:443 ssl;", 1),
             ("listen 127.0.0.1:8080;", f"listen 127.0.0.1:{self.http_port};", 1),
             ("/etc/ssl/certs/trioserve.example.com.pem", str(cert), 1),
             ("/etc/ssl/private/trioserve.example.com.key", str(key), 1),
