@@ -1,10 +1,17 @@
 """Developer sessions: ``nox -s tests`` (default), ``lint``, ``typecheck``, ``bench``,
 ``fuzz``, ``soak``, ``scale-out``, ``gpu``.
 
-Each session installs the project into its own virtual environment. torch is
-pinned to the CPU build first (``TRIOSERVE_TORCH`` overrides the requirement),
-because an unpinned ``torch`` would resolve to a multi-GB CUDA build. ``gpu``
-is the exception: it runs in the environment that has the machine's CUDA torch.
+Each session installs the project into its own virtual environment (reused by
+later runs), torch first: ``torch==2.13.0``, the version the project is tested
+with (``TRIOSERVE_TORCH`` overrides the requirement). Which build that is
+depends on where pip looks: from PyPI alone, on Linux x86-64, it is the CUDA
+build (about 2.7 GB with NVIDIA's libraries); with
+``PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu`` in the
+environment (pip reads it, and nox passes it on) it is the CPU-only build
+``2.13.0+cpu`` (about 190 MB), as README.md explains. The session prints which
+one it got. torch is installed once: the project's own ``torch>=2.4`` is then
+already satisfied. ``gpu`` is the exception: it runs in the environment that
+has the machine's CUDA torch.
 """
 
 from __future__ import annotations
@@ -21,11 +28,19 @@ PYPROJECT = nox.project.load_toml("pyproject.toml")
 TORCH = os.environ.get("TRIOSERVE_TORCH", "torch==2.13.0")
 
 
+# Says which torch build a session got, so that a 2.7 GB surprise is visible.
+_WHICH_TORCH = (
+    "import torch; cuda = torch.version.cuda; "
+    "print(f'torch {torch.__version__}: ' + (f'CUDA {cuda} build' if cuda else 'CPU-only build'))"
+)
+
+
 def install_project(session: nox.Session, *groups: str) -> None:
     session.install(TORCH)
     session.install("-e", ".")
     for group in groups:
         session.install(*nox.project.dependency_groups(PYPROJECT, group))
+    session.run("python", "-c", _WHICH_TORCH, silent=False)
 
 
 @nox.session
@@ -51,12 +66,38 @@ def typecheck(session: nox.Session) -> None:
     session.run("mypy", "trioserve", "tests", "noxfile.py", "docs/examples")
 
 
+#: llama-cpp-python for the engine bench's llama.cpp column (opt-in: it is
+#: an sdist that compiles llama.cpp, about 8 minutes on 2 cores).
+LLAMA_CPP = "llama-cpp-python==0.3.36"
+#: Its default native build uses every instruction the build machine has,
+#: AMX included, and dies with SIGILL where the kernel does not allow AMX:
+#: name the instruction sets instead. Override with TRIOSERVE_LLAMA_CPP_CMAKE_ARGS.
+LLAMA_CPP_CMAKE_ARGS = os.environ.get(
+    "TRIOSERVE_LLAMA_CPP_CMAKE_ARGS",
+    "-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
+    " -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_AVX2=ON -DGGML_FMA=ON"
+    " -DGGML_F16C=ON",
+)
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks (tests/bench/); prints Markdown tables for docs/performance.md and
-    docs/reliability.md (the hostile-client bench: ``nox -s bench -- --only hostile``)."""
+    docs/reliability.md (the hostile-client bench: ``nox -s bench -- --only hostile``).
+
+    ``nox -s bench -- --llama-cpp [args]`` first builds and installs
+    llama-cpp-python (without its dependencies' unpinned extras, so no torch
+    is pulled) for the engine bench's side-by-side llama.cpp column.
+    """
     install_project(session, "test", "bench")
-    session.run("python", "tests/bench/run.py", *session.posargs)
+    args = list(session.posargs)
+    if "--llama-cpp" in args:
+        args.remove("--llama-cpp")
+        session.install("numpy", "typing-extensions", "diskcache", "jinja2")
+        session.install(
+            "--no-deps", LLAMA_CPP, env={"CMAKE_ARGS": LLAMA_CPP_CMAKE_ARGS, "FORCE_CMAKE": "1"}
+        )
+    session.run("python", "tests/bench/run.py", *args)
 
 
 @nox.session
@@ -144,3 +185,69 @@ def gpu(session: nox.Session) -> None:
     # bench-results/ is git-ignored: numbers belong in docs, not in commits.
     os.makedirs("bench-results", exist_ok=True)
     session.run("python", "tests/gpu/bench_gpu.py", "--out", "bench-results/gpu.json")
+
+
+# The exl2-cpu session's versions: the torch of the project's GPU machines
+# (2.11.0, CUDA 13.0; PyPI's Linux build of it is the CUDA 13.0 one) and the
+# ExLlamaV2 release the adapter was checked against.
+EXL2_CPU_TORCH = "torch==2.11.0"
+EXL2_CPU_EXLLAMAV2 = "exllamav2==0.3.2"
+
+
+def _exl2_build_env(session: nox.Session) -> dict[str, str]:
+    """Environment for building ExLlamaV2's extension once and finding it again.
+
+    TORCH_EXTENSIONS_DIR is a cache outside the virtual environment, named by
+    what the build depends on, so a recreated environment (or another
+    checkout) reuses it; ninja rebuilds only what changed. MAX_JOBS=2 because
+    this machine has two cores shared by several people; TORCH_CUDA_ARCH_LIST
+    names the H200's sm_90, so the same build is the GPU check's fallback
+    (tests/gpu/README.md).
+    """
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0")
+    versions = f"{EXL2_CPU_EXLLAMAV2}_{EXL2_CPU_TORCH}".replace("==", "-")
+    tag = f"{versions}_py312_sm{arch.replace('.', '').replace(';', '-')}"
+    env = {
+        "TORCH_EXTENSIONS_DIR": os.environ.get(
+            "TORCH_EXTENSIONS_DIR", os.path.join(cache, "trioserve-exl2-cpu", tag)
+        ),
+        "MAX_JOBS": os.environ.get("MAX_JOBS", "2"),
+        "TORCH_CUDA_ARCH_LIST": arch,
+    }
+    # CUDA_HOME and the library headers a bare toolkit lacks, as the GPU
+    # check finds them too (tests/gpu/build_exllamav2.py, build_environment).
+    lines = session.run("python", "tests/gpu/build_exllamav2.py", "--env", silent=True)
+    for line in str(lines or "").splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key in ("CUDA_HOME", "CPLUS_INCLUDE_PATH"):
+            env[key] = value
+    return env
+
+
+@nox.session(name="exl2-cpu", python="3.12", default=False)
+def exl2_cpu(session: nox.Session) -> None:
+    """The ExLlamaV2 adapter against ExLlamaV2's real job code, on the CPU (opt-in).
+
+    Installs torch 2.11.0 with CUDA 13.0 (a download of several GB, in this
+    session's own environment only) and exllamav2 0.3.2, builds ExLlamaV2's
+    extension with the machine's nvcc (no GPU needed; about 18 CPU-minutes
+    the first time, then cached), and runs tests/test_exllamav2.py with the
+    tests that drive ``ExLlamaV2DynamicJob.receive_sample`` required to run.
+    CPython 3.12 (the GPU machines' Python, so that the build doubles as the
+    GPU check's fallback); with pyenv: ``PYENV_VERSION=3.11.7:3.12.1``.
+    """
+    session.install(EXL2_CPU_TORCH)
+    session.install(
+        "-e",
+        ".[exllamav2]",
+        EXL2_CPU_EXLLAMAV2,
+        *nox.project.dependency_groups(PYPROJECT, "test"),
+    )
+    env = _exl2_build_env(session)
+    session.log("build environment: %s", env)
+    session.run("python", "tests/gpu/build_exllamav2.py", env=env)
+    args = session.posargs or ["-p", "no:cacheprovider", "-rs", "tests/test_exllamav2.py"]
+    session.run(
+        "python", "-m", "pytest", "-m", "not gpu", *args, env={**env, "TRIOSERVE_EXL2_CPU": "1"}
+    )

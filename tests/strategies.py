@@ -289,7 +289,7 @@ def replies() -> st.SearchStrategy[p.Reply]:
         eos_reason=st.sampled_from([None, "stop_token", "stop_string"]),
         stop_string=st.none() | st.text(min_size=1, max_size=5),
         stop_token=st.none() | _ints(),
-        usage=st.builds(p.Usage, _ints(), _ints(), _ints()),
+        usage=st.builds(p.Usage, _ints(), _ints(), _ints(), _ints()),
         timing=st.builds(p.Timing, seconds, st.none() | seconds, seconds),
         echoed=infer_ids,
     )

@@ -9,6 +9,7 @@ and starts are few: each loads the model.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -23,15 +24,37 @@ import attrs
 import pytest
 import trio
 
-from trioserve import ConnectionClosed, ConnectionFailed, InferChunk, InferFinal, open_client
-from trioserve.cli import build_parser
+from trioserve import (
+    ConnectionClosed,
+    ConnectionFailed,
+    EngineOptions,
+    InferChunk,
+    InferFinal,
+    ServerConfig,
+    open_client,
+)
+from trioserve.cli import NOT_OPTIONS, OPTIONS, OTHER_ENV, build_parser, resolve
 
 from .helpers import wait_until
 
+ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 STORY = "<|im_start|>user\nTell me a long story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
 EOS = 2
 START = ["--port", "0", "--offline", "--context-length", "512"]
+SECRET = "sk-live-0b5e1d-never-print-me"
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without trioserve's option variables (a
+    developer's TRIOSERVE_API_KEY must not change what a test sees), plus
+    ``extra``."""
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith("TRIOSERVE_") or name in OTHER_ENV
+    }
+    return {**env, **extra}
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -41,7 +64,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
         text=True,
         timeout=120,
         check=False,
-        env=env,
+        env=clean_env() if env is None else env,
     )
 
 
@@ -61,6 +84,7 @@ def test_help_lists_every_option() -> None:
     result = run_cli("--help")
     assert result.returncode == 0
     assert result.stdout.startswith("usage: python -m trioserve")
+    assert "TRIOSERVE_CACHE" in result.stdout
     options = {
         option
         for action in build_parser()._actions
@@ -94,22 +118,169 @@ def test_help_lists_every_option() -> None:
         assert re.search(rf"{re.escape(option)}\b", result.stdout), option
 
 
+def test_help_has_help_and_one_default_for_every_option_and_leaks_no_secret() -> None:
+    # Secrets in every variable that could feed an option: none may show.
+    env = clean_env(**{option.env: SECRET for option in OPTIONS})
+    result = run_cli("--help", env=env)
+    assert result.returncode == 0
+    assert SECRET not in result.stdout + result.stderr
+    assert "(default: None)" not in result.stdout
+    for action in build_parser()._actions:
+        if action.dest in ("help", "version"):
+            continue
+        assert action.help, action.option_strings
+        # One default, said once: no argparse default tacked onto ours.
+        assert action.help.count("(default:") == 1, action.help
+        assert "%(default)" not in action.help
+    # The units and values an operator needs are there.
+    text = " ".join(result.stdout.split())
+    for needle in ("--ping-interval SECONDS", "--ping-timeout SECONDS", "--cache-type"):
+        assert needle in text
+    assert "KV cache precision" in text
+
+
+def test_every_config_field_is_an_option() -> None:
+    """A setting added to ServerConfig or EngineOptions needs a row in
+    trioserve.cli.OPTIONS (or a place in NOT_OPTIONS)."""
+    for target in (ServerConfig, EngineOptions):
+        fields = {field.name for field in attrs.fields(target)} - NOT_OPTIONS
+        rows = {option.name for option in OPTIONS if option.target is target}
+        assert fields == rows, target.__name__
+
+
+def test_deployment_docs_list_every_option_and_its_variable() -> None:
+    docs = (ROOT / "docs" / "deployment.md").read_text()
+    table = [line for line in docs.splitlines() if line.startswith("| `--")]
+    for option in OPTIONS:
+        rows = [line for line in table if f"`{option.flag}`" in line]
+        assert len(rows) == 1, option.flag
+        assert f"`{option.env}`" in rows[0], option.flag
+
+
+def test_environment_sets_every_option_and_the_command_line_wins() -> None:
+    values = {
+        "host": ("0.0.0.0", "0.0.0.0"),
+        "port": ("8000", 8000),
+        "api_key": (SECRET, SECRET),
+        "allowed_origins": (
+            "https://a.example, https://b.example",
+            ("https://a.example", "https://b.example"),
+        ),
+        "model": ("~/models/m", Path("~/models/m").expanduser()),
+        "engine": ("cpu", "cpu"),
+        "dtype": ("float32", "float32"),
+        "device": ("cuda:1", "cuda:1"),
+        "threads": ("3", 3),
+        "context_length": ("512", 512),
+        "max_batch": ("4", 4),
+        "offline": ("yes", True),
+        "cache_type": ("q4", "q4"),
+        "cache_size": ("4096", 4096),
+        "gpu_split": ("20,24.5", (20.0, 24.5)),
+        "tensor_parallel": ("1", True),
+        "max_message_bytes": ("1024", 1024),
+        "max_connections": ("10", 10),
+        "max_requests_per_connection": ("2", 2),
+        "max_running_per_connection": ("3", 3),
+        "max_waiting_jobs": ("7", 7),
+        "max_output_bytes": ("65536", 65536),
+        "max_new_tokens": ("100", 100),
+        "ping_interval": ("5", 5.0),
+        "ping_timeout": ("2.5", 2.5),
+        "send_timeout": ("4", 4.0),
+        "handshake_timeout": ("1.5", 1.5),
+        "close_timeout": ("0.5", 0.5),
+        "shutdown_grace": ("0", 0.0),
+        "log_level": ("DEBUG", "debug"),
+        "log_format": ("json", "json"),
+        "log_prompts": ("on", True),
+    }
+    assert set(values) == {option.name for option in OPTIONS}
+    environ = {option.env: values[option.name][0] for option in OPTIONS}
+    settings = resolve(build_parser().parse_args([]), environ)
+    for option in OPTIONS:
+        if option.target is ServerConfig:
+            got = getattr(settings.server, option.name)
+        elif option.target is EngineOptions:
+            got = getattr(settings.engine, option.name)
+        else:
+            got = getattr(settings, option.name)
+        assert got == values[option.name][1], option.name
+        assert settings.source(option.name) == option.env
+    assert settings.server.allow_loopback_origins is True
+    # The command line wins; an empty variable is no setting at all.
+    flags = ["--port", "9", "--no-offline", "--allowed-origin", "https://x.example"]
+    settings = resolve(build_parser().parse_args(flags), {**environ, "TRIOSERVE_MAX_BATCH": ""})
+    assert settings.server.port == 9
+    assert settings.engine.offline is False
+    assert settings.server.allowed_origins == ("https://x.example",)
+    assert settings.engine.max_batch is None
+    assert settings.source("port") == "--port"
+    # 'none' is no origin: it removes the loopback origins, from either source.
+    for args, env in (
+        (["--allowed-origin", "none"], {}),
+        ([], {"TRIOSERVE_ALLOWED_ORIGIN": "none"}),
+    ):
+        settings = resolve(build_parser().parse_args(args), env)
+        assert settings.server.allowed_origins == ()
+        assert settings.server.allow_loopback_origins is False
+    # Nothing set: the config classes' own defaults.
+    settings = resolve(build_parser().parse_args([]), {})
+    assert settings.server == ServerConfig()
+    assert settings.engine == EngineOptions()
+    assert (settings.log_level, settings.log_format) == ("info", "text")
+
+
 @pytest.mark.parametrize(
-    ("args", "says"),
+    ("args", "env", "says"),
     [
-        (["--port", "70000"], "--port"),
-        (["--max-batch", "0"], "--max-batch"),
-        (["--gpu-split", "x"], "--gpu-split"),
+        (["--port", "70000"], {}, "--port"),
+        (["--max-batch", "0"], {}, "argument --max-batch: max batch must be >= 1, got 0"),
+        (["--gpu-split", "x"], {}, "--gpu-split"),
         # Passes argparse, fails EngineOptions' check: still a usage error.
-        (["--cache-size", "100"], "cache size must be a positive multiple of 256, got 100"),
-        (["--shutdown-grace", "-1"], "shutdown grace must be >= 0, got -1.0"),
-        (["--engine", "tpu"], "--engine"),
+        (["--cache-size", "100"], {}, "cache size must be a positive multiple of 256, got 100"),
+        (["--shutdown-grace", "-1"], {}, "shutdown grace must be >= 0, got -1.0"),
+        (["--ping-timeout", "nan"], {}, "argument --ping-timeout: expected a finite number"),
+        (["--engine", "tpu"], {}, "--engine"),
+        (["--api-key", ""], {}, "argument --api-key: expected a value"),
+        (["--allowed-origin", "app.example"], {}, "argument --allowed-origin: allowed origins"),
+        ([], {"TRIOSERVE_MAX_BATCH": "0"}, "TRIOSERVE_MAX_BATCH: max batch must be >= 1, got 0"),
+        ([], {"TRIOSERVE_PORT": "http"}, "TRIOSERVE_PORT: expected a port number, got 'http'"),
+        ([], {"TRIOSERVE_OFFLINE": "maybe"}, "TRIOSERVE_OFFLINE: expected one of 1, true"),
+        ([], {"TRIOSERVE_ENGINE": "tpu"}, "TRIOSERVE_ENGINE: invalid choice: 'tpu'"),
+        ([], {"TRIOSERVE_SHUTDOWN_GRACE": "-2"}, "TRIOSERVE_SHUTDOWN_GRACE: shutdown grace"),
+        (["--device", "meta"], {}, "--device 'meta' cannot run the cpu engine"),
+        ([], {"TRIOSERVE_DEVICE": "tpu:0"}, "TRIOSERVE_DEVICE 'tpu:0' cannot run the cpu engine"),
+        (["--model", "/nonexistent/model"], {}, "--model '/nonexistent/model' does not exist"),
+        (["--model", __file__], {}, "is neither a model directory nor a .gguf file"),
     ],
 )
-def test_bad_options_are_one_usage_error(args: list[str], says: str) -> None:
-    line = assert_one_clean_error(run_cli(*args), 2)
+def test_bad_options_are_one_usage_error(args: list[str], env: dict[str, str], says: str) -> None:
+    result = run_cli(*args, env=clean_env(**env))
+    line = assert_one_clean_error(result, 2)
     assert line.startswith("python -m trioserve: error:")
     assert says in line
+    # The usage block, then that one line: nothing was loaded or logged.
+    assert result.stderr.startswith("usage: python -m trioserve")
+    assert result.stderr.rstrip("\n").endswith(line)
+
+
+def test_cuda_without_cuda_is_refused_before_loading() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    line = assert_one_clean_error(run_cli("--device", "cuda", "--offline"), 2)
+    assert "--device 'cuda': torch" in line and "sees no CUDA device" in line
+
+
+def test_a_model_directory_without_its_files_says_what_it_must_hold(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "weights.gguf").write_bytes(b"")
+    line = assert_one_clean_error(run_cli("--model", str(tmp_path)), 2)
+    assert f"--model {str(tmp_path)!r} lacks tokenizer.json, *.safetensors" in line
+    assert "a model directory holds config.json, tokenizer.json and one or more" in line
+    assert f"--model {tmp_path / 'weights.gguf'}" in line
 
 
 def exllamav2_may_run() -> bool:
@@ -171,7 +342,7 @@ async def started(
             [sys.executable, "-m", "trioserve", *args],
             stdout=subprocess.PIPE,
             stderr=err,
-            env=env,
+            env=clean_env() if env is None else env,
         )
     try:
         assert process.stdout is not None
@@ -193,14 +364,20 @@ async def started(
 
 
 async def test_start_answer_and_sigint(tmp_path: Path, model_dir: Path) -> None:
-    env = {**os.environ, "TRIOSERVE_API_KEY": "from-the-env"}
-    async with started(tmp_path, START, env) as server:
+    # Settings from the environment, as a container or a systemd unit gives them.
+    env = clean_env(
+        TRIOSERVE_API_KEY=SECRET,
+        TRIOSERVE_CONTEXT_LENGTH="512",
+        TRIOSERVE_LOG_FORMAT="json",
+        TRIOSERVE_MAX_BACTH="4",  # misspelt: warned about, not silently ignored
+    )
+    async with started(tmp_path, ["--port", "0", "--offline"], env) as server:
         # The key in the environment turned authentication on.
         with pytest.raises(ConnectionFailed) as caught:
             async with open_client(server.url):
                 pass  # pragma: no cover - the handshake fails
         assert caught.value.status_code == 401
-        async with open_client(server.url, api_key="from-the-env") as client:
+        async with open_client(server.url, api_key=SECRET) as client:
             info = await client.info()
             assert info.model.context_length == 512
             final = await client.generate(QUESTION, 40, temperature=0)
@@ -210,8 +387,23 @@ async def test_start_answer_and_sigint(tmp_path: Path, model_dir: Path) -> None:
         with trio.fail_after(60):
             status = await server.process.wait()
     assert status == 0
-    assert "SIGINT: shutting down" in server.stderr_text()
-    assert "Traceback" not in server.stderr_text()
+    stderr = server.stderr_text()
+    assert SECRET not in stderr
+    # Every line is one JSON object (no traceback, no stray text).
+    records = [json.loads(line) for line in stderr.splitlines()]
+    assert all({"time", "level", "logger", "message"} <= set(r) for r in records)
+    messages = [r["message"] for r in records]
+    assert any(m.startswith("SIGINT: shutting down") for m in messages)
+    assert any("TRIOSERVE_MAX_BACTH is not a trioserve setting" in m for m in messages)
+    # The startup phases, each with its duration; then where it listens.
+    ends = {r["phase"]: r for r in records if "duration_s" in r}
+    assert set(ends) == {"model", "load"}
+    assert ends["load"]["engine"] == "cpu"
+    assert ends["load"]["model"] == "SmolLM2-135M-Instruct"
+    (listening,) = [r for r in records if r.get("phase") == "listen"]
+    assert listening["url"] == server.url
+    assert listening["context_length"] == 512
+    assert listening["startup_s"] >= ends["load"]["duration_s"]
 
 
 async def test_sigterm_during_infers_sends_their_final_frames(

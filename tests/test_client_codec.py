@@ -437,8 +437,10 @@ async def test_chat_reports_server_errors(url: str) -> None:
         capture_stderr=True,
         check=False,
     )
-    assert result.returncode == 1
-    assert "max_new_tokens must be an integer >= 1, got 0" in result.stderr.decode()
+    # Refused before anything is sent: a usage error (the real server's
+    # refusals are in test_client_e2e.py).
+    assert result.returncode == 2
+    assert "argument --max-new-tokens: expected an integer >= 1, got '0'" in result.stderr.decode()
 
 
 async def test_chat_keeps_the_conversation(url: str) -> None:

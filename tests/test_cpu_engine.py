@@ -8,6 +8,7 @@ quick on two cores.
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from trioserve.engine.base import (
     TextUpdate,
     Update,
 )
-from trioserve.engine.cpu import CpuEngine
+from trioserve.engine.cpu import DEFAULT_PREFIX_CACHE_BYTES, CpuEngine
 from trioserve.errors import ConfigError, ModelError
 
 GREEDY = SamplingSettings(temperature=0.0, rep_pen=1.0)
@@ -351,3 +352,240 @@ def test_bad_options_are_clear_errors(model_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
     with pytest.raises(ModelError, match="GPT2LMHeadModel"):
         CpuEngine.load(tmp_path)
+
+
+# --- token healing with a SentencePiece-style tokenizer --------------------------
+
+SP_WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog"]
+
+
+def write_metaspace_model(path: Path, favourite: str) -> list[str]:
+    """A tiny Llama directory with a Metaspace (SentencePiece-style) word
+    tokenizer, whose greedy choice is always ``"▁" + favourite``.
+
+    Every layer's weights are zero, so the hidden state is the embedding (all
+    ones, the same for every token) and the logits are the untied lm_head's row
+    sums: one row of ones, every other row zero. Returns the vocabulary.
+    """
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer as HfTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = ["<unk>", "<s>", "</s>", *(f"\u2581{w}" for w in SP_WORDS)]
+    tok = HfTokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    d, f, layers, heads, head_dim = 32, 64, 1, 2, 16
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": len(vocab),
+        "hidden_size": d,
+        "intermediate_size": f,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    zeros = torch.zeros
+    tensors = {
+        "model.embed_tokens.weight": torch.ones(len(vocab), d),
+        "model.norm.weight": torch.ones(d),
+        "lm_head.weight": zeros(len(vocab), d),
+    }
+    tensors["lm_head.weight"][vocab.index(f"\u2581{favourite}")] = 1.0
+    p = "model.layers.0."
+    tensors |= {
+        p + "input_layernorm.weight": torch.ones(d),
+        p + "post_attention_layernorm.weight": torch.ones(d),
+        p + "self_attn.q_proj.weight": zeros(heads * head_dim, d),
+        p + "self_attn.k_proj.weight": zeros(heads * head_dim, d),
+        p + "self_attn.v_proj.weight": zeros(heads * head_dim, d),
+        p + "self_attn.o_proj.weight": zeros(d, heads * head_dim),
+        p + "mlp.gate_proj.weight": zeros(f, d),
+        p + "mlp.up_proj.weight": zeros(f, d),
+        p + "mlp.down_proj.weight": zeros(d, f),
+    }
+    save_file(tensors, str(path / "model.safetensors"))
+    return vocab
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_token_healing_on_a_sentencepiece_tokenizer_drops_the_space_too(
+    tmp_path: Path, dtype: str
+) -> None:
+    # Issue 8, defect 12: decoded alone, "▁lazy" is "lazy" (a Metaspace
+    # decoder drops the first token's space), while the healed token decodes
+    # as " lazy" after the prompt; the old code then emitted " lazy dog ...",
+    # repeating the word.
+    write_metaspace_model(tmp_path / "sp", favourite="dog")
+    engine = CpuEngine.load(tmp_path / "sp", dtype=dtype, max_batch=2)
+    try:
+        prompt = "the quick brown fox jumps over the lazy"
+        ids = tuple(engine.encode(prompt))
+        assert engine.decode(ids[-1:]) == "lazy"  # the trap: no space alone
+        spec = GenerationSpec(
+            job_id=next(_ids),
+            prompt_ids=ids,
+            max_new_tokens=4,
+            sampling=GREEDY,
+            token_healing=True,
+        )
+        healed = run_one(engine, spec)
+        # The healed token can only be "▁lazy" (the one token that extends
+        # " lazy"); then "▁dog" three times. Only the new text comes out.
+        assert healed.text == " dog dog dog"
+        assert healed.finished.generated_tokens == 4
+        assert healed.finished.prompt_tokens == len(ids) - 1
+        assert engine.decode(ids) + healed.text == prompt + " dog dog dog"
+        plain = run_one(engine, attrs.evolve(spec, job_id=next(_ids), token_healing=False))
+        assert plain.text == " dog dog dog dog"
+    finally:
+        engine.close()
+
+
+# --- the prefix cache ------------------------------------------------------------
+
+STORY = (
+    "Chapter {n}. The lighthouse keeper of the northern cape kept a logbook of every ship"
+    " that passed, every storm that broke against the rocks, and every letter the supply"
+    " boat brought. In the spring of that year the boat brought a stranger instead, a"
+    " surveyor with a brass theodolite and a habit of humming while he worked."
+)
+
+
+def story_chat(n: int, question: str) -> str:
+    """A chat whose first turn is long enough for several prefix-cache blocks,
+    with a number that keeps other tests' prompts from sharing its blocks."""
+    return chat(STORY.format(n=n) + " " + question)
+
+
+def test_a_reused_prefix_gives_the_same_greedy_text(cpu_engine: CpuEngine) -> None:
+    spec = make_spec(cpu_engine, story_chat(101, "Who came on the boat?"), 12)
+    before = cpu_engine.statistics().prefix_cache
+    cold = run_one(cpu_engine, spec)
+    assert cold.finished.cached_tokens == 0
+    warm = run_one(cpu_engine, attrs.evolve(spec, job_id=next(_ids)))
+    after = cpu_engine.statistics().prefix_cache
+    # Every whole block before the last prompt token came from the cache.
+    block = after.block_tokens
+    assert warm.finished.cached_tokens == (len(spec.prompt_ids) - 1) // block * block > 0
+    assert warm.finished.prompt_tokens == cold.finished.prompt_tokens
+    assert warm.chunks == cold.chunks
+    assert after.hits == before.hits + 1
+    assert after.hit_tokens == before.hit_tokens + warm.finished.cached_tokens
+    assert 0 < after.bytes <= after.capacity_bytes
+
+
+def test_a_chats_next_turn_reuses_the_answer_and_matches_a_cold_run(
+    cpu_engine: CpuEngine, model_dir: Path
+) -> None:
+    """The next turn's prompt holds the first turn's prompt and answer; the
+    answer's keys and values were computed one decode step at a time, the cold
+    run computes them in a prefill chunk, and the greedy text is the same."""
+    first = make_spec(cpu_engine, story_chat(102, "Describe the surveyor."), 40)
+    answer = run_one(cpu_engine, first)
+    assert answer.finished.generated_tokens > 8
+    history = story_chat(102, "Describe the surveyor.") + answer.text
+    second_prompt = history + "<|im_end|>\n<|im_start|>user\nAnd the keeper?<|im_end|>\n"
+    second = make_spec(cpu_engine, second_prompt + "<|im_start|>assistant\n", 12)
+    warm = run_one(cpu_engine, second)
+    assert warm.finished.cached_tokens > len(first.prompt_ids)
+    cold_engine = CpuEngine.load(model_dir, max_batch=2, prefix_cache_bytes=0)
+    try:
+        cold = run_one(cold_engine, attrs.evolve(second, job_id=next(_ids)))
+        assert cold.finished.cached_tokens == 0
+        assert cold_engine.statistics().prefix_cache.blocks == 0
+    finally:
+        cold_engine.close()
+    assert warm.chunks == cold.chunks
+
+
+def test_reuse_keeps_batch_invariance(cpu_engine: CpuEngine) -> None:
+    """Eight jobs sharing a long first part run together (nothing cached yet
+    for them), then each alone (served from the cache): same greedy text."""
+    questions = ["Who is the keeper?", "What did the boat bring?", "Name the season.", "Why?"]
+    specs = [make_spec(cpu_engine, story_chat(103, q), 10) for q in questions * 2]
+    together = run_all(cpu_engine, specs)
+    assert all(together[s.job_id].finished.cached_tokens == 0 for s in specs[:1])
+    for spec in specs:
+        alone = run_one(cpu_engine, attrs.evolve(spec, job_id=next(_ids)))
+        assert alone.finished.cached_tokens > 0
+        assert alone.chunks == together[spec.job_id].chunks
+
+
+def test_statistics_report_jobs_and_memory(cpu_engine: CpuEngine) -> None:
+    stats = cpu_engine.statistics()
+    assert (stats.running_jobs, stats.waiting_jobs, stats.kv_cache_bytes) == (0, 0, 0)
+    assert stats.weight_bytes > 0
+    assert stats.prefix_cache.capacity_bytes == DEFAULT_PREFIX_CACHE_BYTES
+    spec = make_spec(cpu_engine, chat("Name a color."), 4)
+    cpu_engine.step([spec], [])
+    running = cpu_engine.statistics()
+    assert running.running_jobs == 1
+    assert running.kv_cache_bytes > 0
+    cpu_engine.step([], [spec.job_id])
+    assert cpu_engine.statistics().running_jobs == 0
+
+
+def test_the_default_model_runs_on_its_4bit_weights(cpu_engine: CpuEngine) -> None:
+    weights = cpu_engine._weights
+    assert weights is not None
+    assert weights.kinds() == {"q4": 4 * 30}
+
+
+# --- quality of the 4-bit path ------------------------------------------------------
+
+#: A fixed English text for the perplexity guard (88 tokens).
+PERPLEXITY_TEXT = (
+    "The river town grew around a ford, a mill and a Thursday market. Farmers brought grain"
+    " and wool; merchants brought salt, iron and news from the coast. Over three centuries the"
+    " bridge was rebuilt four times, the mill became a paper works, and the market moved"
+    " indoors, but the Thursday crowd never stopped coming. Today the paper works is a museum,"
+    " and on Thursdays children still follow their grandparents across the old stone bridge."
+)
+
+
+def perplexity(model_dir: Path, weights_mode: str, ids: Sequence[int]) -> float:
+    """exp of the mean negative log-likelihood of ``ids[1:]``, logits in float32."""
+    config = llama.LlamaConfig.from_dir(model_dir)
+    cpu = torch.device("cpu")
+    weights = llama.LlamaWeights.load(
+        model_dir, config, dtype=torch.bfloat16, device=cpu, weights=weights_mode
+    )
+    cache = llama.KVCache(config.n_layers, config.n_kv_heads, config.head_dim, torch.bfloat16, cpu)
+    cache.fit(1, len(ids))
+    rope = llama.rope_tables(config, len(ids), cpu)
+    with torch.inference_mode():
+        hidden = llama.forward(
+            weights,
+            config,
+            cache,
+            rope,
+            torch.tensor([list(ids)]),
+            torch.arange(len(ids))[None],
+            torch.tensor([0]),
+            every_position=True,
+        )[0, :-1]
+        logprobs = torch.log_softmax(hidden.float() @ weights.lm_head.float().T, dim=-1)
+        nll = -logprobs.gather(1, torch.tensor(ids[1:])[:, None]).mean()
+    return float(torch.exp(nll))
+
+
+def test_4bit_perplexity_is_within_one_percent_of_bfloat16(
+    cpu_engine: CpuEngine, model_dir: Path
+) -> None:
+    """The quality guard of issue 13. The bfloat16 path runs the GGUF's 4-bit
+    weights dequantized (through float16, rounded to bfloat16); the 4-bit path
+    runs the groups themselves with bfloat16 scales. Measured: see
+    docs/performance.md."""
+    ids = [cpu_engine.info.bos_token_id or 1, *cpu_engine.encode(PERPLEXITY_TEXT)]
+    q4 = perplexity(model_dir, "auto", ids)
+    bf16 = perplexity(model_dir, "float", ids)
+    assert 1.0 < bf16 < 100.0  # a real model on English prose
+    assert abs(q4 / bf16 - 1) <= 0.01, (q4, bf16)

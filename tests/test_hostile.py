@@ -259,7 +259,12 @@ async def test_deep_nesting_never_crashes_and_gets_one_reply(place: str) -> None
     # Every depth near the recursion limit (where the server's stack depth
     # puts the crash), every tenth below it.
     depths = [*range(1, 700, 10), *range(700, 1001), 5000, 100_000]
-    async with serving(ScriptedEngine(step_delay=0.001)) as (_, listening):
+    # 8 MiB frames: the deepest values are bigger than the default frame limit,
+    # which is not what this test is about.
+    async with serving(ScriptedEngine(step_delay=0.001), max_message_bytes=8 * MiB) as (
+        _,
+        listening,
+    ):
         async with open_bystander(listening.url, scripted_stream):
             async with trio_websocket.open_websocket_url(listening.url) as ws:
                 for depth in depths:
@@ -288,7 +293,10 @@ async def test_deep_nesting_never_crashes_and_gets_one_reply(place: str) -> None
 async def test_nesting_deeper_than_64_is_invalid_json(place: str) -> None:
     """Issue 8's bound: "depth 64 is plenty; deeper is invalid_json"."""
     template = NESTED_TEMPLATES[place]
-    async with serving(ScriptedEngine()) as (_, listening), raw_client(listening.url) as ws:
+    async with (
+        serving(ScriptedEngine(), max_message_bytes=8 * MiB) as (_, listening),
+        raw_client(listening.url) as ws,
+    ):
         for depth in (70, 100, 500, 2000):
             for value in (nested(depth), nested_objects(depth)):
                 reply = await ws.request(template.replace("{D}", value))
@@ -634,7 +642,7 @@ async def test_a_client_that_does_not_read_is_closed_and_memory_stays_bounded() 
     a byte limit or it accepts nothing for a while, its jobs are cancelled,
     and the server's memory stays bounded (assumes ``max_output_bytes``,
     ``send_timeout``, ``close_timeout``)."""
-    tag = "t" * 1_000_000
+    tag = "t" * 16_000  # the largest tag the protocol takes (16 KiB as JSON)
     engine = ScriptedEngine(step_delay=0.001, max_batch=20)
     async with serving(
         engine,
@@ -693,7 +701,7 @@ async def test_a_slow_but_live_reader_is_not_dropped_by_keepalive() -> None:
     async with serving(engine, ping_interval=0.2, ping_timeout=1.0) as (_, listening):
         ws = await wire.open_raw_websocket("127.0.0.1", listening.port, receive_buffer=16384)
         for i in range(4):
-            await ws.send_json(infer("long", 10_000, stream=True, tag="x" * 20_000, request_id=i))
+            await ws.send_json(infer("long", 10_000, stream=True, tag="x" * 16_000, request_id=i))
         echoes_sent = echoes_back = 0
         close_code: int | None = None
         finals: list[dict[str, Any]] = []
@@ -779,6 +787,11 @@ async def test_one_connection_flooding_does_not_starve_another() -> None:
 # --- defect 9: the frame limit counts bytes -------------------------------------------------------
 
 
+async def send_then_receive(ws: Any, frame: str) -> None:
+    await ws.send(frame)
+    await ws.recv()
+
+
 @pytest.mark.parametrize(
     ("text", "closed"),
     [
@@ -788,11 +801,6 @@ async def test_one_connection_flooding_does_not_starve_another() -> None:
     ],
     ids=["issue_frame", "just_over_in_bytes", "ascii_under"],
 )
-async def send_then_receive(ws: Any, frame: str) -> None:
-    await ws.send(frame)
-    await ws.recv()
-
-
 async def test_the_frame_limit_counts_bytes(text: str, closed: bool) -> None:
     """Issue 8, defect 9: with --max-message-bytes 65536 a 261,944-byte frame of
     emoji was accepted, since the limit counted characters."""
@@ -835,7 +843,7 @@ async def test_a_job_that_finished_keeps_its_real_stop_reason(how: str) -> None:
         listening = await nursery.start(run_server)
         ws = await wire.open_raw_websocket("127.0.0.1", listening.port, receive_buffer=16384)
         await ws.send_json(
-            infer("say:" + answer, 1000, stream=True, tag="x" * 20_000, request_id="done")
+            infer("say:" + answer, 1000, stream=True, tag="x" * 16_000, request_id="done")
         )
         await wait_until(lambda: server.statistics().scheduler.served == 1, within=60)
         close = None

@@ -59,6 +59,29 @@ def random_weights(config: llama.LlamaConfig, seed: int = 0) -> llama.LlamaWeigh
     return llama.LlamaWeights(embed=embed, layers=layers, norm=1 + rand(d), lm_head=embed)
 
 
+def to_bfloat16(layer: llama.LayerWeights) -> llama.LayerWeights:
+    """The layer with bfloat16 matmul weights (norm weights stay float32)."""
+    return attrs.evolve(
+        layer,
+        wqkv=as_tensor(layer.wqkv).bfloat16(),
+        wo=as_tensor(layer.wo).bfloat16(),
+        w_gate_up=as_tensor(layer.w_gate_up).bfloat16(),
+        w_down=as_tensor(layer.w_down).bfloat16(),
+    )
+
+
+def as_tensor(w: llama.Linear) -> torch.Tensor:
+    assert isinstance(w, torch.Tensor)
+    return w
+
+
+def dense(w: llama.Linear) -> torch.Tensor:
+    """The float32 weights of a plain or quantized linear layer."""
+    if isinstance(w, llama.QuantizedWeight):
+        return llama.dequantize(w, torch.float32)
+    return w.float()
+
+
 def reference_logits(
     weights: llama.LlamaWeights, config: llama.LlamaConfig, ids: list[int]
 ) -> torch.Tensor:
@@ -77,9 +100,9 @@ def reference_logits(
     def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * w
 
-    x = weights.embed[torch.tensor(ids)]
+    x = weights.embed[torch.tensor(ids)].float()
     for layer in weights.layers:
-        y = norm(x, layer.attn_norm) @ layer.wqkv.T
+        y = norm(x, layer.attn_norm) @ dense(layer.wqkv).T
         q, kk, v = torch.split(y, [h * e, k * e, k * e], dim=-1)
         q = q.view(t, h, e).transpose(0, 1)
         kk = kk.view(t, k, e).transpose(0, 1)
@@ -89,10 +112,10 @@ def reference_logits(
         kk = kk.repeat_interleave(h // k, 0)
         v = v.repeat_interleave(h // k, 0)
         att = F.scaled_dot_product_attention(q, kk, v, is_causal=True)
-        x = x + att.transpose(0, 1).reshape(t, h * e) @ layer.wo.T
-        gate, up = (norm(x, layer.mlp_norm) @ layer.w_gate_up.T).chunk(2, -1)
-        x = x + (F.silu(gate) * up) @ layer.w_down.T
-    return norm(x, weights.norm) @ weights.lm_head.T
+        x = x + att.transpose(0, 1).reshape(t, h * e) @ dense(layer.wo).T
+        gate, up = (norm(x, layer.mlp_norm) @ dense(layer.w_gate_up).T).chunk(2, -1)
+        x = x + (F.silu(gate) * up) @ dense(layer.w_down).T
+    return norm(x, weights.norm) @ weights.lm_head.float().T
 
 
 def new_cache() -> llama.KVCache:
@@ -283,26 +306,19 @@ def test_unsupported_architecture_is_named() -> None:
 
 def test_packed_bfloat16_weights_give_the_plain_results_bit_for_bit() -> None:
     plain = random_weights(CONFIG, seed=4)
-    bf16_layers = [
-        llama.LayerWeights(
-            **{k: v.bfloat16() for k, v in attrs.asdict(layer, recurse=False).items()}
-        )
-        for layer in plain.layers
-    ]
+    bf16_layers = [to_bfloat16(layer) for layer in plain.layers]
     embed = plain.embed.bfloat16()
-    unpacked = llama.LlamaWeights(
-        embed=embed, layers=bf16_layers, norm=plain.norm.bfloat16(), lm_head=embed
-    )
-    pack = llama._packer(embed)
+    unpacked = llama.LlamaWeights(embed=embed, layers=bf16_layers, norm=plain.norm, lm_head=embed)
+    pack = llama._packer(torch.bfloat16, CPU, CONFIG.hidden_size)
     packed = llama.LlamaWeights(
         embed=embed,
         layers=[
             attrs.evolve(
                 layer,
-                wqkv=pack(layer.wqkv),
-                wo=pack(layer.wo),
-                w_gate_up=pack(layer.w_gate_up),
-                w_down=pack(layer.w_down),
+                wqkv=pack(as_tensor(layer.wqkv)),
+                wo=pack(as_tensor(layer.wo)),
+                w_gate_up=pack(as_tensor(layer.w_gate_up)),
+                w_down=pack(as_tensor(layer.w_down)),
             )
             for layer in bf16_layers
         ],
@@ -310,7 +326,7 @@ def test_packed_bfloat16_weights_give_the_plain_results_bit_for_bit() -> None:
         lm_head=embed,
         lm_head_packed=pack(embed),
     )
-    if not packed.layers[0].wqkv.is_mkldnn:
+    if not as_tensor(packed.layers[0].wqkv).is_mkldnn:
         pytest.skip("this torch build does not pack weights (no exact oneDNN kernel)")
     rope = llama.rope_tables(CONFIG, 64, CPU)
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]])
@@ -325,3 +341,150 @@ def test_packed_bfloat16_weights_give_the_plain_results_bit_for_bit() -> None:
             hidden = llama.forward(weights, CONFIG, cache, rope, ids, positions, torch.arange(2))
             results.append(llama.logits(weights, hidden))
     assert torch.equal(results[0], results[1])
+
+
+# --- quantized weights ---------------------------------------------------------
+
+Q4_CONFIG = attrs.evolve(
+    CONFIG, hidden_size=64, intermediate_size=96, n_heads=4, n_kv_heads=2, head_dim=16
+)
+
+
+def q4_weights(config: llama.LlamaConfig, seed: int) -> llama.LlamaWeights:
+    """Random 4-bit layers (as a GGUF's Q4_1 groups: d * q + m) with bfloat16
+    embeddings; raises pytest's skip where the 4-bit kernel is missing."""
+    g = torch.Generator().manual_seed(seed)
+    d, f = config.hidden_size, config.intermediate_size
+    qkv_rows = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
+
+    def q4(n: int, k: int) -> llama.Linear:
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        scale = torch.rand(n, k // llama.Q4_GROUP, generator=g) * 0.04 + 0.01
+        low = -8 * scale + torch.randn(n, k // llama.Q4_GROUP, generator=g) * 0.01
+        w = llama._q4_weight(q, scale, low, lambda t: t)
+        if not isinstance(w, llama.QuantizedWeight):
+            pytest.skip("this torch build has no working 4-bit CPU kernel")
+        return w
+
+    layers = [
+        llama.LayerWeights(
+            attn_norm=1 + torch.randn(d, generator=g) * 0.1,
+            wqkv=q4(qkv_rows, d),
+            wo=q4(d, config.n_heads * config.head_dim),
+            mlp_norm=1 + torch.randn(d, generator=g) * 0.1,
+            w_gate_up=q4(2 * f, d),
+            w_down=q4(d, f),
+        )
+        for _ in range(config.n_layers)
+    ]
+    embed = torch.randn(config.vocab_size, d, generator=g).bfloat16()
+    return llama.LlamaWeights(embed=embed, layers=layers, norm=torch.ones(d), lm_head=embed)
+
+
+def test_q4_layers_compute_their_dequantized_weights() -> None:
+    weights = q4_weights(Q4_CONFIG, seed=5)
+    w = weights.layers[0].w_gate_up
+    assert isinstance(w, llama.QuantizedWeight)
+    x = torch.randn(5, Q4_CONFIG.hidden_size).bfloat16()
+    exact = x.float() @ llama.dequantize(w, torch.float32).T
+    got = llama.linear(x, w).float()
+    # Only the bfloat16 output rounding (8-bit mantissa) stands between them.
+    torch.testing.assert_close(got, exact, rtol=2**-7, atol=1e-2)
+    # The bfloat16 dequantization is the float32 one rounded.
+    assert torch.equal(llama.dequantize(w), llama.dequantize(w, torch.float32).bfloat16())
+
+
+def test_q4_model_matches_the_reference_on_its_dequantized_weights() -> None:
+    weights = q4_weights(Q4_CONFIG, seed=6)
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    cache = llama.KVCache(
+        Q4_CONFIG.n_layers, Q4_CONFIG.n_kv_heads, Q4_CONFIG.head_dim, torch.bfloat16, CPU
+    )
+    cache.fit(1, len(ids))
+    rope = llama.rope_tables(Q4_CONFIG, 64, CPU)
+    with torch.inference_mode():
+        hidden = llama.forward(
+            weights,
+            Q4_CONFIG,
+            cache,
+            rope,
+            torch.tensor([ids]),
+            torch.arange(len(ids))[None],
+            torch.tensor([0]),
+        )
+        got = llama.logits(weights, hidden)[0]
+    want = reference_logits(weights, Q4_CONFIG, ids)[-1]
+    # bfloat16 activations and KV against a float32 reference.
+    assert float((got - want).abs().max()) < 0.05 * float(want.abs().max())
+    assert int(got.argmax()) == int(want.argmax())
+
+
+def test_q4_rows_do_not_depend_on_the_chunk_they_run_in() -> None:
+    """The property prefix reuse rests on: a position's keys and values, and
+    the last hidden state, come out bit for bit the same whether the prompt
+    runs in one chunk, resumes after a cached prefix at any split, or feeds
+    its last positions one decode step at a time."""
+    weights = q4_weights(Q4_CONFIG, seed=7)
+    rope = llama.rope_tables(Q4_CONFIG, 128, CPU)
+    ids = torch.randint(
+        0, Q4_CONFIG.vocab_size, (1, 70), generator=torch.Generator().manual_seed(1)
+    )
+    schedules = [[(0, 70)], [(0, 37), (37, 70)], [(0, 64), (64, 70)]]
+    schedules.append([(0, 60)] + [(p, p + 1) for p in range(60, 70)])
+    caches, hiddens = [], []
+    for schedule in schedules:
+        cache = llama.KVCache(
+            Q4_CONFIG.n_layers, Q4_CONFIG.n_kv_heads, Q4_CONFIG.head_dim, torch.bfloat16, CPU
+        )
+        cache.fit(2, 70)
+        with torch.inference_mode():
+            for start, end in schedule:
+                hidden = llama.forward(
+                    weights,
+                    Q4_CONFIG,
+                    cache,
+                    rope,
+                    ids[:, start:end],
+                    torch.arange(start, end)[None],
+                    torch.tensor([1]),
+                )
+        caches.append(cache.kv[:, 1, :, :70].clone())
+        hiddens.append(hidden)
+    for schedule, cache_kv, hidden in zip(schedules[1:], caches[1:], hiddens[1:], strict=True):
+        assert torch.equal(cache_kv, caches[0]), schedule
+        assert torch.equal(hidden, hiddens[0]), schedule
+
+
+def test_q4_unpacking_reads_the_kernels_layout() -> None:
+    if not llama._q4_unpack_works():
+        pytest.skip("this torch build packs 4-bit weights in a layout trioserve does not read")
+    for n in (64, 96, 192, 208):
+        q = torch.randint(0, 16, (n, 64), generator=torch.Generator().manual_seed(n))
+        data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        assert torch.equal(llama._q4_unpack(data, n, 64), q.to(torch.uint8))
+
+
+def test_quantizing_at_load_stays_close_to_the_float_weights() -> None:
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(96, 64, generator=g) * 0.05
+    q, d, m = llama._quantize_q4(w)
+    assert int(q.max()) <= 15
+    back = (q.view(96, -1, llama.Q4_GROUP).float() * d[..., None] + m[..., None]).view(96, 64)
+    # Half a step of each group at most.
+    steps = d.repeat_interleave(llama.Q4_GROUP, dim=1)
+    assert bool(((back - w).abs() <= steps / 2 + 1e-6).all())
+    int8 = llama._int8_weight(w, lambda t: t)
+    if isinstance(int8, llama.QuantizedWeight):
+        back8 = llama.dequantize(int8, torch.float32)
+        assert float((back8 - w).abs().max()) <= float(w.abs().max()) / 127
+
+
+def test_kv_cache_reads_and_writes_a_slots_positions() -> None:
+    cache = new_cache()
+    cache.fit(3, 20)
+    data = torch.randn(CONFIG.n_layers, 2 * CONFIG.n_kv_heads, 5, CONFIG.head_dim)
+    cache.write(2, 7, data)
+    assert torch.equal(cache.read(2, 7, 12), data)
+    assert torch.equal(cache.k[:, 2, :, 7:12], data[:, : CONFIG.n_kv_heads])
+    assert torch.equal(cache.v[:, 2, :, 7:12], data[:, CONFIG.n_kv_heads :])
+    assert not bool(cache.kv[:, :2].any())

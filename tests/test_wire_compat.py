@@ -16,7 +16,7 @@ import pytest
 from tests.exllamav2_reference import SeedFrame, compare, seed_frames
 from trioserve import protocol as p
 
-from .helpers import RawClient, chunks_of, raw_client, running_server
+from .helpers import RawClient, ScriptedEngine, chunks_of, raw_client, running_server
 
 if TYPE_CHECKING:
     from trioserve.engine.cpu import CpuEngine
@@ -183,10 +183,13 @@ async def test_the_seeds_sequences_decode_with_the_codec(cpu_engine: CpuEngine) 
     assert [p.unstructure_reply(r) for r in replies] == frames
 
 
-async def test_messages_are_checked_then_refused_until_rendered(cpu_engine: CpuEngine) -> None:
-    """``messages`` is validated by the protocol; rendering it is the
-    server's (issue 10), which until then answers invalid_request."""
-    chat = [{"role": "user", "content": "Hi!"}]
+async def test_messages_are_checked_then_rendered_with_the_models_template(
+    cpu_engine: CpuEngine,
+) -> None:
+    """``messages`` is validated by the protocol and rendered by the server with
+    the model's own chat template (issue 10): the same answer as the ChatML
+    text a client would have written by hand, and util_text is the rendering."""
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
     async with running_server(cpu_engine) as listening, raw_client(listening.url) as ws:
         bad = await ws.request(
             {"action": "infer", "request_id": 1, "messages": [{"role": ""}], "max_new_tokens": 4}
@@ -194,10 +197,33 @@ async def test_messages_are_checked_then_refused_until_rendered(cpu_engine: CpuE
         both = await ws.request(
             {"action": "infer", "request_id": 2, "messages": chat, "text": "x", "max_new_tokens": 4}
         )
+        await ws.send(
+            {
+                "action": "infer",
+                "request_id": 3,
+                "messages": chat,
+                "max_new_tokens": 20,
+                "temperature": 0,
+            }
+        )
+        (rendered,) = await ws.recv_until_final(request_id=3)
+    assert bad["error"]["field"] == "$.messages[0].role"
+    assert both["error"]["message"] == "give exactly one of text and messages, not both"
+    assert rendered["response_type"] == "full", rendered
+    assert rendered["response"] == "The capital of France is Paris."
+    # SmolLM2's template adds its default system prompt, then the turn.
+    assert rendered["util_text"].startswith("<|im_start|>system\n")
+    assert rendered["util_text"].endswith(
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+async def test_messages_need_a_chat_template() -> None:
+    """A model without a template answers messages with invalid_request on $.messages."""
+    chat = [{"role": "user", "content": "Hi!"}]
+    async with running_server(ScriptedEngine()) as listening, raw_client(listening.url) as ws:
         refused = await ws.request(
             {"action": "infer", "request_id": 3, "messages": chat, "max_new_tokens": 4}
         )
-    assert bad["error"]["field"] == "$.messages[0].role"
-    assert both["error"]["message"] == "give exactly one of text and messages, not both"
     assert refused["error"]["type"] == "invalid_request"
     assert refused["error"]["field"] == "$.messages"

@@ -608,6 +608,7 @@ class Connection:
                 prompt_tokens=generation.prompt_tokens,
                 trimmed_tokens=generation.trimmed_tokens,
                 generated_tokens=generation.generated_tokens,
+                cached_tokens=generation.cached_tokens,
             ),
             timing=p.Timing(
                 queued_s=round(generation.queued_s, 6),
@@ -628,6 +629,7 @@ class Connection:
             "request_id": short_repr(entry.request.echoed.get("request_id")),
             "prompt_tokens": generation.prompt_tokens,
             "generated_tokens": generation.generated_tokens,
+            "cached_tokens": generation.cached_tokens,
             "queue_s": round(generation.queued_s, 4),
             "ttft_s": None
             if generation.first_token_s is None
@@ -648,6 +650,7 @@ class Connection:
             outcome=outcome,
             prompt_tokens=generation.prompt_tokens,
             generated_tokens=generation.generated_tokens,
+            cached_tokens=generation.cached_tokens,
             duration=generation.total_s,
         )
         if generation.job is not None and generation.job.started_at is not None:

@@ -172,6 +172,8 @@ class Generation:
     util_text: str = ""
     prompt_tokens: int = 0
     trimmed_tokens: int = 0
+    #: Prompt tokens the engine took from its prefix cache.
+    cached_tokens: int = 0
     response: str = ""
     held: str = ""
     generated_tokens: int = 0
@@ -270,6 +272,7 @@ class Generation:
             return False
         self.held = ""
         self.prompt_tokens = update.prompt_tokens
+        self.cached_tokens = update.cached_tokens
         self._release(update.text)
         self.finished = update
         self._settle("finished")

@@ -53,6 +53,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("trioserve.routes")
+access_log = logging.getLogger("trioserve.access")
 
 #: Readiness of the server: only ``ready`` answers 200 on ``/ready``.
 Readiness = Literal["ready", "starting", "draining"]
@@ -239,7 +240,11 @@ class _Tracker:
 
     metrics: Metrics | None
     action: str
+    #: The client, for the access log.
+    peer: str = ""
     arrived: float = attrs.Factory(trio.current_time)
+    first_at: float | None = None
+    cached_tokens: int = 0
     last: float | None = None
     generated: int = 0
     prompt_tokens: int = 0
@@ -248,6 +253,8 @@ class _Tracker:
     def update(self, generated: int) -> None:
         now = trio.current_time()
         new = generated - self.generated
+        if new > 0 and self.first_at is None:
+            self.first_at = now
         if new > 0 and self.metrics is not None:
             if self.last is None:
                 self.metrics.first_token(now - self.arrived, api="openai")
@@ -263,6 +270,7 @@ class _Tracker:
         if self.done:
             return
         self.done = True
+        now = trio.current_time()
         if self.metrics is not None:
             self.metrics.request_finished(
                 api="openai",
@@ -270,8 +278,32 @@ class _Tracker:
                 outcome=outcome,
                 prompt_tokens=self.prompt_tokens,
                 generated_tokens=self.generated,
-                duration=trio.current_time() - self.arrived,
+                cached_tokens=self.cached_tokens,
+                duration=now - self.arrived,
             )
+        ttft = None if self.first_at is None else round(self.first_at - self.arrived, 4)
+        rate = None
+        if self.first_at is not None and self.last is not None and self.generated > 1:
+            span = self.last - self.first_at
+            rate = round((self.generated - 1) / span, 1) if span > 0 else None
+        access_log.info(
+            "%s done",
+            self.action,
+            extra={
+                "fields": {
+                    "peer": self.peer,
+                    "api": "openai",
+                    "action": self.action,
+                    "outcome": outcome,
+                    "prompt_tokens": self.prompt_tokens,
+                    "generated_tokens": self.generated,
+                    "cached_tokens": self.cached_tokens,
+                    "ttft_s": ttft,
+                    "tok_s": rate,
+                    "total_s": round(now - self.arrived, 4),
+                }
+            },
+        )
 
 
 @attrs.define
@@ -306,7 +338,7 @@ class OpenAIRoutes:
         return Response.json(oa.model_object(name, self.created))
 
     async def completions(self, request: HTTPRequest) -> Response | StreamingResponse:
-        tracker = _Tracker(self.metrics, "completions")
+        tracker = _Tracker(self.metrics, "completions", request.head.peer)
         try:
             parsed = oa.parse_completion_request(request.body, self.limits)
             if isinstance(parsed.prompt, str):
@@ -324,7 +356,7 @@ class OpenAIRoutes:
             raise
 
     async def chat_completions(self, request: HTTPRequest) -> Response | StreamingResponse:
-        tracker = _Tracker(self.metrics, "chat_completions")
+        tracker = _Tracker(self.metrics, "chat_completions", request.head.peer)
         try:
             parsed = oa.parse_chat_request(request.body, self.limits)
             prompt = await self._render(parsed)
@@ -380,7 +412,9 @@ class OpenAIRoutes:
                 text, finished = await self._collect(generation, tracker)
             finally:
                 self._release(generation, tracker)
-            usage = oa.TokenUsage(finished.prompt_tokens, finished.generated_tokens)
+            usage = oa.TokenUsage(
+                finished.prompt_tokens, finished.generated_tokens, finished.cached_tokens
+            )
             reason = oa.finish_reason(finished)
             if chat:
                 body = oa.chat_completion_response(
@@ -421,8 +455,11 @@ class OpenAIRoutes:
                             await out.send(stream.text(update.text))
                     elif isinstance(update, Finished):
                         tracker.update(update.generated_tokens)
-                        usage = oa.TokenUsage(update.prompt_tokens, update.generated_tokens)
+                        usage = oa.TokenUsage(
+                            update.prompt_tokens, update.generated_tokens, update.cached_tokens
+                        )
                         reason = oa.finish_reason(update)
+                        tracker.cached_tokens = update.cached_tokens
                         tracker.finish("num_tokens" if reason == "length" else "eos")
                         await out.send(stream.finish(reason, usage, text=update.text))
                         return
@@ -443,6 +480,7 @@ class OpenAIRoutes:
                 parts.append(update.text)
             elif isinstance(update, Finished):
                 tracker.update(update.generated_tokens)
+                tracker.cached_tokens = update.cached_tokens
                 tracker.finish("num_tokens" if update.reason == "max_new_tokens" else "eos")
                 parts.append(update.text)
                 return "".join(parts), update

@@ -317,7 +317,14 @@ class Server:
 
     def info_reply(self, echoed: Mapping[str, Any]) -> p.InfoReply:
         server, model, limits = self._info_reply_parts
-        return p.InfoReply(server=server, model=model, limits=limits, echoed=echoed)
+        stats = self.statistics()
+        status = p.Status(
+            connections=stats.connections,
+            requests_in_flight=stats.requests_in_flight,
+            running_jobs=stats.scheduler.running,
+            waiting_jobs=stats.scheduler.waiting,
+        )
+        return p.InfoReply(server=server, model=model, limits=limits, status=status, echoed=echoed)
 
     async def run(
         self, *, task_status: trio.TaskStatus[Listening] = trio.TASK_STATUS_IGNORED

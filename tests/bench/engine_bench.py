@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,9 +52,14 @@ from trioserve.engine.models import (
 GREEDY = SamplingSettings(temperature=0.0, rep_pen=1.0)
 DECODE_TOKENS = 128
 AGGREGATE_TOKENS = 64
-CONCURRENCY = (1, 4, 8, 16)
-#: Runs of each measurement; the best one is reported.
-REPEATS = 3
+CONCURRENCY = (1, 8, 16)
+#: Rounds of the side-by-side measurements; medians are reported.
+ROUNDS = 5
+#: A chat's next turn: a history of this many tokens, then a short question.
+HISTORY_TOKENS, ANSWER_TOKENS = 2000, 16
+NEXT_QUESTION = (
+    "<|im_end|>\n<|im_start|>user\nAnd what happened next?<|im_end|>\n<|im_start|>assistant\n"
+)
 #: 8 jobs of 1,000-token contexts: 900 prompt + 100 generated tokens each.
 RSS_JOBS, RSS_PROMPT, RSS_NEW = 8, 900, 100
 PARAGRAPH = (
@@ -69,7 +75,8 @@ def chat(question: str) -> str:
 
 
 def prompt_of(engine: CpuEngine, n_tokens: int, salt: int = 0) -> tuple[int, ...]:
-    """Exactly ``n_tokens`` ids of English prose; ``salt`` makes prompts differ."""
+    """Exactly ``n_tokens`` ids of English prose; ``salt`` makes prompts differ
+    from the first token on (so that nothing is served from the prefix cache)."""
     text = f"Chapter {salt}. " + PARAGRAPH * (n_tokens // 40 + 2)
     ids = engine.encode(text)
     assert len(ids) >= n_tokens
@@ -112,34 +119,74 @@ def _drive(engine: CpuEngine, specs: Sequence[GenerationSpec]) -> dict[int, list
     return times
 
 
-def single_stream(engine: CpuEngine, ids: _Ids) -> float:
+def _story(engine: CpuEngine, salt: int) -> tuple[int, ...]:
+    return tuple(engine.encode(chat(f"Tell me a long story about lighthouse number {salt}.")))
+
+
+def single_stream(engine: CpuEngine, ids: _Ids, salt: int) -> float:
     """Decode tokens per second of one job, first token excluded (that is prefill)."""
-    spec = _spec(
-        ids(), engine.encode(chat("Tell me a long story about a lighthouse.")), DECODE_TOKENS
-    )
+    spec = _spec(ids(), _story(engine, salt), DECODE_TOKENS)
     times = _drive(engine, [spec])[spec.job_id]
     return (len(times) - 1) / (times[-1] - times[0])
 
 
-def first_token(engine: CpuEngine, ids: _Ids, n_tokens: int, salt: int = 0) -> float:
-    """Seconds from submission to the first token of an ``n_tokens`` prompt."""
-    spec = _spec(ids(), prompt_of(engine, n_tokens, salt=salt), 1)
+def first_token(engine: CpuEngine, ids: _Ids, prompt: Sequence[int]) -> float:
+    """Seconds from submission to the first token of ``prompt``."""
+    spec = _spec(ids(), prompt, 1)
     return _drive(engine, [spec])[spec.job_id][0]
 
 
-def aggregate(engine: CpuEngine, ids: _Ids, jobs: int) -> float:
+def aggregate(engine: CpuEngine, ids: _Ids, jobs: int, salt: int) -> float:
     """Generated tokens per second over ``jobs`` jobs submitted together
     (prefill included), from submission to the last job's end."""
     specs = [
         _spec(
             ids(),
-            engine.encode(chat(f"Tell me a long story about city number {i}.")),
+            engine.encode(chat(f"Tell me a long story about city number {salt * 100 + i}.")),
             AGGREGATE_TOKENS,
         )
         for i in range(jobs)
     ]
     times = _drive(engine, specs)
     return jobs * AGGREGATE_TOKENS / max(t[-1] for t in times.values())
+
+
+def next_turn(engine: CpuEngine, cold: CpuEngine, ids: _Ids, salt: int) -> tuple[float, float]:
+    """First-token seconds of a chat's next turn, after a HISTORY_TOKENS first
+    turn, on ``engine`` (its prefix cache holds the first turn) and on
+    ``cold`` (no prefix cache), in alternating order."""
+    history = prompt_of(engine, HISTORY_TOKENS, salt=salt)
+    first = _spec(ids(), history, ANSWER_TOKENS)
+    answer = _generated_ids(engine, first)
+    prompt = (*history, *answer, *engine.encode(NEXT_QUESTION))
+    if salt % 2:
+        warm = first_token(engine, ids, prompt)
+        cold_s = first_token(cold, ids, prompt)
+    else:
+        cold_s = first_token(cold, ids, prompt)
+        warm = first_token(engine, ids, prompt)
+    return warm, cold_s
+
+
+def _generated_ids(engine: CpuEngine, spec: GenerationSpec) -> list[int]:
+    """The text of a greedy job, re-encoded as a client sends it back in its next turn."""
+    text = ""
+    for update in _updates(engine, spec):
+        text += update.text
+    ids = engine.encode(text)
+    return ids
+
+
+def _updates(engine: CpuEngine, spec: GenerationSpec) -> list[TextUpdate | Finished]:
+    out: list[TextUpdate | Finished] = []
+    submit: Sequence[GenerationSpec] = [spec]
+    while not out or not isinstance(out[-1], Finished):
+        for update in engine.step(submit, []):
+            if not isinstance(update, TextUpdate | Finished):
+                raise RuntimeError(f"benchmark job failed: {update}")
+            out.append(update)
+        submit = []
+    return out
 
 
 def peak_rss_child() -> None:
@@ -149,12 +196,20 @@ def peak_rss_child() -> None:
     ids = _Ids()
     specs = [_spec(ids(), prompt_of(engine, RSS_PROMPT, salt=i), RSS_NEW) for i in range(RSS_JOBS)]
     _drive(engine, specs)
-    cache_mib = engine.cache_bytes / 2**20
+    stats = engine.statistics()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    print(json.dumps({"peak_rss": peak, "cache_mib_after": cache_mib}))
+    print(
+        json.dumps(
+            {
+                "peak_rss": peak,
+                "weights_mib": stats.weight_bytes / 2**20,
+                "prefix_cache_mib": stats.prefix_cache.bytes / 2**20,
+            }
+        )
+    )
 
 
-def peak_rss() -> float:
+def peak_rss() -> dict[str, float]:
     out = subprocess.run(
         [sys.executable, __file__, "--rss-child"],
         check=True,
@@ -162,7 +217,7 @@ def peak_rss() -> float:
         text=True,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
     )
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["peak_rss"]) / 2**30
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 def _gguf_path(tmp: Path) -> Path | None:
@@ -181,96 +236,194 @@ def _gguf_path(tmp: Path) -> Path | None:
     return out
 
 
-def llama_cpp_reference(engine: CpuEngine) -> dict[str, float]:
-    """Single-stream decode and first-token time through llama-cpp-python."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        return {}
-    # Imported by name: llama-cpp-python is optional and has no type stubs.
-    llama_cpp = importlib.import_module("llama_cpp")
+class LlamaCpp:
+    """The same GGUF through llama-cpp-python, with torch's thread count."""
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = _gguf_path(Path(tmp))
-        if path is None:
-            return {}
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=4096, verbose=False)
-        prompt = engine.encode(chat("Tell me a long story about a lighthouse."))
-        llm.reset()
+    def __init__(self, path: Path) -> None:
+        # Imported by name: llama-cpp-python is optional and has no type stubs.
+        llama_cpp = importlib.import_module("llama_cpp")
+        self.llm = llama_cpp.Llama(
+            model_path=str(path),
+            n_ctx=4096,
+            n_threads=torch.get_num_threads(),
+            n_threads_batch=torch.get_num_threads(),
+            verbose=False,
+        )
+
+    def single_stream(self, prompt: Sequence[int]) -> float:
+        self.llm.reset()
         start = time.perf_counter()
         stamps = []
-        for _ in llm.generate(prompt, temp=0.0, top_k=1):
+        for _ in self.llm.generate(list(prompt), temp=0.0, top_k=1):
             stamps.append(time.perf_counter() - start)
             if len(stamps) == DECODE_TOKENS:
                 break
-        decode = (len(stamps) - 1) / (stamps[-1] - stamps[0])
-        firsts = {}
-        for n in (200, 2000):
-            llm.reset()
-            start = time.perf_counter()
-            next(iter(llm.generate(list(prompt_of(engine, n)), temp=0.0, top_k=1)))
-            firsts[n] = time.perf_counter() - start
-        return {"single": decode, "ttft_200": firsts[200], "ttft_2000": firsts[2000]}
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+    def first_token(self, prompt: Sequence[int], *, reset: bool = True) -> float:
+        if reset:
+            self.llm.reset()
+        start = time.perf_counter()
+        next(iter(self.llm.generate(list(prompt), temp=0.0, top_k=1)))
+        return time.perf_counter() - start
+
+    def next_turn(self, history: Sequence[int], follow: Sequence[int]) -> float:
+        """First-token seconds of the next turn with llama.cpp's own prompt reuse
+        (llama-cpp-python keeps the last sequence and resumes from its longest
+        common prefix)."""
+        self.llm.reset()
+        answer = []
+        for token in self.llm.generate(list(history), temp=0.0, top_k=1):
+            answer.append(token)
+            if len(answer) == ANSWER_TOKENS:
+                break
+        return self.first_token([*history, *answer, *follow], reset=False)
 
 
-def run(results: list[dict[str, Any]]) -> None:
-    """Measure everything and append one row per metric to ``results``."""
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def run(results: list[dict[str, Any]], *, say: Any = print, rounds: int = ROUNDS) -> None:
+    """Measure everything and append one row per metric to ``results``.
+
+    trioserve and llama.cpp (when importable) alternate within each round,
+    which side goes first alternating between rounds; ratios are taken per
+    round and their median reported, so both sides of a ratio saw the same
+    machine load.
+    """
     default_model_dir()  # obtain/convert before any timing
     engine = CpuEngine.load(max_batch=max(CONCURRENCY))
+    cold = CpuEngine.load(max_batch=1, prefix_cache_bytes=0)
     ids = _Ids()
+    ref: LlamaCpp | None = None
+    tmp = tempfile.TemporaryDirectory()
+    if importlib.util.find_spec("llama_cpp") is not None:
+        path = _gguf_path(Path(tmp.name))
+        ref = LlamaCpp(path) if path is not None else None
+    series: dict[str, list[float]] = {}
+
+    def note(key: str, value: float) -> None:
+        series.setdefault(key, []).append(value)
+
     try:
         # Warm up allocator and kernels so that the first measurement is not an outlier.
         _drive(engine, [_spec(ids(), engine.encode(chat("Hello")), 8)])
-        # Each measurement is repeated and the best kept: on a shared machine a
-        # burst of other work only ever slows a run down.
-        single = max(single_stream(engine, ids) for _ in range(REPEATS))
-        ttft_200 = min(first_token(engine, ids, 200, salt=r) for r in range(REPEATS))
-        ttft_2000 = min(first_token(engine, ids, 2000, salt=r) for r in range(REPEATS))
-        agg = {n: max(aggregate(engine, ids, n) for _ in range(REPEATS)) for n in CONCURRENCY}
-        reference = llama_cpp_reference(engine)
+        _drive(cold, [_spec(ids(), engine.encode(chat("Hello")), 8)])
+        if ref is not None:
+            ref.first_token(_story(engine, 0))
+        for r in range(rounds):
+            say(f"engine bench: round {r + 1}/{rounds}, load average {load_average()}")
+            story = _story(engine, r)
+
+            def ours(r: int = r) -> None:
+                note("single", single_stream(engine, ids, r))
+                note("ttft_200", first_token(engine, ids, prompt_of(engine, 200, salt=1000 + r)))
+                note("ttft_2000", first_token(engine, ids, prompt_of(engine, 2000, salt=2000 + r)))
+                for n in CONCURRENCY:
+                    note(f"agg_{n}", aggregate(engine, ids, n, salt=r))
+
+            def theirs(story: tuple[int, ...] = story, r: int = r) -> None:
+                if ref is None:
+                    return
+                note("ref_single", ref.single_stream(story))
+                note("ref_ttft_200", ref.first_token(prompt_of(engine, 200, salt=1000 + r)))
+                note("ref_ttft_2000", ref.first_token(prompt_of(engine, 2000, salt=2000 + r)))
+
+            for side in (ours, theirs) if r % 2 == 0 else (theirs, ours):
+                side()
+            warm, cold_s = next_turn(engine, cold, ids, salt=3000 + r)
+            note("next_warm", warm)
+            note("next_cold", cold_s)
+            note("next_ratio", warm / cold_s)
+            note("agg_8_over_1", series["agg_8"][-1] / series["agg_1"][-1])
+            if ref is not None:
+                history = prompt_of(engine, HISTORY_TOKENS, salt=3000 + r)
+                note("ref_next_warm", ref.next_turn(history, engine.encode(NEXT_QUESTION)))
+                note("ratio_single", series["single"][-1] / series["ref_single"][-1])
+                note("ratio_agg_8", series["agg_8"][-1] / series["ref_single"][-1])
+            say(
+                f"engine bench: round {r + 1}: "
+                + ", ".join(f"{key} {values[-1]:.3g}" for key, values in series.items())
+            )
+        stats = engine.statistics()
     finally:
         engine.close()
+        cold.close()
+        tmp.cleanup()
     rss = peak_rss()
+    medians = {key: _median(values) for key, values in series.items()}
 
-    def row(metric: str, value: float, unit: str, target: str | None, ref: str = "") -> None:
+    def row(metric: str, key: str, unit: str, target: str | None, ref_key: str = "") -> None:
         results.append(
             {
                 "section": "engine",
                 "metric": metric,
-                "value": value,
+                "value": medians[key],
                 "unit": unit,
                 "target": target,
-                "llama_cpp": reference.get(ref),
+                "llama_cpp": medians.get(ref_key) if ref_key else None,
+                "spread": (min(series[key]), max(series[key])),
             }
         )
 
-    row("single-stream decode", single, "tok/s", ">= 28", "single")
-    row("first token, 200-token prompt", ttft_200, "s", "<= 0.3", "ttft_200")
-    row("first token, 2,000-token prompt", ttft_2000, "s", None, "ttft_2000")
-    for n, value in agg.items():
-        row(f"aggregate, {n} concurrent jobs", value, "tok/s", None)
+    row("single-stream decode", "single", "tok/s", None, "ref_single")
+    if ref is not None:
+        row("single stream, trioserve / llama.cpp", "ratio_single", "x", ">= 1.0")
+        row("8-stream aggregate / llama.cpp single stream", "ratio_agg_8", "x", ">= 4")
+    row("first token, 200-token prompt", "ttft_200", "s", None, "ref_ttft_200")
+    row("first token, 2,000-token prompt", "ttft_2000", "s", None, "ref_ttft_2000")
     row(
-        "8 jobs / 1 job aggregate",
-        agg[8] / agg[1],
-        "x",
-        ">= 5",
+        "first token of a chat's next turn (2,000-token history)",
+        "next_warm",
+        "s",
+        None,
+        "ref_next_warm",
     )
-    row("peak RSS, 8 jobs of 1,000-token contexts", rss, "GiB", "<= 1.5")
+    row("the same prompt cold (no prefix cache)", "next_cold", "s", None)
+    row("next turn / cold", "next_ratio", "x", "<= 0.1")
+    for n in CONCURRENCY:
+        row(f"aggregate, {n} concurrent jobs", f"agg_{n}", "tok/s", None)
+    row("8 jobs / 1 job aggregate", "agg_8_over_1", "x", None)
+    results.append(
+        {
+            "section": "engine",
+            "metric": "peak RSS, 8 jobs of 1,000-token contexts",
+            "value": rss["peak_rss"] / 2**30,
+            "unit": "GiB",
+            "target": "<= 0.6",
+            "llama_cpp": None,
+            "spread": None,
+        }
+    )
+    say(
+        f"engine bench: weights {rss['weights_mib']:.0f} MiB, prefix cache after the RSS run"
+        f" {rss['prefix_cache_mib']:.0f} MiB; prefix cache after the run: {stats.prefix_cache}"
+    )
 
 
 def markdown(results: Sequence[dict[str, Any]]) -> str:
     have_ref = any(r["llama_cpp"] is not None for r in results)
-    head = "| metric | trioserve cpu, bfloat16 | target |" + (
+    head = "| metric | trioserve cpu (median, rounds' range) | target |" + (
         " llama.cpp (Q4_1) |" if have_ref else ""
     )
     rule = "|---|---|---|" + ("---|" if have_ref else "")
     lines = [head, rule]
+
+    def fmt(value: float, unit: str) -> str:
+        return f"{value:.2f}x" if unit == "x" else f"{value:.3g} {unit}"
+
     for r in results:
         if r["section"] != "engine":
             continue
-        value = f"{r['value']:.3g} {r['unit']}" if r["unit"] != "x" else f"{r['value']:.2f}x"
+        value = fmt(r["value"], r["unit"])
+        if r.get("spread"):
+            low, high = r["spread"]
+            value += f" ({fmt(low, r['unit'])} to {fmt(high, r['unit'])})"
         line = f"| {r['metric']} | {value} | {r['target'] or ''} |"
         if have_ref:
             ref = r["llama_cpp"]
-            line += f" {ref:.3g} {r['unit']} |" if ref is not None else " |"
+            line += f" {fmt(ref, r['unit'])} |" if ref is not None else " |"
         lines.append(line)
     return "\n".join(lines)
 
@@ -289,13 +442,14 @@ def load_average() -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rss-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds (medians over them)")
     args = parser.parse_args(argv)
     if args.rss_child:
         peak_rss_child()
         return
     results: list[dict[str, Any]] = []
     before = load_average()
-    run(results)
+    run(results, say=lambda line: print(line, file=sys.stderr, flush=True), rounds=args.rounds)
     print(f"Engine (CPU): {environment()}; load average {before} before, {load_average()} after\n")
     print(markdown(results))
 

@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "engine" in parts:
         say("engine bench")
         results: list[dict[str, Any]] = []
-        engine_bench.run(results)
+        engine_bench.run(results, say=say)
         print("\n## Engine\n")
         print(engine_bench.markdown(results))
     if "server" in parts:

@@ -14,6 +14,7 @@ import attrs
 
 from ..errors import ConfigError, EngineError
 from .base import (
+    WEIGHT_MODES,
     Engine,
     EngineInfo,
     Failed,
@@ -65,6 +66,13 @@ class EngineOptions:
     offline: bool = False
     #: CPU engine: torch threads (None keeps torch's default).
     threads: int | None = None
+    #: CPU engine: what the linear layers run on: ``auto`` (the model's own
+    #: 4-bit weights where it has them and the kernel is exact enough, else
+    #: bfloat16), ``float`` (the dtype), ``q4`` or ``int8``.
+    weights: str = "auto"
+    #: CPU engine: memory for the prefix cache of finished prompts, in MiB
+    #: (0 turns it off).
+    prefix_cache_mib: int = 128
     #: ExLlamaV2 engine: cache type and size (tokens, a multiple of 256),
     #: GPU split in GB per device (None = autosplit), tensor parallel.
     cache_type: str = "fp16"
@@ -81,6 +89,10 @@ class EngineOptions:
             raise ConfigError(f"context length must be >= 2, got {self.context_length!r}")
         if self.max_batch is not None and self.max_batch < 1:
             raise ConfigError(f"max batch must be >= 1, got {self.max_batch!r}")
+        if self.weights not in WEIGHT_MODES:
+            raise ConfigError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
+        if self.prefix_cache_mib < 0:
+            raise ConfigError(f"prefix cache must be >= 0 MiB, got {self.prefix_cache_mib!r}")
         if self.cache_size is not None and (self.cache_size <= 0 or self.cache_size % 256):
             raise ConfigError(
                 f"cache size must be a positive multiple of 256, got {self.cache_size!r}"
@@ -123,6 +135,8 @@ def load_engine(options: EngineOptions) -> Engine:
             max_batch=options.max_batch or 8,
             offline=options.offline,
             threads=options.threads,
+            weights=options.weights,
+            prefix_cache_bytes=options.prefix_cache_mib * 2**20,
         )
     from .exllamav2 import ExLlamaV2Engine, probe_exllamav2
 

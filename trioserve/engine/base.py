@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
+from typing import Any, Final, Literal, Protocol, TypeAlias, runtime_checkable
 
 import attrs
 
 __all__ = [
     "RANGE",
+    "WEIGHT_MODES",
     "Engine",
     "EngineInfo",
     "Failed",
@@ -46,6 +47,12 @@ __all__ = [
     "Update",
     "setting_ranges",
 ]
+
+
+#: What the CPU engine's linear layers may run on (``EngineOptions.weights``):
+#: ``auto`` (the model's own 4-bit weights where a probe finds the kernel
+#: exact enough, else the dtype), ``float`` (the dtype), ``q4`` or ``int8``.
+WEIGHT_MODES: Final = ("auto", "float", "q4", "int8")
 
 
 @attrs.frozen
@@ -233,6 +240,9 @@ class Finished:
     prompt_tokens: int
     #: Tokens generated, the stop token included.
     generated_tokens: int
+    #: Of ``prompt_tokens``, those whose keys and values came from the
+    #: engine's prefix cache instead of being computed (0 without one).
+    cached_tokens: int = 0
 
 
 @attrs.frozen

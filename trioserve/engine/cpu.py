@@ -40,14 +40,45 @@ from trioserve.engine.base import (
     Update,
 )
 from trioserve.engine.models import DEFAULT_MODEL_NAME, default_model_dir
+from trioserve.engine.prefix import PrefixCache, PrefixCacheStatistics
 from trioserve.engine.sampling import SamplingError, make_generator, sample, settings_problem
 from trioserve.engine.text import TextStream
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError
 
-__all__ = ["DTYPES", "CpuEngine"]
+__all__ = [
+    "DEFAULT_PREFIX_CACHE_BYTES",
+    "DTYPES",
+    "WEIGHT_MODES",
+    "CpuEngine",
+    "CpuEngineStatistics",
+    "PrefixCacheStatistics",
+]
 
 log = logging.getLogger("trioserve.engine")
+
+#: What ``CpuEngine.load(weights=...)`` accepts (see there).
+WEIGHT_MODES = llama.WEIGHT_MODES
+
+#: The prefix cache's default bound: 128 MiB holds about 5,800 positions of
+#: the embedded model (23 KiB each), a few long conversations.
+DEFAULT_PREFIX_CACHE_BYTES = 128 * 2**20
+#: Tokens per prefix-cache block: a reused prefix is a multiple of this.
+PREFIX_BLOCK_TOKENS = 64
+
+
+@attrs.frozen
+class CpuEngineStatistics:
+    """A snapshot of the CPU engine, from :meth:`CpuEngine.statistics`."""
+
+    running_jobs: int
+    waiting_jobs: int
+    #: Bytes the running jobs' KV cache holds.
+    kv_cache_bytes: int
+    #: Bytes the model's weights hold.
+    weight_bytes: int
+    prefix_cache: PrefixCacheStatistics
+
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -76,6 +107,37 @@ class _Job:
     #: The last sampled id, to be fed at the next decode step.
     pending: int | None = None
     generated: int = 0
+    #: The prompt, then every sampled id: ``tokens[:cached]`` are the ids
+    #: whose keys and values the slot holds.
+    tokens: list[int] = attrs.field(factory=list)
+    #: Prompt tokens served from the prefix cache.
+    reused: int = 0
+    #: The prefix cache's blocks still to be copied into the slot (at the
+    #: job's first step, once the cache has room).
+    restore: list[Tensor] = attrs.field(factory=list)
+
+
+#: Prompt ids decoded before the healed token to give it its context.
+_HEALING_CONTEXT = 8
+
+
+def _text_in_context(tokenizer: Tokenizer, prompt: Sequence[int]) -> str:
+    """The text the prompt's last token adds after the ids before it.
+
+    Decoded alone, a token can lose what only its context gives it: a
+    SentencePiece-style decoder drops the leading space of the first token it
+    sees (``"▁lazy"`` alone is ``"lazy"``, after ``"▁the"`` it is ``" lazy"``).
+    The healed token is decoded after the same context the text stream gives
+    the generated ids, so that the prefix it drops is the one they produce.
+    """
+    context = list(prompt[-1 - _HEALING_CONTEXT : -1])
+    before = tokenizer.decode(context)
+    after = tokenizer.decode([*context, prompt[-1]])
+    if context and after.startswith(before):
+        return after[len(before) :]
+    # The context ends inside a character that the last token completes:
+    # there is no clean split, so fall back to the token alone.
+    return tokenizer.decode(prompt[-1:])
 
 
 @attrs.define(eq=False)
@@ -89,6 +151,7 @@ class CpuEngine:
     _rope: tuple[Tensor, Tensor]
     _info: EngineInfo
     _device: torch.device
+    _prefix_cache: PrefixCache
     #: Prompt tokens per prefill chunk, and the prefill budget of one step
     #: over all new jobs (a step runs at least one chunk, and never splits one).
     prefill_chunk: int = 512
@@ -106,12 +169,25 @@ class CpuEngine:
         max_batch: int = 8,
         offline: bool = False,
         threads: int | None = None,
+        weights: str = "auto",
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     ) -> CpuEngine:
         """Load a Llama-family Hugging Face directory (the embedded SmolLM2 when
         ``model_dir`` is None, obtained with :func:`default_model_dir`).
 
         ``context_length`` lowers the model's context; ``threads`` sets torch's
-        (process-wide) thread count when given.
+        (process-wide) thread count when given. ``weights`` (one of
+        :data:`WEIGHT_MODES`) chooses what the linear layers run on: ``"auto"``
+        (the default) the directory's own 4-bit weights where it has them (the
+        embedded model does) and ``dtype`` is bfloat16 on a CPU, else the float
+        weights; ``"float"`` the float weights in ``dtype``; ``"q4"`` 4-bit
+        groups (the directory's, or quantized at load); ``"int8"`` 8 bits per
+        weight, quantized at load. Layers whose shape the quantized kernel
+        cannot run stay bfloat16.
+
+        ``prefix_cache_bytes`` bounds the prefix cache (the keys and values of
+        finished jobs, reused by later prompts that start with the same tokens;
+        see :mod:`trioserve.engine.prefix`); 0 turns it off.
 
         Raises:
             ConfigError: a bad dtype, device, context length, batch or thread count.
@@ -120,6 +196,13 @@ class CpuEngine:
         """
         if dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(DTYPES)!r}, got {dtype!r}")
+        if weights not in WEIGHT_MODES:
+            raise ConfigError(f"weights must be one of {list(WEIGHT_MODES)!r}, got {weights!r}")
+        if weights in ("q4", "int8") and (dtype != "bfloat16" or device != "cpu"):
+            raise ConfigError(
+                f"weights {weights!r} need dtype 'bfloat16' on device 'cpu',"
+                f" got dtype {dtype!r} on device {device!r}"
+            )
         try:
             torch_device = torch.device(device)
         except RuntimeError as exc:
@@ -128,6 +211,8 @@ class CpuEngine:
             raise EngineError(f"device {device!r} was asked for but torch has no CUDA here")
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch!r}")
+        if prefix_cache_bytes < 0:
+            raise ConfigError(f"prefix_cache_bytes must be >= 0, got {prefix_cache_bytes!r}")
         if threads is not None:
             if threads < 1:
                 raise ConfigError(f"threads must be >= 1, got {threads!r}")
@@ -147,7 +232,9 @@ class CpuEngine:
         context = limit if context_length is None else context_length
         tokenizer = Tokenizer.from_dir(model_dir)
         torch_dtype = DTYPES[dtype]
-        weights = llama.LlamaWeights.load(model_dir, config, dtype=torch_dtype, device=torch_device)
+        model = llama.LlamaWeights.load(
+            model_dir, config, dtype=torch_dtype, device=torch_device, weights=weights
+        )
         cache = llama.KVCache(
             config.n_layers, config.n_kv_heads, config.head_dim, torch_dtype, torch_device
         )
@@ -164,10 +251,13 @@ class CpuEngine:
             model_dir=str(model_dir),
         )
         log.info(
-            "cpu engine: %s, %s on %s, context %d, max batch %d, torch threads %d",
+            "cpu engine: %s, %s on %s (linear layers: %s; %.0f MiB of weights),"
+            " context %d, max batch %d, torch threads %d",
             name,
             dtype,
             torch_device,
+            ", ".join(f"{n} {kind}" for kind, n in model.kinds().items()),
+            model.nbytes / 2**20,
             context,
             max_batch,
             torch.get_num_threads(),
@@ -175,8 +265,9 @@ class CpuEngine:
         return cls(
             tokenizer=tokenizer,
             config=config,
-            weights=weights,
+            weights=model,
             cache=cache,
+            prefix_cache=PrefixCache(prefix_cache_bytes, PREFIX_BLOCK_TOKENS),
             rope=llama.rope_tables(config, context, torch_device),
             info=info,
             device=torch_device,
@@ -192,8 +283,20 @@ class CpuEngine:
 
     @property
     def cache_bytes(self) -> int:
-        """Bytes the KV cache holds now (it grows and shrinks with the jobs)."""
+        """Bytes the KV cache of running jobs holds now (it grows and shrinks
+        with the jobs; the prefix cache is apart, see :meth:`statistics`)."""
         return self._cache.nbytes
+
+    def statistics(self) -> CpuEngineStatistics:
+        """Jobs, memory and prefix-cache counters now, for metrics. Read it
+        from the thread that runs :meth:`step`, or between steps."""
+        return CpuEngineStatistics(
+            running_jobs=len(self._slots),
+            waiting_jobs=len(self._waiting),
+            kv_cache_bytes=self._cache.nbytes,
+            weight_bytes=0 if self._weights is None else self._weights.nbytes,
+            prefix_cache=self._prefix_cache.statistics(),
+        )
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text)
@@ -204,6 +307,7 @@ class CpuEngine:
     def close(self) -> None:
         self._weights = None
         self._cache.release()
+        self._prefix_cache.clear()
         self._waiting.clear()
         self._slots.clear()
 
@@ -255,6 +359,10 @@ class CpuEngine:
             for job in self._slots
         )
         self._cache.fit(len(self._slots), need)
+        for job in prefilling:
+            if job.restore:
+                self._cache.write(job.slot, 0, torch.cat(job.restore, dim=2))
+                job.restore = []
 
         rows: list[_Job] = []
         row_logits: list[Tensor] = []
@@ -358,7 +466,7 @@ class CpuEngine:
             allowed = torch.zeros(vocab, dtype=torch.bool, device=self._device)
             allowed[[i for i in ids if i < vocab]] = True
             prompt = prompt[:-1]
-            skip_prefix = self._tokenizer.decode(spec.prompt_ids[-1:])
+            skip_prefix = _text_in_context(self._tokenizer, spec.prompt_ids)
         banned: Tensor | None = None
         if spec.banned_ids:
             banned = torch.zeros(vocab, dtype=torch.bool, device=self._device)
@@ -366,6 +474,9 @@ class CpuEngine:
         counts = torch.bincount(torch.tensor(prompt), minlength=vocab).to(
             device=self._device, dtype=torch.int32
         )
+        # At least the last prompt token is run: its logits give the first sample.
+        restore = self._prefix_cache.lookup(prompt, len(prompt) - 1)
+        reused = sum(int(block.shape[2]) for block in restore)
         stream = TextStream(
             self._tokenizer.decode,
             spec.stop_strings,
@@ -382,6 +493,10 @@ class CpuEngine:
                 counts=counts,
                 banned=banned,
                 allowed=allowed,
+                cached=reused,
+                tokens=list(prompt),
+                reused=reused,
+                restore=restore,
             )
         )
 
@@ -421,6 +536,7 @@ class CpuEngine:
                 continue
             job.allowed = None
             job.pending = token
+            job.tokens.append(token)
             job.generated += 1
             job.counts[token] += 1
             updates.append(self._emit(job, token))
@@ -452,6 +568,7 @@ class CpuEngine:
         stop_string: str | None = None,
         stop_token: int | None = None,
     ) -> Finished:
+        self._keep_prefix(job)
         self._free(job)
         return Finished(
             job_id=job.spec.job_id,
@@ -461,6 +578,7 @@ class CpuEngine:
             stop_token=stop_token,
             prompt_tokens=len(job.prompt),
             generated_tokens=job.generated,
+            cached_tokens=job.reused,
         )
 
     def _fail(self, job: _Job, message: str) -> Failed:
@@ -470,7 +588,20 @@ class CpuEngine:
     def _cancel(self, job_ids: set[int]) -> None:
         self._waiting = deque(spec for spec in self._waiting if spec.job_id not in job_ids)
         for job in [job for job in self._slots if job.spec.job_id in job_ids]:
+            # What a stopped job computed is as good as a finished one's.
+            self._keep_prefix(job)
             self._free(job)
+
+    def _keep_prefix(self, job: _Job) -> None:
+        """Offer the job's cached positions to the prefix cache (whole blocks)."""
+        if job.restore:
+            return  # its slot never received the blocks it was to start from
+        slot = job.slot
+
+        def read(start: int, end: int) -> Tensor:
+            return self._cache.read(slot, start, end)
+
+        self._prefix_cache.insert(job.tokens[: job.cached], read)
 
     def _free(self, job: _Job) -> None:
         """Give the job's slot back, moving the last slot into it so that the

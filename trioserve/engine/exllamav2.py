@@ -2,20 +2,47 @@
 
 ExLlamaV2 (0.3.2, ``turboderp-org/exllamav2``) runs EXL2, GPTQ and FP16/BF16
 safetensors models on NVIDIA GPUs. Its :class:`ExLlamaV2DynamicGenerator` does
-continuous batching over a paged KV cache, stop tokens and strings, held-back
-text and token healing itself; this module only translates:
+continuous batching over a paged KV cache, prefix reuse, sampling, stop
+tokens and token healing; this module translates:
 
 * each :class:`~trioserve.engine.base.GenerationSpec` becomes one
   ``ExLlamaV2DynamicJob`` with a fresh ``ExLlamaV2Sampler.Settings``
   (:func:`sampler_fields`, :func:`stop_conditions`), after the checks ExLlamaV2
   does not make (:func:`refusal`);
 * the untyped result dicts of ``generator.iterate()`` become typed updates at
-  once (:func:`updates_from_result`), with the held-text rules of the protocol.
+  once (:func:`updates_from_result`). The text comes from the sampled tokens,
+  decoded and cut at stop strings by the CPU engine's own rules
+  (:class:`~trioserve.engine.text.TextStream`), not from ExLlamaV2's text:
+  the same tokens give the same text on both engines.
 
 The generator is not thread-safe and its asyncio wrapper blocks the event
 loop, so neither is used from trio: ``enqueue``, ``cancel`` and ``iterate`` are
-called only from :meth:`ExLlamaV2Engine.step`, which the generation task runs
-in one worker thread at a time.
+called only from :meth:`ExLlamaV2Engine.step`.
+
+Threads: every call that touches the GPU (:meth:`ExLlamaV2Engine.load`,
+:meth:`~ExLlamaV2Engine.warm_up`, :meth:`~ExLlamaV2Engine.step`,
+:meth:`~ExLlamaV2Engine.close`) may run on any thread, but on one at a time,
+and the server runs them all on its one engine thread. Nothing here assumes
+which thread that is, or that it is the thread that loaded the model:
+
+* torch's current CUDA device and stream are per thread; ExLlamaV2 sets both
+  for the calling thread at every forward pass and load
+  (``set_device_streams`` in exllamav2/device.py, called by
+  ``ExLlamaV2.forward_chunk`` and the ``load*`` methods), so the thread that
+  loaded the model need not be the one that steps it;
+* ExLlamaV2's CUDA graphs (quantized attention and MLP layers, decode
+  shapes without cuBLAS) are captured the first times a layer runs a shape,
+  in ``cudaStreamCaptureModeThreadLocal`` (exllamav2_ext/cuda/graph.cu), on
+  the calling thread's stream: CUDA work on other threads does not break a
+  capture, but replaying a graph from another thread than the one that
+  captured it is a path ExLlamaV2's own loops never take; hence one engine
+  thread (``EXLLAMA_NO_GRAPHS=1`` turns graphs off should one misbehave);
+* ``torch.inference_mode`` and the grad mode are per thread: :meth:`step`
+  and :meth:`warm_up` enter inference mode themselves;
+* ExLlamaV2 samples in its own thread pool (``max_sampling_threads``); those
+  threads are the generator's and end with :meth:`close`;
+* ``encode`` and ``decode`` use trioserve's tokenizer, not ExLlamaV2's or
+  torch, and are safe from any thread at any time.
 
 ``exllamav2`` is imported only by :func:`probe_exllamav2` and
 :meth:`ExLlamaV2Engine.load`, never when this module is imported: on a machine
@@ -29,7 +56,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+import traceback
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal, TypeAlias
 
@@ -45,7 +73,7 @@ from trioserve.engine.base import (
     TextUpdate,
     Update,
 )
-from trioserve.engine.stops import earliest_stop
+from trioserve.engine.text import TextStream
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError, ModelError
 
@@ -59,6 +87,7 @@ __all__ = [
     "plan_load",
     "probe_exllamav2",
     "refusal",
+    "sampled_token",
     "sampler_fields",
     "stop_conditions",
     "updates_from_result",
@@ -340,6 +369,10 @@ def refusal(
     return None
 
 
+#: Decodes token ids to text, writing special tokens as their text.
+Decode: TypeAlias = Callable[[Sequence[int]], str]
+
+
 @attrs.define(eq=False)
 class JobState:
     """What the engine remembers about one running job between steps."""
@@ -350,22 +383,28 @@ class JobState:
     #: Token healing is active: the first sampled token replaces the prompt's
     #: last one, and ExLlamaV2 does not count it (``new_tokens`` starts at -1).
     healing: bool
-    #: The job's stop strings, in the request's order.
-    stop_strings: tuple[str, ...] = ()
+    #: The job's text, decoded from its tokens by the CPU engine's rules.
+    stream: TextStream
     #: Tokens sampled so far, the healed token included.
     sampled: int = 0
-    #: The job's held text after its last sampled token.
-    held: str = ""
 
     @classmethod
-    def for_spec(cls, spec: GenerationSpec) -> JobState:
+    def for_spec(cls, spec: GenerationSpec, decode: Decode) -> JobState:
         # ExLlamaV2DynamicJob heals only when the input has more than one token.
         healing = spec.token_healing and len(spec.prompt_ids) > 1
+        prompt = spec.prompt_ids[:-1] if healing else spec.prompt_ids
         return cls(
             job_id=spec.job_id,
-            prompt_tokens=len(spec.prompt_ids) - (1 if healing else 0),
+            prompt_tokens=len(prompt),
             healing=healing,
-            stop_strings=spec.stop_strings,
+            stream=TextStream(
+                decode,
+                spec.stop_strings,
+                context_ids=prompt,
+                # The healed token re-generates the removed token's text,
+                # which is not emitted again.
+                skip_prefix=decode(spec.prompt_ids[-1:]) if healing else "",
+            ),
         )
 
     @property
@@ -373,64 +412,84 @@ class JobState:
         return self.sampled - (1 if self.healing else 0)
 
 
-def updates_from_result(result: Mapping[str, Any], state: JobState, held_now: str) -> Update | None:
+def sampled_token(job: Any) -> int:
+    """The token an ``ExLlamaV2DynamicJob`` sampled last.
+
+    ``receive_sample`` appends every sampled token, a stop token too, to each
+    of the job's sequences before it decides anything (dynamic.py); the result
+    dicts carry token ids only when they release text.
+    """
+    return int(job.sequences[0].sequence_ids.torch()[0, -1])
+
+
+def updates_from_result(result: Mapping[str, Any], state: JobState, token: int) -> Update | None:
     """The typed update for one of ``generator.iterate()``'s result dicts.
 
-    ``held_now`` is the job's ``held_text`` after the step (the dicts of
-    tokens that end nothing do not carry it). Returns None for the ``started``
-    and ``prefill`` stages, which the protocol does not report.
+    ``token`` is the token the job sampled in that step (:func:`sampled_token`).
+    Returns None for the ``started`` and ``prefill`` stages, which the
+    protocol does not report.
 
-    The held-text rules (dynamic.py, ``receive_sample`` and its ``emit``):
+    ExLlamaV2 decides when a job ends at a stop token and at
+    ``max_new_tokens`` (its ``eos_reason``); what text is released, what is
+    held, and where a stop string cuts it, the engine decides itself from the
+    tokens, with the CPU engine's :class:`~trioserve.engine.text.TextStream`
+    and rules (``CpuEngine._emit``), so that the same tokens give the same
+    text, ``stop_string`` and reason on both engines. ExLlamaV2's own text
+    (``text``, ``held``, ``held_text``) is not used, because it departs from
+    them in ways that depend on the tokens and even on ``PYTHONHASHSEED``
+    (exllamav2/generator/dynamic.py, ``receive_sample``, at 0.3.2):
 
-    * at ``max_new_tokens`` the generator flushes the held text into ``text``;
-    * at a stop string it emits the text before the match as ``text``, and
-      keeps the stop string and what follows in ``held``: that is dropped;
-    * at a stop token it emits nothing: the held text, with the stop token's
-      piece already appended, is left in ``held``. The protocol releases the
-      held text without that piece, which is exactly the held text after the
-      previous token, so it is taken from ``state`` rather than by cutting a
-      piece off a string.
+    * it tests stop strings one by one in the order of a ``set``, cuts at the
+      first that occurs anywhere and names the first in that order that the
+      rest starts with: with ``(" P", "aris!")`` and the tokens ``" Paris"``,
+      ``"!"`` it may release ``" P"`` and name ``"aris!"``; and a string
+      matching in part, tested first, holds a whole match of another;
+    * it tests the length limit before it repairs held UTF-8, so a flush at
+      ``max_new_tokens`` can hold the pieces of a character that the last
+      token completed (``"日本���"`` for ``"日本語"``);
+    * it writes each token's piece on its own (one U+FFFD per byte-level
+      piece) and releases the pieces unrepaired once five U+FFFD are held,
+      which invalid bytes followed by a split character reach;
+    * at a stop token it keeps the held text (and the stop token's piece) in
+      ``held`` instead of releasing it.
 
-    Text flushed at a stop token or at ``max_new_tokens`` can hold a whole
-    stop string that the generator never tested: it tests the stop token and
-    the length limit first, and skips the stop strings while an incomplete
-    UTF-8 character is held. The stop string came first in the text, so it
-    wins: the text is cut before it and the reason is ``stop_string``.
+    A job that the rules end while ExLlamaV2 would go on (a stop string it
+    held, or one it did not see) ends with a :class:`Finished` for a result
+    whose ``eos`` is false: the caller cancels it in ExLlamaV2.
     """
     if result.get("stage") != "streaming":
         return None
     state.sampled += 1
-    if not result.get("eos", False):
-        state.held = held_now
-        return TextUpdate(
-            job_id=state.job_id,
-            text=str(result.get("text", "")),
-            held=held_now,
-            generated_tokens=state.generated,
-        )
-    reason = result.get("eos_reason")
-    if reason == "stop_string":
-        return _finished(
-            state,
-            result,
-            str(result.get("text", "")),
-            "stop_string",
-            stop_string=str(result["eos_triggering_string"]),
-        )
+    stream = state.stream
+    reason = result.get("eos_reason") if result.get("eos", False) else None
     if reason == "stop_token":
-        text = state.held
-        stop_token: int | None = int(result["eos_triggering_token_id"])
-    elif reason == "max_new_tokens":
-        text = str(result.get("text", ""))
-        stop_token = None
-    else:
+        # The stop token's own text is never emitted; held text was not a
+        # stop string after all, so it is released.
+        stop_token = int(result.get("eos_triggering_token_id", token))
+        return _finished(state, result, stream.flush(), "stop_token", stop_token=stop_token)
+    if reason not in (None, "max_new_tokens", "stop_string"):
         # "end_filter" needs a grammar filter, which trioserve never sets.
         return Failed(job_id=state.job_id, message=f"exllamav2 ended the job for {reason!r}")
-    match = earliest_stop(text, state.stop_strings)
-    if match is not None:
-        index, stop = match
-        return _finished(state, result, text[:index], "stop_string", stop_string=stop)
-    return _finished(state, result, text, reason, stop_token=stop_token)
+    piece = stream.push([token])
+    if piece.stop_string is not None:
+        return _finished(state, result, piece.text, "stop_string", stop_string=piece.stop_string)
+    if reason is None:
+        return TextUpdate(
+            job_id=state.job_id,
+            text=piece.text,
+            held=stream.held,
+            generated_tokens=state.generated,
+        )
+    # At the limit, or at a stop string ExLlamaV2 matched in its own text but
+    # not found in the decoded one (a string with U+FFFD in it): everything
+    # held is released, unless it completes a stop string after all.
+    text = piece.text + stream.flush()
+    if stream.stop_string is not None:
+        return _finished(state, result, text, "stop_string", stop_string=stream.stop_string)
+    if reason == "stop_string":
+        theirs = str(result.get("eos_triggering_string", ""))
+        return _finished(state, result, text, "stop_string", stop_string=theirs)
+    return _finished(state, result, text, "max_new_tokens")
 
 
 def _finished(
@@ -451,7 +510,56 @@ def _finished(
         prompt_tokens=state.prompt_tokens,
         # ExLlamaV2's own count (new_tokens); it agrees with state.generated.
         generated_tokens=int(result.get("new_tokens", state.generated)),
+        # Whole 256-token pages shared with other jobs (paged mode) plus the
+        # tokens of a partly matching page copied from the cache, or in
+        # unpaged mode the prefix shared with the previous job (dynamic.py,
+        # ExLlamaV2DynamicJob.prefill and emit).
+        cached_tokens=int(result.get("cached_tokens", 0)),
     )
+
+
+def _load_failure(exc: BaseException, model_dir: Path, plan: LoadPlan) -> str | None:
+    """The ModelError message for an error ExLlamaV2 raised while placing the
+    model, or None for one that is not the model's fault (re-raised as is)."""
+    import torch
+
+    where = f"the model {str(model_dir)!r} with a {plan.cache_tokens}-token {plan.cache_type} cache"
+    # load_autosplit raises a plain RuntimeError("Insufficient VRAM for model
+    # and cache") once the last GPU is full (model.py, load_autosplit_gen);
+    # load and load_tp let torch's OutOfMemoryError through.
+    if isinstance(exc, torch.cuda.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "Insufficient VRAM" in str(exc)
+    ):
+        return f"{where} does not fit on the GPUs: {exc}"
+    if isinstance(exc, AssertionError | ValueError | KeyError | OSError):
+        return f"exllamav2 cannot load {where}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _cached_tokens(job: Any) -> int:
+    """Prompt tokens of ``job`` served from the cache, as ExLlamaV2 counts them
+    in its final result (dynamic.py, ``emit``), for a job it did not end."""
+    pages = int(getattr(job, "cached_pages", 0))
+    tokens = int(getattr(job, "cached_tokens", 0))
+    page_size = int(getattr(job.generator, "page_size", PAGE_SIZE))
+    return (pages * page_size + tokens) // max(1, len(getattr(job, "sequences", ())))
+
+
+def _free(model: Any) -> None:
+    """Unload what ExLlamaV2 placed of ``model`` and give the memory back."""
+    import gc
+
+    import torch
+
+    try:
+        model.unload()
+    except Exception:
+        # A model that failed half-way may not unload cleanly; the original
+        # error is the one to report.
+        log.warning("exllamav2 could not unload a model that failed to load", exc_info=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # -- the engine ----------------------------------------------------------------------
@@ -468,8 +576,9 @@ class ExLlamaV2Engine:
     """An Engine over one ``ExLlamaV2DynamicGenerator``; see the module docstring.
 
     Build it with :meth:`load`. Not thread-safe beyond what the Engine
-    protocol promises: :meth:`step` from one thread at a time, :meth:`encode`
-    and :meth:`decode` from any.
+    protocol promises: :meth:`load`, :meth:`warm_up`, :meth:`step` and
+    :meth:`close` from one thread at a time (the server's engine thread),
+    :meth:`encode` and :meth:`decode` from any.
     """
 
     _info: EngineInfo
@@ -518,7 +627,6 @@ class ExLlamaV2Engine:
         usable, reason = probe_exllamav2()
         if not usable:
             raise EngineError(f"the exllamav2 engine cannot run: {reason}")
-        import torch
         from exllamav2 import (
             ExLlamaV2,
             ExLlamaV2Cache,
@@ -542,8 +650,19 @@ class ExLlamaV2Engine:
         except (AssertionError, ValueError, KeyError, OSError, TypeError) as exc:
             raise ModelError(f"exllamav2 cannot read the model {str(model_dir)!r}: {exc}") from exc
         # Architectures with softcapping or sliding windows need some attention
-        # backends off; ExLlamaV2 prints its reasons.
+        # backends off. quiet=True keeps ExLlamaV2 from printing why (it would
+        # write to stdout, config.py); what it switched off is logged below.
+        backends = (config.no_flash_attn, config.no_xformers, config.no_sdpa)
         config.arch_compat_overrides(quiet=True)
+        if (config.no_flash_attn, config.no_xformers, config.no_sdpa) != backends:
+            log.info(
+                "exllamav2 turned attention backends off for %s: flash-attn %s, xformers %s, "
+                "sdpa %s",
+                config.architecture,
+                "off" if config.no_flash_attn else "allowed",
+                "off" if config.no_xformers else "allowed",
+                "off" if config.no_sdpa else "allowed",
+            )
         paged = bool(has_flash_attn_with_paged) and not config.no_flash_attn
         plan = plan_load(
             int(config.max_seq_len),
@@ -572,6 +691,8 @@ class ExLlamaV2Engine:
         }[plan.cache_type]
         started = time.monotonic()
         model = ExLlamaV2(config)
+        cache: Any = None
+        failure: str | None = None
         try:
             if plan.tensor_parallel:
                 model.load_tp(
@@ -595,15 +716,20 @@ class ExLlamaV2Engine:
                 max_chunk_size=plan.max_chunk_size,
                 paged=plan.paged,
             )
-        except torch.cuda.OutOfMemoryError as exc:
-            model.unload()
-            raise ModelError(
-                f"the model {str(model_dir)!r} with a {plan.cache_tokens}-token "
-                f"{plan.cache_type} cache does not fit on the GPUs: {exc}"
-            ) from exc
-        except (AssertionError, ValueError, KeyError, OSError) as exc:
-            model.unload()
-            raise ModelError(f"exllamav2 cannot load the model {str(model_dir)!r}: {exc}") from exc
+        except BaseException as exc:
+            failure = _load_failure(exc, model_dir, plan)
+            if failure is None:
+                _free(model)
+                raise
+            # As text: a record holding the exception would keep its
+            # frames, and with them the GPU memory, alive.
+            log.debug("".join(traceback.format_exception(exc)))
+        if failure is not None:
+            # Raised here, outside the except block, so that no traceback
+            # keeps the half-built cache's and the layers' tensors alive.
+            cache = None
+            _free(model)
+            raise ModelError(failure)
         # These tables are built lazily on first use, possibly from the
         # generator's sampling threads at once; build them here instead.
         xtokenizer.get_id_to_piece_list(True)
@@ -681,6 +807,26 @@ class ExLlamaV2Engine:
         # is the EOS id, and the protocol writes every special token as text.
         return self._tokenizer.decode(ids)
 
+    def warm_up(self) -> None:
+        """Run one short generation, so that the first request does not pay for
+        cuBLAS's start, kernel selection and CUDA graph capture.
+
+        Call it on the thread that will step the engine (see the module
+        docstring), before the first :meth:`step`, with no job running. It
+        empties the prefix cache (``ExLlamaV2DynamicGenerator.warmup``
+        resets the page table afterwards).
+        """
+        if self._closed:
+            raise EngineError("the exllamav2 engine is closed")
+        if self._jobs:
+            raise EngineError("warm_up needs an idle engine: jobs are running")
+        import torch
+
+        started = time.monotonic()
+        with torch.inference_mode():
+            self._generator.warmup()
+        log.info("exllamav2 warmed up in %.2f s", time.monotonic() - started)
+
     def step(self, submit: Sequence[GenerationSpec], cancel: Sequence[int]) -> list[Update]:
         if self._closed:
             raise EngineError("the exllamav2 engine is closed")
@@ -713,11 +859,17 @@ class ExLlamaV2Engine:
             running = self._jobs.get(result.get("identifier", -1))
             if running is None:
                 continue
-            update = updates_from_result(result, running.state, str(running.job.held_text))
+            update = updates_from_result(result, running.state, sampled_token(running.job))
             if update is None:
                 continue
             if not isinstance(update, TextUpdate):
                 del self._jobs[running.state.job_id]
+                if not result.get("eos", False):
+                    # Ended by the rules (a stop string ExLlamaV2 held or
+                    # did not see); ExLlamaV2 would go on generating for it.
+                    generator.cancel(running.job)
+                    if isinstance(update, Finished):
+                        update = attrs.evolve(update, cached_tokens=_cached_tokens(running.job))
             updates.append(update)
         return updates
 
@@ -755,7 +907,9 @@ class ExLlamaV2Engine:
             generator.enqueue(job)
         except (AssertionError, ValueError) as exc:
             return Failed(job_id=spec.job_id, message=f"exllamav2 refused the job: {exc}")
-        self._jobs[spec.job_id] = _Running(job=job, state=JobState.for_spec(spec))
+        self._jobs[spec.job_id] = _Running(
+            job=job, state=JobState.for_spec(spec, self._tokenizer.decode)
+        )
         return None
 
     def close(self) -> None:

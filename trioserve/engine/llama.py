@@ -18,26 +18,32 @@ so ``scaled_dot_product_attention`` sees K heads and G*C queries each.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import attrs
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from trioserve.engine.base import WEIGHT_MODES as _WEIGHT_MODES
 from trioserve.errors import ModelError
 
 __all__ = [
+    "WEIGHT_MODES",
     "KVCache",
     "LayerWeights",
+    "Linear",
     "LlamaConfig",
     "LlamaWeights",
+    "QuantizedWeight",
     "RopeScaling",
     "decode_logits",
+    "dequantize",
     "forward",
     "logits",
     "rope_tables",
@@ -164,94 +170,405 @@ def rope_tables(config: LlamaConfig, length: int, device: torch.device) -> tuple
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
+@attrs.frozen(eq=False)
+class QuantizedWeight:
+    """A linear layer's weight [N, K] for one of torch's weight-only quantized
+    CPU kernels (bfloat16 activations, float32 accumulation, bfloat16 output).
+
+    ``"q4"``: 4-bit groups of ``group_size`` consecutive inputs, for
+    ``_weight_int4pack_mm_for_cpu``; ``data`` is in the layout of
+    ``_convert_weight_to_int4pack_for_cpu``, ``scales`` is [K / group, N, 2]
+    bfloat16 (scale, zero) and a weight is ``(q - 8) * scale + zero`` for its
+    4-bit ``q`` in [0, 15]: a GGUF Q4_1 group (``d * q + m``) is scale ``d``
+    and zero ``m + 8 d``. ``"int8"``: one scale per output row, for
+    ``_weight_int8pack_mm``; ``data`` [N, K] int8, ``scales`` [N] bfloat16.
+    """
+
+    kind: Literal["q4", "int8"]
+    data: Tensor
+    scales: Tensor
+    out_features: int
+    in_features: int
+    group_size: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel() * self.data.element_size()) + int(
+            self.scales.numel() * self.scales.element_size()
+        )
+
+
+#: A linear layer's weight: a plain or oneDNN-packed tensor, or quantized.
+Linear: TypeAlias = Tensor | QuantizedWeight
+
+#: What :meth:`LlamaWeights.load` may be asked for: ``"auto"`` takes the
+#: directory's own 4-bit weights when it has them (and the kernel works here),
+#: else the float weights in the run dtype; ``"float"`` always the float
+#: weights; ``"q4"`` the directory's 4-bit weights, or the float weights
+#: quantized to 4-bit groups at load; ``"int8"`` the float weights quantized
+#: to 8 bits per output row at load.
+WEIGHT_MODES = _WEIGHT_MODES
+
+#: Inputs per 4-bit group (the GGUF's Q4_1 blocks, and what quantizing at
+#: load uses).
+Q4_GROUP = 32
+#: The 4-bit file of a converted directory (trioserve.engine.models writes it).
+Q4_FILE = "trioserve/q4_1.safetensors"
+
+
 @attrs.define(eq=False)
 class LayerWeights:
-    attn_norm: Tensor  # [D]
-    wqkv: Tensor  # [(H + 2K) * E, D]: q, k and v projections fused into one matmul
-    wo: Tensor  # [D, H * E]
-    mlp_norm: Tensor  # [D]
-    w_gate_up: Tensor  # [2 * F, D]: gate and up projections fused
-    w_down: Tensor  # [D, F]
+    attn_norm: Tensor  # [D] float32
+    wqkv: Linear  # [(H + 2K) * E, D]: q, k and v projections fused into one matmul
+    wo: Linear  # [D, H * E]
+    mlp_norm: Tensor  # [D] float32
+    w_gate_up: Linear  # [2 * F, D]: gate and up projections fused
+    w_down: Linear  # [D, F]
 
 
 @attrs.define(eq=False)
 class LlamaWeights:
     embed: Tensor  # [V, D]
     layers: list[LayerWeights]
-    norm: Tensor  # [D]
+    norm: Tensor  # [D] float32
     lm_head: Tensor  # [V, D]; the same tensor as embed when tied
     #: lm_head in oneDNN's packed layout for the vocabulary projection (the
     #: plain one stays for the embedding and the float32 refinement).
     lm_head_packed: Tensor | None = None
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def kinds(self) -> dict[str, int]:
+        """How many linear layers run on each kind of weight (for logs and tests)."""
+        counts: dict[str, int] = {}
+        for layer in self.layers:
+            for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
+                kind = _kind(w)
+                counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the weights hold (a tied lm_head counted once)."""
+        total = 0
+        seen: set[int] = set()
+        tensors: list[Linear] = [self.embed, self.norm, self.lm_head]
+        if self.lm_head_packed is not None:
+            tensors.append(self.lm_head_packed)
+        for layer in self.layers:
+            tensors += [layer.attn_norm, layer.mlp_norm, layer.wqkv, layer.wo]
+            tensors += [layer.w_gate_up, layer.w_down]
+        for w in tensors:
+            if id(w) in seen:
+                continue
+            seen.add(id(w))
+            if isinstance(w, QuantizedWeight):
+                total += w.nbytes
+            elif not w.is_mkldnn:
+                total += w.numel() * w.element_size()
+            else:
+                total += w.numel() * 2  # oneDNN-packed bfloat16
+        return total
+
     @classmethod
     def load(
-        cls, path: Path, config: LlamaConfig, *, dtype: torch.dtype, device: torch.device
+        cls,
+        path: Path,
+        config: LlamaConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        weights: str = "auto",
     ) -> LlamaWeights:
-        """Read every ``*.safetensors`` file of ``path``, cast to ``dtype`` on ``device``.
+        """Read the model directory ``path``: every ``*.safetensors`` file, cast to
+        ``dtype`` on ``device``, and for ``weights`` other than ``"float"`` the
+        linear layers quantized (see :data:`WEIGHT_MODES`).
 
         Raises:
-            ModelError: no safetensors file, or a tensor is missing.
+            ModelError: no safetensors file, a tensor is missing, or quantized
+                weights were asked for where they cannot run (not a CPU, not
+                bfloat16, or no working kernel in this torch).
         """
         from safetensors import safe_open
 
-        files = sorted(Path(path).glob("*.safetensors"))
+        if weights not in WEIGHT_MODES:
+            raise ModelError(f"weights must be one of {list(WEIGHT_MODES)!r}, got {weights!r}")
+        path = Path(path)
+        files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ModelError(f"no *.safetensors file in {str(path)!r}")
+        can_quantize = device.type == "cpu" and dtype == torch.bfloat16
+        if weights in ("q4", "int8") and not can_quantize:
+            raise ModelError(
+                f"weights {weights!r} run on the CPU in bfloat16 only,"
+                f" got device {str(device)!r} and dtype {str(dtype).removeprefix('torch.')!r}"
+            )
+        q4_file = path / Q4_FILE
+        use_file = q4_file.is_file() and (
+            weights == "q4" or (weights == "auto" and can_quantize and _q4_available())
+        )
+        mode = "q4" if use_file else weights if weights in ("q4", "int8") else "float"
+        if mode in ("q4", "int8") and not (_q4_available() if mode == "q4" else _int8_available()):
+            raise ModelError(f"this torch build has no working {mode} CPU kernel")
         # Tensors are read one at a time and cast at once, so that loading
-        # never holds the file's dtype and the run dtype of the whole model.
+        # never holds the file's dtype and the run dtype of the whole model;
+        # the float linear weights are not read at all when the 4-bit file
+        # serves them.
         with contextlib.ExitStack() as stack:
             handles = [stack.enter_context(safe_open(str(f), "pt", device="cpu")) for f in files]
             where = {name: h for h in handles for name in h.keys()}  # noqa: SIM118
+            q4_handle = (
+                stack.enter_context(safe_open(str(q4_file), "pt", device="cpu"))
+                if use_file
+                else None
+            )
 
-            def take(name: str) -> Tensor:
-                handle = where.pop(name, None)
+            def raw(name: str) -> Tensor:
+                handle = where.get(name)
                 if handle is None:
                     raise ModelError(f"tensor {name!r} is missing from {str(path)!r}")
                 tensor: Tensor = handle.get_tensor(name)
-                return tensor.to(device=device, dtype=dtype)
+                return tensor
 
-            return cls._assemble(config, take, untied="lm_head.weight" in where)
+            def take(name: str) -> Tensor:
+                return raw(name).to(device=device, dtype=dtype)
 
-    @classmethod
-    def _assemble(
-        cls, config: LlamaConfig, take: Callable[[str], Tensor], *, untied: bool
-    ) -> LlamaWeights:
-        embed = take("model.embed_tokens.weight")
-        pack = _packer(embed)
-        layers = []
-        for i in range(config.n_layers):
-            p = f"model.layers.{i}."
-            layers.append(
-                LayerWeights(
-                    attn_norm=take(p + "input_layernorm.weight"),
-                    wqkv=pack(torch.cat([take(p + f"self_attn.{x}_proj.weight") for x in "qkv"])),
-                    wo=pack(take(p + "self_attn.o_proj.weight")),
-                    mlp_norm=take(p + "post_attention_layernorm.weight"),
-                    w_gate_up=pack(
-                        torch.cat(
-                            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-                        )
-                    ),
-                    w_down=pack(take(p + "mlp.down_proj.weight")),
+            def take_norm(name: str) -> Tensor:
+                return raw(name).to(device=device, dtype=torch.float32)
+
+            pack = _packer(dtype, device, config.hidden_size)
+
+            def dense(names: list[str]) -> Tensor:
+                return pack(torch.cat([take(n) for n in names]))
+
+            def linear_of(names: list[str]) -> Linear:
+                if q4_handle is not None:
+                    parts = [_q4_parts(q4_handle, n, path) for n in names]
+                    q, d, m = (torch.cat([part[i] for part in parts]) for i in range(3))
+                    return _q4_weight(q, d, m, pack)
+                if mode == "q4":
+                    w = torch.cat([raw(n).float() for n in names])
+                    return _q4_weight(*_quantize_q4(w), pack)
+                if mode == "int8":
+                    return _int8_weight(torch.cat([raw(n).float() for n in names]), pack)
+                return dense(names)
+
+            embed = take("model.embed_tokens.weight")
+            layers = []
+            for i in range(config.n_layers):
+                p = f"model.layers.{i}."
+                layers.append(
+                    LayerWeights(
+                        attn_norm=take_norm(p + "input_layernorm.weight"),
+                        wqkv=linear_of([p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
+                        wo=linear_of([p + "self_attn.o_proj.weight"]),
+                        mlp_norm=take_norm(p + "post_attention_layernorm.weight"),
+                        w_gate_up=linear_of([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                        w_down=linear_of([p + "mlp.down_proj.weight"]),
+                    )
                 )
+            untied = "lm_head.weight" in where and not config.tie_word_embeddings
+            lm_head = take("lm_head.weight") if untied else embed
+            packed = pack(lm_head)
+            return cls(
+                embed=embed,
+                layers=layers,
+                norm=take_norm("model.norm.weight"),
+                lm_head=lm_head,
+                lm_head_packed=packed if packed is not lm_head else None,
             )
-        lm_head = take("lm_head.weight") if untied and not config.tie_word_embeddings else embed
-        packed = pack(lm_head)
-        return cls(
-            embed=embed,
-            layers=layers,
-            norm=take("model.norm.weight"),
-            lm_head=lm_head,
-            lm_head_packed=packed if packed is not lm_head else None,
-        )
 
+
+def _kind(w: Linear) -> str:
+    if isinstance(w, QuantizedWeight):
+        return w.kind
+    return f"{str(w.dtype).removeprefix('torch.')}{' packed' if w.is_mkldnn else ''}"
+
+
+# --- quantized weights --------------------------------------------------------
+
+
+def _q4_parts(handle: Any, name: str, path: Path) -> tuple[Tensor, Tensor, Tensor]:
+    """The 4-bit file's (q [N, K] uint8 in [0, 15], d, m [N, K / group] float32) of ``name``."""
+    try:
+        packed = handle.get_tensor(name + ".qweight")
+        d = handle.get_tensor(name + ".scales").float()
+        m = handle.get_tensor(name + ".mins").float()
+    except Exception as exc:  # safetensors raises its own error types
+        raise ModelError(f"4-bit tensor {name!r} is missing from {str(path / Q4_FILE)!r}") from exc
+    q = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+    if q.shape[1] != d.shape[1] * Q4_GROUP or d.shape != m.shape:
+        raise ModelError(f"4-bit tensor {name!r} in {str(path / Q4_FILE)!r} has bad shapes")
+    return q, d, m
+
+
+def _quantize_q4(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Float [N, K] -> 4-bit groups (q, d, m) with ``w ~ d * q + m`` (Q4_1's form:
+    the group's minimum and 15 equal steps to its maximum)."""
+    n, k = w.shape
+    if k % Q4_GROUP:
+        raise ModelError(f"cannot quantize a weight of {k} inputs to groups of {Q4_GROUP}")
+    groups = w.view(n, k // Q4_GROUP, Q4_GROUP)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    d = (hi - lo) / 15
+    step = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.round((groups - lo[..., None]) / step[..., None]).clamp_(0, 15)
+    return q.to(torch.uint8).view(n, k), d, lo
+
+
+def _q4_weight(q: Tensor, d: Tensor, m: Tensor, pack: Callable[[Tensor], Tensor]) -> Linear:
+    """The 4-bit weight of (q, d, m), or its bfloat16 dequantization (packed when
+    that is exact) where the 4-bit kernel does not work for this shape."""
+    n, k = q.shape
+    if not _q4_works(n, k, Q4_GROUP):
+        w = (q.view(n, -1, Q4_GROUP).float() * d[..., None] + m[..., None]).view(n, k)
+        return pack(w.to(torch.bfloat16))
+    data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+    scales = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return QuantizedWeight("q4", data, scales, n, k, Q4_GROUP)
+
+
+def _int8_weight(w: Tensor, pack: Callable[[Tensor], Tensor]) -> Linear:
+    """Float [N, K] -> 8 bits per weight, one scale per output row (rounded to
+    bfloat16 first, so that the kernel's scale is the one the weights were
+    rounded with)."""
+    n, k = w.shape
+    if not _int8_works(n, k):
+        return pack(w.to(torch.bfloat16))
+    scale = (w.abs().amax(dim=1) / 127).clamp_(min=1e-30).to(torch.bfloat16)
+    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight("int8", q.contiguous(), scale, n, k)
+
+
+def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """The [N, K] weights that ``w`` stands for, as the kernel computes them
+    (in float32), in ``dtype``."""
+    if w.kind == "int8":
+        return (w.data.float() * w.scales.float()[:, None]).to(dtype)
+    n, k = w.out_features, w.in_features
+    q = _q4_unpack(w.data, n, k).view(n, k // w.group_size, w.group_size)
+    scale, zero = w.scales.float().permute(2, 1, 0)[..., None]  # [N, K / group, 1] each
+    # (q - 8) * scale is exact in float32 (4 bits times bfloat16's 8), so the
+    # sum rounds once, as the kernel's fused multiply-add does.
+    return q.float().sub_(8).mul_(scale).add_(zero).view(n, k).to(dtype)
+
+
+#: Output rows per block of the 4-bit kernel's packed layout with AVX-512
+#: (64 rows: byte j of a block's column holds row j in its low nibble and row
+#: 32 + j in its high one; a last, narrower block pairs neighbouring rows).
+_Q4_BLOCK = 64
+
+
+def _q4_unpack(packed: Tensor, n: int, k: int) -> Tensor:
+    """uint8 [N, K] in [0, 15] from ``_convert_weight_to_int4pack_for_cpu``'s layout.
+
+    The layout is torch's internal one for AVX-512 builds; :func:`_q4_works`
+    checks this function against the kernel before it is ever used, so a
+    build with another layout just never dequantizes (see :func:`forward`).
+    """
+    flat = packed.reshape(-1)
+    full = n // _Q4_BLOCK * _Q4_BLOCK
+    parts = []
+    if full:
+        blocks = flat[: full * k // 2].view(full // _Q4_BLOCK, k, _Q4_BLOCK // 2)
+        q = torch.cat([blocks & 15, blocks >> 4], dim=2)  # [N / 64, K, 64]
+        parts.append(q.transpose(1, 2).reshape(full, k))
+    if n > full:
+        tail = flat[full * k // 2 :].view(k, (n - full) // 2)
+        parts.append(torch.stack([tail & 15, tail >> 4], dim=2).view(k, n - full).t())
+    return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+
+
+def _q4_available() -> bool:
+    return _q4_works(128, 256, Q4_GROUP)
+
+
+def _int8_available() -> bool:
+    return _int8_works(64, 128)
+
+
+#: Row counts at which a kernel's rows are compared: a row must come out the
+#: same whatever else is in the batch (decode batches, prefill chunks).
+_PROBE_ROWS = (1, 3, 8, 37)
+
+
+@functools.cache
+def _q4_works(n: int, k: int, group: int) -> bool:
+    """Whether the 4-bit kernel works for [n, k] weights here: it exists, it
+    computes what its documented formula says (within bfloat16 rounding), a
+    row's result does not depend on the other rows, and :func:`dequantize`
+    reads its packed layout right (else dequantizing is not offered)."""
+    if n % 16 or k % group or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return False
+    g = torch.Generator().manual_seed(n * 31 + k)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
+    d = torch.rand(n, k // group, generator=g) * 0.1 + 0.01
+    m = -8 * d + torch.randn(n, k // group, generator=g) * 0.01
+    x = torch.randn(max(_PROBE_ROWS), k, generator=g).to(torch.bfloat16)
+    try:
+        data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        scales = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous().bfloat16()
+        with torch.inference_mode():
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, data, group, scales)
+            rows_agree = all(
+                torch.equal(
+                    torch.ops.aten._weight_int4pack_mm_for_cpu(x[:r], data, group, scales), out[:r]
+                )
+                for r in _PROBE_ROWS
+            )
+    except (RuntimeError, NotImplementedError):
+        return False
+    s, z = scales.float().permute(2, 1, 0)
+    ref = x.float() @ ((q.view(n, -1, group) - 8) * s[..., None] + z[..., None]).view(n, k).T
+    close = bool(((out.float() - ref).abs() <= 0.01 * ref.abs().amax() + 1e-3).all())
+    return close and rows_agree
+
+
+@functools.cache
+def _int8_works(n: int, k: int) -> bool:
+    if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        return False
+    g = torch.Generator().manual_seed(n * 37 + k)
+    q = torch.randint(-127, 128, (n, k), generator=g).to(torch.int8)
+    scale = (torch.rand(n, generator=g) * 0.01 + 0.001).bfloat16()
+    x = torch.randn(max(_PROBE_ROWS), k, generator=g).to(torch.bfloat16)
+    try:
+        with torch.inference_mode():
+            out = torch.ops.aten._weight_int8pack_mm(x, q, scale)
+            rows_agree = all(
+                torch.equal(torch.ops.aten._weight_int8pack_mm(x[:r], q, scale), out[:r])
+                for r in _PROBE_ROWS
+            )
+    except (RuntimeError, NotImplementedError):
+        return False
+    ref = x.float() @ (q.float() * scale.float()[:, None]).T
+    close = bool(((out.float() - ref).abs() <= 0.01 * ref.abs().amax() + 1e-3).all())
+    return close and rows_agree
+
+
+@functools.cache
+def _q4_unpack_works() -> bool:
+    """Whether :func:`_q4_unpack` reads this build's packed layout right."""
+    for n in (_Q4_BLOCK * 2, _Q4_BLOCK + 32):
+        q = torch.randint(0, 16, (n, 64), generator=torch.Generator().manual_seed(n))
+        try:
+            data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            if not torch.equal(_q4_unpack(data, n, 64), q.to(torch.uint8)):
+                return False
+        except (RuntimeError, NotImplementedError):
+            return False
+    return True
+
+
+# --- bfloat16 packing -----------------------------------------------------------
 
 #: Rows the packed layout is tuned for; any row count works.
 _PACK_ROWS_HINT = 8
 
 
-def _packer(like: Tensor) -> Callable[[Tensor], Tensor]:
+def _packer(dtype: torch.dtype, device: torch.device, width: int) -> Callable[[Tensor], Tensor]:
     """A function that puts weights into oneDNN's packed layout where that is
     exact, else leaves them as they are.
 
@@ -266,17 +583,17 @@ def _packer(like: Tensor) -> Callable[[Tensor], Tensor]:
     def plain(w: Tensor) -> Tensor:
         return w
 
-    if like.device.type != "cpu" or like.dtype != torch.bfloat16:
+    if device.type != "cpu" or dtype != torch.bfloat16:
         return plain
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return plain
     generator = torch.Generator().manual_seed(0)
-    w = torch.randn(96, like.shape[1], generator=generator).to(like.dtype)
-    x = torch.randn(8, like.shape[1], generator=generator).to(like.dtype)
+    w = torch.randn(96, width, generator=generator).to(dtype)
+    x = torch.randn(max(_PROBE_ROWS), width, generator=generator).to(dtype)
     try:
         packed = _mkldnn_pack(w)
         same = all(
-            torch.equal(_mkldnn_linear(x[:n], packed), F.linear(x[:n], w)) for n in (1, 3, 8)
+            torch.equal(_mkldnn_linear(x[:n], packed), F.linear(x[:n], w)) for n in _PROBE_ROWS
         ) and torch.equal(_mkldnn_linear(x[:1], packed)[0], torch.mv(w, x[0]))
     except (RuntimeError, AttributeError):
         return plain
@@ -297,9 +614,11 @@ def _mkldnn_linear(x: Tensor, packed: Tensor) -> Tensor:
 class KVCache:
     """Keys and values of every slot, grown in blocks as sequences grow.
 
-    Nothing is reserved up front: the cache holds ``slots x length`` positions
-    where both are the current needs rounded up (length to ``block``), so 8
-    short jobs cost 8 short rows, not 8 full contexts.
+    One tensor [L, S, 2K, T, E]: the K key heads, then the K value heads, of
+    each layer and slot, so that one indexed copy per layer writes a step's
+    keys and values. Nothing is reserved up front: the cache holds ``slots x
+    length`` positions where both are the current needs rounded up (length to
+    ``block``), so 8 short jobs cost 8 short rows, not 8 full contexts.
     """
 
     n_layers: int
@@ -308,24 +627,43 @@ class KVCache:
     dtype: torch.dtype
     device: torch.device
     block: int = 256
-    k: Tensor = attrs.field(init=False)  # [L, S, K, T, E]
-    v: Tensor = attrs.field(init=False)  # [L, S, K, T, E]
+    kv: Tensor = attrs.field(init=False)  # [L, S, 2K, T, E]
+    #: Per layer: its cache [S, 2K, T, E] and the same as [S * 2K * T, E] rows
+    #: (made once per allocation, not by every layer of every step).
+    layer_views: list[tuple[Tensor, Tensor]] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self.k = self._empty(0, 0)
-        self.v = self._empty(0, 0)
+        self._set(self._empty(0, 0))
+
+    def _set(self, kv: Tensor) -> None:
+        self.kv = kv
+        self.layer_views = [(layer, layer.view(-1, self.head_dim)) for layer in kv]
 
     def _empty(self, slots: int, length: int) -> Tensor:
-        shape = (self.n_layers, slots, self.n_kv_heads, length, self.head_dim)
+        shape = (self.n_layers, slots, 2 * self.n_kv_heads, length, self.head_dim)
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     @property
+    def k(self) -> Tensor:
+        """Keys, [L, S, K, T, E] (a view)."""
+        return self.kv[:, :, : self.n_kv_heads]
+
+    @property
+    def v(self) -> Tensor:
+        """Values, [L, S, K, T, E] (a view)."""
+        return self.kv[:, :, self.n_kv_heads :]
+
+    @property
     def slots(self) -> int:
-        return int(self.k.shape[1])
+        return int(self.kv.shape[1])
 
     @property
     def length(self) -> int:
-        return int(self.k.shape[3])
+        return int(self.kv.shape[3])
+
+    @property
+    def bytes_per_position(self) -> int:
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.kv.element_size()
 
     def fit(self, slots: int, length: int) -> None:
         """Make room for ``slots`` slots of ``length`` positions; give memory back
@@ -338,33 +676,51 @@ class KVCache:
         new_slots = slots if shrink and slots < self.slots else max(slots, self.slots)
         new_len = want_len if shrink and want_len < self.length else max(want_len, self.length)
         keep_s, keep_t = min(new_slots, self.slots), min(new_len, self.length)
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = self._empty(new_slots, new_len)
+        old = self.kv
+        self._set(self._empty(0, 0))
+        new = self._empty(new_slots, new_len)
+        if keep_s and keep_t:
             new[:, :keep_s, :, :keep_t] = old[:, :keep_s, :, :keep_t]
-            setattr(self, name, new)
+        del old
+        self._set(new)
 
     def move(self, src: int, dst: int) -> None:
         """Copy slot ``src`` into slot ``dst`` (to keep the used slots packed)."""
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        self.kv[:, dst] = self.kv[:, src]
+
+    def read(self, slot: int, start: int, end: int) -> Tensor:
+        """A copy of positions [start, end) of ``slot``: [L, 2K, end - start, E]."""
+        return self.kv[:, slot, :, start:end].clone()
+
+    def write(self, slot: int, start: int, data: Tensor) -> None:
+        """Put ``data`` [L, 2K, n, E] (from :meth:`read`) at positions [start, start + n)."""
+        self.kv[:, slot, :, start : start + data.shape[2]] = data
 
     def release(self) -> None:
-        self.k = self._empty(0, 0)
-        self.v = self._empty(0, 0)
+        self._set(self._empty(0, 0))
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return int(self.kv.numel() * self.kv.element_size())
 
 
-def linear(x: Tensor, w: Tensor) -> Tensor:
-    """x [..., in] @ w[out, in].T, for plain or packed (:func:`_packer`) weights.
+def linear(x: Tensor, w: Linear) -> Tensor:
+    """x [..., in] @ w[out, in].T, for plain, packed (:func:`_packer`) or
+    quantized weights.
 
     With plain weights a single row goes through ``torch.mv``: on CPUs its
     bfloat16 kernel streams the weight about twice as fast as the
     matrix-matrix path does for one row, and decoding one job is exactly that.
     """
+    if isinstance(w, QuantizedWeight):
+        rows = x if x.dim() == 2 else x.reshape(-1, w.in_features)
+        if w.kind == "q4":
+            out: Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                rows, w.data, w.group_size, w.scales
+            )
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(rows, w.data, w.scales)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], w.out_features)
     if w.is_mkldnn:
         return _mkldnn_linear(x.contiguous(), w)
     if x.numel() == x.shape[-1]:
@@ -373,15 +729,15 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    # In float32: bfloat16's 8-bit mantissa loses too much in the mean of squares.
-    # The fused kernel: one op instead of five, 30 layers x 2 norms per step.
-    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x) * weight
+    """x [..., D] float32 (the residual stream) -> normalised and scaled by
+    ``weight`` (float32), in float32: one fused kernel."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, C, heads, E]; cos, sin [B, C, 1, E] from :func:`rope_tables`. The two
-    halves of each head rotate as pairs (Hugging Face's layout):
-    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    """x [B, C, heads, E]; cos, sin [B, C, heads or 1, E] from :func:`rope_tables`.
+    The two halves of each head rotate as pairs (Hugging Face's layout):
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). In float32, returned in x's dtype."""
     xf = x.float()
     swapped = xf.view(*xf.shape[:-1], 2, -1).flip(-2).view(xf.shape)  # (x2, x1)
     return torch.addcmul(xf * cos, swapped, sin).type_as(x)
@@ -400,6 +756,10 @@ class _Span:
     #: [n, 1, G * C, length] in the model dtype: 0 where a query sees a key,
     #: -inf elsewhere (built once per forward, not by each layer's attention).
     mask: Tensor
+    #: Per layer, the keys and values [n, K, length, E] the rows attend to, as
+    #: views of the cache (which see this pass's writes); None when the slots
+    #: are not consecutive and each layer gathers them after its write.
+    views: list[tuple[Tensor, Tensor]] | None
 
 
 #: Decode rows attend over their length rounded up to this (see :func:`_spans`).
@@ -412,25 +772,23 @@ def _spans(
     g: int,
     cache: KVCache,
     dtype: torch.dtype,
-    *,
-    bucket: bool,
 ) -> list[_Span]:
     """Split the rows into runs that attend over one length each.
 
-    Prefill (one row) attends over exactly its positions. Decode rows attend
-    over their own length rounded up to :data:`ATTENTION_BUCKET`, never over
-    the batch's longest: the attention kernel's sums then see the same masked
-    padding whether a row runs alone or beside others, so a job's greedy text
-    does not depend on its companions (with bfloat16, whose matmuls are
-    batch-invariant on CPU).
+    Each row attends over its own length rounded up to
+    :data:`ATTENTION_BUCKET` (masked beyond its position), never over the
+    batch's longest or a chunk's exact end: the attention kernel's sums then
+    see every key at the same place of its vectors whether a row runs alone or
+    beside others, in a decode step or inside a prefill chunk of any size (an
+    unaligned tail goes through other code and may round differently). So a
+    job's greedy text does not depend on its companions, nor on whether its
+    prefix came from the prefix cache (given matmul kernels whose rows do not
+    depend on the other rows: checked at load, see :func:`_packer` and
+    :func:`_q4_works`).
     """
     b, c = positions.shape
-    ends = (positions.amax(dim=1) + 1).tolist()  # [B]
-    if bucket:
-        step = ATTENTION_BUCKET
-        ends = [min(-(-n // step) * step, cache.length) for n in ends]
-    else:
-        ends = [max(ends)] * b
+    step = ATTENTION_BUCKET
+    ends = [min(-(-(n + 1) // step) * step, cache.length) for n in positions.amax(dim=1).tolist()]
     device = positions.device
     spans: list[_Span] = []
     r0 = 0
@@ -445,6 +803,12 @@ def _spans(
             ~visible, float("-inf")
         )
         n = r1 - r0
+        views = None
+        if consecutive:
+            # Two views per pass instead of several per layer.
+            k = cache.n_kv_heads
+            window = cache.kv[:, run[0] : run[0] + n, :, :length]
+            views = list(zip(window[:, :, :k].unbind(0), window[:, :, k:].unbind(0), strict=True))
         spans.append(
             _Span(
                 rows=slice(r0, r1),
@@ -452,18 +816,57 @@ def _spans(
                 slots=torch.tensor(run, device=device),
                 length=length,
                 mask=bias[:, None].expand(n, g, c, length).reshape(n, 1, g * c, length),
+                views=views,
             )
         )
         r0 = r1
     return spans
 
 
-def _span_rows(cache: Tensor, span: _Span) -> Tensor:
-    """cache [S, K, T, E] -> [n, K, span.length, E] for the span's slots."""
-    if span.first_slot is not None:
-        n = span.rows.stop - span.rows.start
-        return cache[span.first_slot : span.first_slot + n, :, : span.length]
-    return cache[span.slots, :, : span.length]
+def _span_rows(cache: Tensor, layer: int, span: _Span, k: int) -> tuple[Tensor, Tensor]:
+    """The keys and values [n, K, span.length, E] of the span's slots in one
+    layer's cache [S, 2K, T, E]."""
+    if span.views is not None:
+        return span.views[layer]
+    rows = cache[span.slots, :, : span.length]  # gathered after this layer's write
+    return rows[:, :k], rows[:, k:]
+
+
+@attrs.frozen
+class _Step:
+    """What every layer of one forward pass shares, computed once per pass."""
+
+    spans: list[_Span]
+    #: Rope tables for every head of the fused qkv output, [B, C, H + 2K, E]:
+    #: the value heads get cos 1 and sin 0, so one rope call passes them through.
+    cos: Tensor
+    sin: Tensor
+    #: Where each row's keys and values go in a layer's cache viewed as
+    #: [S * 2K * T, E]: [B * C * 2K], in (row, position, head) order.
+    write_index: Tensor
+    #: (B, C): the pass runs B * C rows of hidden states, [B * C, D].
+    rows: tuple[int, int]
+
+
+def _prepare(
+    weights: LlamaWeights,
+    config: LlamaConfig,
+    cache: KVCache,
+    rope: tuple[Tensor, Tensor],
+    positions: Tensor,
+    slots: Tensor,
+) -> _Step:
+    b, c = positions.shape
+    h, k = config.n_heads, config.n_kv_heads
+    spans = _spans(positions, slots.tolist(), h // k, cache, weights.dtype)
+    cos, sin = (table[positions][:, :, None, :] for table in rope)  # [B, C, 1, E]
+    shape = (b, c, k, config.head_dim)
+    cos = torch.cat([cos.expand(b, c, h + k, -1), cos.new_ones(shape)], dim=2)
+    sin = torch.cat([sin.expand(b, c, h + k, -1), sin.new_zeros(shape)], dim=2)
+    heads = torch.arange(2 * k, device=positions.device)
+    t = cache.length
+    index = slots[:, None, None] * (2 * k * t) + heads * t + positions[:, :, None]
+    return _Step(spans, cos, sin, index.reshape(-1), (b, c))
 
 
 def attention(
@@ -472,41 +875,41 @@ def attention(
     config: LlamaConfig,
     layer_index: int,
     cache: KVCache,
-    slots: Tensor,
-    positions: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    spans: list[_Span],
+    step: _Step,
 ) -> Tensor:
-    b, c, _ = x.shape  # x [B, C, D]
+    b, c = step.rows  # x [B * C, D]
     h, k, e = config.n_heads, config.n_kv_heads, config.head_dim
     g = h // k
     qkv = linear(x, layer.wqkv).view(b, c, h + 2 * k, e)
-    qk = apply_rope(qkv[:, :, : h + k], cos, sin)  # [B, C, H + K, E]
-    q, new_k, new_v = qk[:, :, :h], qk[:, :, h:], qkv[:, :, h + k :]
+    qkv = apply_rope(qkv, step.cos, step.sin)  # [B, C, H + 2K, E]
     # Write this step's keys and values at (slot, position) of every row.
-    rows = slots[:, None].expand(b, c)
-    cache.k[layer_index][rows, :, positions] = new_k
-    cache.v[layer_index][rows, :, positions] = new_v
+    layer_cache, flat = cache.layer_views[layer_index]  # [S, 2K, T, E], [S * 2K * T, E]
+    flat.index_copy_(0, step.write_index, qkv[:, :, h:].reshape(-1, e))
     # [B, C, H, E] -> [B, K, G * C, E]: the G query heads of a KV head become rows.
-    q = q.permute(0, 2, 1, 3).reshape(b, k, g * c, e)
+    if c == 1:
+        q = qkv[:, 0, :h].view(b, k, g, e)
+    else:
+        q = qkv[:, :, :h].permute(0, 2, 1, 3).reshape(b, k, g * c, e)
     outs = [
         F.scaled_dot_product_attention(
-            q[span.rows],
-            _span_rows(cache.k[layer_index], span),  # [n, K, T, E]
-            _span_rows(cache.v[layer_index], span),
+            q if len(step.spans) == 1 else q[span.rows],
+            *_span_rows(layer_cache, layer_index, span, k),  # [n, K, T, E] each
             attn_mask=span.mask,
         )
-        for span in spans
+        for span in step.spans
     ]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [B, K, G * C, E]
-    out = out.view(b, k, g, c, e).permute(0, 3, 1, 2, 4).reshape(b, c, h * e)
+    if c == 1:
+        out = out.view(b, h * e)
+    else:
+        out = out.view(b, k, g, c, e).permute(0, 3, 1, 2, 4).reshape(b * c, h * e)
     return linear(out, layer.wo)
 
 
 def mlp(x: Tensor, layer: LayerWeights) -> Tensor:
-    gate, up = linear(x, layer.w_gate_up).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, layer.w_down)
+    gate_up = linear(x, layer.w_gate_up)
+    f = gate_up.shape[-1] // 2
+    return linear(F.silu(gate_up[..., :f]) * gate_up[..., f:], layer.w_down)
 
 
 def forward(
@@ -517,24 +920,39 @@ def forward(
     tokens: Tensor,
     positions: Tensor,
     slots: Tensor,
+    *,
+    every_position: bool = False,
 ) -> Tensor:
     """Run ``tokens`` [B, C] at ``positions`` [B, C] of cache ``slots`` [B].
 
     Writes their keys and values into the cache and returns the final-norm
-    hidden state of each row's last position, [B, D]. Each row attends to its
-    own slot's positions up to its own position; the cache must already fit
-    ``max(positions) + 1`` positions (:meth:`KVCache.fit`).
+    hidden state of each row's last position, [B, D], in the weights' dtype
+    (with ``every_position``, of every position: [B, C, D]).
+    Each row attends to its own slot's positions up to its own position; the
+    cache must already fit ``max(positions) + 1`` positions (:meth:`KVCache.fit`).
+
+    The residual stream is float32 whatever the weights' dtype; matmuls take
+    their input in the weights' dtype. 4-bit layers run the 4-bit kernel at
+    every row count, prefill included: its rows do not depend on the other
+    rows, so a position's keys and values come out the same from a decode
+    step, a prefill chunk of any size or a chunk resumed after a cached
+    prefix, and the prefix cache can serve them all without changing a
+    greedy result. (Its bfloat16 dequantization would prefill faster on
+    CPUs with bfloat16 matrix units, but gives other numbers.)
     """
-    c = tokens.shape[1]
-    g = config.n_heads // config.n_kv_heads
-    spans = _spans(positions, slots.tolist(), g, cache, weights.embed.dtype, bucket=c == 1)
-    cos, sin = (table[positions][:, :, None, :] for table in rope)  # [B, C, 1, E]
-    x = F.embedding(tokens, weights.embed)  # [B, C, D]
+    step = _prepare(weights, config, cache, rope, positions, slots)
+    dtype = weights.dtype
+    eps = config.rms_norm_eps
+    b, c = tokens.shape
+    # Hidden states as [B * C, D] rows throughout: matmuls take them as they are.
+    x = F.embedding(tokens.reshape(-1), weights.embed).float()
     for i, layer in enumerate(weights.layers):
-        h = rms_norm(x, layer.attn_norm, config.rms_norm_eps)
-        x = x + attention(h, layer, config, i, cache, slots, positions, cos, sin, spans)
-        x = x + mlp(rms_norm(x, layer.mlp_norm, config.rms_norm_eps), layer)
-    return rms_norm(x[:, -1], weights.norm, config.rms_norm_eps)
+        h = rms_norm(x, layer.attn_norm, eps).to(dtype)
+        x.add_(attention(h, layer, config, i, cache, step))
+        h = rms_norm(x, layer.mlp_norm, eps).to(dtype)
+        x.add_(mlp(h, layer))
+    x = x.view(b, c, -1)
+    return rms_norm(x if every_position else x[:, -1], weights.norm, eps).to(dtype)
 
 
 def logits(weights: LlamaWeights, hidden: Tensor) -> Tensor:

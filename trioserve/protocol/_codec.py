@@ -635,6 +635,8 @@ for _cls in (*_REPLY_HEADS, ErrorReply):
             "response": override(omit_if_default=True),
             "util_text": override(omit_if_default=True),
         }
+    elif _cls is InfoReply:
+        _extra = {"status": override(omit_if_default=True)}
     elif _cls is ErrorReply:
         _extra = {"action": override(omit=True)}
     _reply_unstructure[_cls] = make_dict_unstructure_fn(

@@ -438,6 +438,8 @@ class Usage:
     prompt_tokens: int
     trimmed_tokens: int
     generated_tokens: int
+    #: Prompt tokens the engine took from its prefix cache instead of computing.
+    cached_tokens: int = 0
 
 
 @attrs.frozen
@@ -518,10 +520,24 @@ class Limits:
 
 
 @attrs.frozen
+class Status:
+    """What the server holds now, so that a leak is visible from outside."""
+
+    #: Open WebSocket connections.
+    connections: int
+    #: ``infer`` requests of all connections without their terminal frame yet.
+    requests_in_flight: int
+    #: Jobs the engine is working on, and jobs waiting for a slot.
+    running_jobs: int
+    waiting_jobs: int
+
+
+@attrs.frozen
 class InfoReply:
     server: ServerInfo
     model: ModelInfo
     limits: Limits
+    status: Status | None = None
     echoed: Mapping[str, Any] = _echoed_field()
 
 
