@@ -1,5 +1,5 @@
 """Developer sessions: ``nox -s tests`` (default), ``lint``, ``typecheck``, ``bench``,
-``fuzz``, ``soak``, ``gpu``.
+``fuzz``, ``soak``, ``scale-out``, ``gpu``.
 
 Each session installs the project into its own virtual environment (reused by
 later runs), torch first: ``torch==2.13.0``, the version the project is tested
@@ -47,7 +47,7 @@ def install_project(session: nox.Session, *groups: str) -> None:
 def tests(session: nox.Session) -> None:
     """The default suite: protocol, engines, server; everything on the CPU."""
     install_project(session, "test")
-    args = session.posargs or ["-m", "not gpu", "-p", "no:cacheprovider"]
+    args = session.posargs or ["-m", "not gpu and not scaleout", "-p", "no:cacheprovider"]
     session.run("pytest", *args)
 
 
@@ -116,6 +116,26 @@ def soak(session: nox.Session) -> None:
     memory after warm-up vs at the end (tests/soak.py, docs/reliability.md)."""
     install_project(session, "test", "bench")
     session.run("python", "-m", "tests.soak", *session.posargs)
+
+
+@nox.session(name="scale-out", default=False)
+def scale_out(session: nox.Session) -> None:
+    """Two ``python -m trioserve`` instances behind nginx with deploy/nginx/ as shipped,
+    on loopback (tests/deploy/, docs/scale-out.md): connections spread, stop reaches
+    its instance, a drained instance loses no request, OpenAI routes balanced, TLS.
+    Installs Debian's nginx with apt when it is missing (as root; skipped, saying
+    why, otherwise). Arguments go to pytest."""
+    install_project(session, "test")
+    session.run(
+        "pytest",
+        "-m",
+        "scaleout",
+        "-p",
+        "no:cacheprovider",
+        "-rA",
+        "tests/deploy",
+        *session.posargs,
+    )
 
 
 # Checks the machine's torch before anything is installed: the project and
