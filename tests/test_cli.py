@@ -171,6 +171,8 @@ def test_environment_sets_every_option_and_the_command_line_wins() -> None:
         "dtype": ("float32", "float32"),
         "device": ("cuda:1", "cuda:1"),
         "threads": ("3", 3),
+        "weights": ("int8", "int8"),
+        "prefix_cache_mib": ("0", 0),
         "context_length": ("512", 512),
         "max_batch": ("4", 4),
         "offline": ("yes", True),
