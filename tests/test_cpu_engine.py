@@ -589,3 +589,62 @@ def test_4bit_perplexity_is_within_one_percent_of_bfloat16(
     bf16 = perplexity(model_dir, "float", ids)
     assert 1.0 < bf16 < 100.0  # a real model on English prose
     assert abs(q4 / bf16 - 1) <= 0.01, (q4, bf16)
+
+
+def _long_prompt(engine: CpuEngine, salt: int) -> str:
+    """A chat prompt of more than two prefill chunks (about 1,400 tokens)."""
+    text = chat(" ".join(STORY.format(n=salt * 100 + i) for i in range(20)) + " Who came?")
+    assert len(engine.encode(text)) > 2 * engine.prefill_chunk
+    return text
+
+
+def _tokens_streamed_during_prefill(engine: CpuEngine, salt: int) -> tuple[int, int, Outcome]:
+    """A stream runs; a long prompt arrives. Returns how many tokens the stream
+    got before the long prompt's first token, the prompt's chunks, and its outcome."""
+    stream = make_spec(engine, chat(f"Count slowly from 1 to {salt}."), 2000, stop_token_ids=())
+    engine.step([stream], [])
+    long = make_spec(engine, _long_prompt(engine, salt), 4)
+    chunks = -(-len(long.prompt_ids) // engine.prefill_chunk)
+    streamed = 0
+    outcome = Outcome()
+    submit = [long]
+    while not outcome.updates:
+        for update in engine.step(submit, []):
+            if update.job_id == long.job_id:
+                outcome.updates.append(update)
+            else:
+                assert isinstance(update, TextUpdate), update  # 2,000 tokens outlast the prefill
+                streamed += 1
+        submit = []
+    cancel = [stream.job_id]
+    while not isinstance(outcome.end, Finished):
+        outcome.updates.extend(u for u in engine.step([], cancel) if u.job_id == long.job_id)
+        cancel = []
+    return streamed, chunks, outcome
+
+
+def test_prefill_takes_its_share_and_the_streams_keep_decoding(cpu_engine: CpuEngine) -> None:
+    """With the default share (0.5), a long prompt's chunks alternate with
+    steps that decode the running stream alone; with a share of 1, every step
+    runs a chunk. Which step runs a chunk changes none of the prompt's numbers."""
+    assert cpu_engine.prefill_share == 0.5
+    deferrals = cpu_engine.statistics().prefill_deferrals
+    streamed, chunks, shared = _tokens_streamed_during_prefill(cpu_engine, 1)
+    # A 512-token chunk takes far longer than a one-row decode step, so after
+    # each chunk the stream gets steps of its own.
+    assert streamed > chunks
+    assert cpu_engine.statistics().prefill_deferrals - deferrals >= streamed - chunks
+    cpu_engine.prefill_share = 1.0
+    try:
+        every, chunks_1, _ = _tokens_streamed_during_prefill(cpu_engine, 2)
+    finally:
+        cpu_engine.prefill_share = 0.5
+    assert every == chunks_1
+    alone = run_one(cpu_engine, make_spec(cpu_engine, _long_prompt(cpu_engine, 1), 4))
+    assert alone.chunks == shared.chunks
+
+
+def test_prefill_share_must_be_a_share(model_dir: Path) -> None:
+    for share in (0.0, -0.5, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match="prefill_share"):
+            CpuEngine.load(model_dir, prefill_share=share)

@@ -344,6 +344,16 @@ OPTIONS: Final[tuple[Option, ...]] = (
         "MIB",
     ),
     Option(
+        "prefill_share",
+        MODEL,
+        "cpu engine: while some requests stream, the share of the engine's time that new "
+        "prompts' prefill may take (0 < share <= 1; 1 gives every step a prefill chunk): a "
+        "long prompt then slows the streams to about half speed, not to a token per chunk",
+        E,
+        _number,
+        "SHARE",
+    ),
+    Option(
         "threads",
         MODEL,
         "cpu engine: torch threads (one per physical core is best)",

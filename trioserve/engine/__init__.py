@@ -73,6 +73,9 @@ class EngineOptions:
     #: CPU engine: memory for the prefix cache of finished prompts, in MiB
     #: (0 turns it off).
     prefix_cache_mib: int = 128
+    #: CPU engine: while jobs decode, the share of the engine's time that
+    #: prompts' prefill may take (0 < share <= 1).
+    prefill_share: float = 0.5
     #: ExLlamaV2 engine: cache type and size (tokens, a multiple of 256),
     #: GPU split in GB per device (None = autosplit), tensor parallel.
     cache_type: str = "fp16"
@@ -91,6 +94,8 @@ class EngineOptions:
             raise ConfigError(f"max batch must be >= 1, got {self.max_batch!r}")
         if self.weights not in WEIGHT_MODES:
             raise ConfigError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
+        if not 0.0 < self.prefill_share <= 1.0:
+            raise ConfigError(f"prefill share must be > 0 and <= 1, got {self.prefill_share!r}")
         if self.prefix_cache_mib < 0:
             raise ConfigError(f"prefix cache must be >= 0 MiB, got {self.prefix_cache_mib!r}")
         if self.cache_size is not None and (self.cache_size <= 0 or self.cache_size % 256):
@@ -137,6 +142,7 @@ def load_engine(options: EngineOptions) -> Engine:
             threads=options.threads,
             weights=options.weights,
             prefix_cache_bytes=options.prefix_cache_mib * 2**20,
+            prefill_share=options.prefill_share,
         )
     from .exllamav2 import ExLlamaV2Engine, probe_exllamav2
 

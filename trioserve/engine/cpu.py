@@ -5,7 +5,10 @@ jobs into free slots in arrival order, runs prefill chunks for new jobs (about
 :attr:`CpuEngine.prefill_chunk` prompt tokens per step, so that one long prompt
 delays the running jobs' next token by one chunk, not by the whole prompt),
 then one batched decode forward for every job that has a token to feed, and
-samples all the step's tokens in one call.
+samples all the step's tokens in one call. While jobs decode, prefill chunks
+take at most :attr:`CpuEngine.prefill_share` of the engine's time: steps past
+that share decode alone, so a prompt of the whole context slows the running
+streams to about half their speed instead of a token per chunk.
 
 A job's greedy text is the same alone and beside others in bfloat16: prefill
 chunk boundaries do not depend on the other jobs, decode rows attend over
@@ -21,6 +24,7 @@ a view of the cache instead of a gathered copy.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -78,6 +82,9 @@ class CpuEngineStatistics:
     #: Bytes the model's weights hold.
     weight_bytes: int
     prefix_cache: PrefixCacheStatistics
+    #: Steps that ran only the decoding jobs although prompts were waiting for
+    #: their prefill, because prefill had had its share (:attr:`CpuEngine.prefill_share`).
+    prefill_deferrals: int = 0
 
 
 DTYPES: dict[str, torch.dtype] = {
@@ -155,8 +162,19 @@ class CpuEngine:
     #: Prompt tokens per prefill chunk, and the prefill budget of one step
     #: over all new jobs (a step runs at least one chunk, and never splits one).
     prefill_chunk: int = 512
+    #: While some jobs decode and others wait for their prefill, the share of
+    #: the engine's time that prefill chunks may take (0 < share <= 1; 1 runs
+    #: a chunk every step). A prompt of the whole context costs seconds of
+    #: prefill per chunk on a CPU: without a share, every decoding job would
+    #: get one token per chunk for as long as it lasts.
+    prefill_share: float = 0.5
     _waiting: deque[GenerationSpec] = attrs.field(factory=deque)
     _slots: list[_Job] = attrs.field(factory=list)
+    #: Seconds of prefill chunks, and of whole steps, since prefill and
+    #: decoding last began to contend (both reset when they stop).
+    _contended_prefill: float = 0.0
+    _contended_steps: float = 0.0
+    _prefill_deferrals: int = 0
 
     @classmethod
     def load(
@@ -171,6 +189,7 @@ class CpuEngine:
         threads: int | None = None,
         weights: str = "auto",
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        prefill_share: float = 0.5,
     ) -> CpuEngine:
         """Load a Llama-family Hugging Face directory (the embedded SmolLM2 when
         ``model_dir`` is None, obtained with :func:`default_model_dir`).
@@ -188,6 +207,10 @@ class CpuEngine:
         ``prefix_cache_bytes`` bounds the prefix cache (the keys and values of
         finished jobs, reused by later prompts that start with the same tokens;
         see :mod:`trioserve.engine.prefix`); 0 turns it off.
+
+        ``prefill_share`` (0 < share <= 1) bounds the share of time that
+        prompts' prefill takes while other jobs are decoding (see
+        :attr:`prefill_share`).
 
         Raises:
             ConfigError: a bad dtype, device, context length, batch or thread count.
@@ -211,6 +234,8 @@ class CpuEngine:
             raise EngineError(f"device {device!r} was asked for but torch has no CUDA here")
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch!r}")
+        if not 0.0 < prefill_share <= 1.0:
+            raise ConfigError(f"prefill_share must be > 0 and <= 1, got {prefill_share!r}")
         if prefix_cache_bytes < 0:
             raise ConfigError(f"prefix_cache_bytes must be >= 0, got {prefix_cache_bytes!r}")
         if threads is not None:
@@ -271,6 +296,7 @@ class CpuEngine:
             rope=llama.rope_tables(config, context, torch_device),
             info=info,
             device=torch_device,
+            prefill_share=prefill_share,
         )
 
     @property
@@ -296,6 +322,7 @@ class CpuEngine:
             kv_cache_bytes=self._cache.nbytes,
             weight_bytes=0 if self._weights is None else self._weights.nbytes,
             prefix_cache=self._prefix_cache.statistics(),
+            prefill_deferrals=self._prefill_deferrals,
         )
 
     def encode(self, text: str) -> list[int]:
@@ -364,6 +391,17 @@ class CpuEngine:
                 self._cache.write(job.slot, 0, torch.cat(job.restore, dim=2))
                 job.restore = []
 
+        step_started = time.perf_counter()
+        contended = bool(decoding and prefilling)
+        if not contended:
+            self._contended_prefill = self._contended_steps = 0.0
+        elif self._contended_prefill > self.prefill_share * self._contended_steps:
+            # Prefill has had its share of the time since the contention began:
+            # this step serves the decoding jobs alone. Which step runs a chunk
+            # changes no job's numbers (chunks keep their boundaries).
+            prefilling = []
+            self._prefill_deferrals += 1
+
         rows: list[_Job] = []
         row_logits: list[Tensor] = []
         budget = self.prefill_chunk
@@ -396,6 +434,9 @@ class CpuEngine:
                 rows.append(job)
                 row_logits.append(llama.logits(weights, hidden))
 
+        if contended:
+            self._contended_prefill += time.perf_counter() - step_started
+
         if decoding:
             try:
                 out = llama.decode_logits(
@@ -419,6 +460,8 @@ class CpuEngine:
 
         if rows:
             updates.extend(self._sample_and_emit(rows, torch.cat(row_logits)))
+        if contended:
+            self._contended_steps += time.perf_counter() - step_started
         if not self._slots:
             self._cache.release()
         return updates
