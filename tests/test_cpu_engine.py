@@ -648,3 +648,38 @@ def test_prefill_share_must_be_a_share(model_dir: Path) -> None:
     for share in (0.0, -0.5, 1.5, float("nan")):
         with pytest.raises(ConfigError, match="prefill_share"):
             CpuEngine.load(model_dir, prefill_share=share)
+
+
+def test_a_short_prompt_is_not_queued_behind_a_long_ones_chunks(cpu_engine: CpuEngine) -> None:
+    """A short prompt that arrives while a long one is being prefilled gets its
+    first token from the next step, which runs no chunk of the long one; the
+    long one goes on from the step after, and both texts are as alone."""
+    long = make_spec(cpu_engine, _long_prompt(cpu_engine, 3), 4)
+    chunks = -(-len(long.prompt_ids) // cpu_engine.prefill_chunk)
+    cpu_engine.prefill_share = 1.0  # no deferral: the steps are countable
+    try:
+        outcomes = _short_beside_long(cpu_engine, long, chunks)
+    finally:
+        cpu_engine.prefill_share = 0.5
+    for spec, outcome in outcomes:
+        alone = run_one(cpu_engine, attrs.evolve(spec, job_id=next(_ids)))
+        assert alone.chunks == outcome.chunks
+
+
+def _short_beside_long(
+    cpu_engine: CpuEngine, long: GenerationSpec, chunks: int
+) -> list[tuple[GenerationSpec, Outcome]]:
+    assert cpu_engine.step([long], []) == []  # the first chunk
+    short = make_spec(cpu_engine, chat("Name a color."), 4)
+    first = cpu_engine.step([short], [])
+    assert [update.job_id for update in first] == [short.job_id]
+    outcomes = {long.job_id: Outcome(), short.job_id: Outcome(first)}
+    steps = 0
+    while not all(o.updates and isinstance(o.end, Finished) for o in outcomes.values()):
+        steps += 1
+        for update in cpu_engine.step([], []):
+            outcomes[update.job_id].updates.append(update)
+            if update.job_id == long.job_id and len(outcomes[long.job_id].updates) == 1:
+                # Its other chunks, one step each, the last one with its first token.
+                assert steps == chunks - 1
+    return [(long, outcomes[long.job_id]), (short, outcomes[short.job_id])]

@@ -87,6 +87,11 @@ class CpuEngineStatistics:
     prefill_deferrals: int = 0
 
 
+#: Prompt tokens left to prefill at or under which a job is never deferred by
+#: :attr:`CpuEngine.prefill_share` (a chat turn's new part costs about what a
+#: few decode rows do).
+_SHORT_PREFILL = 128
+
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -391,29 +396,37 @@ class CpuEngine:
                 self._cache.write(job.slot, 0, torch.cat(job.restore, dim=2))
                 job.restore = []
 
+        # Shortest remaining prompt first (arrival order among equals): a short
+        # prompt that arrives while a long one is being prefilled gets its
+        # first token after a step of its own size, not after the long one's
+        # chunks. Which step runs a chunk changes no job's numbers: chunks
+        # keep their boundaries and rows do not depend on each other.
+        prefilling.sort(key=lambda job: len(job.prompt) - job.cached)
         step_started = time.perf_counter()
         contended = bool(decoding and prefilling)
         if not contended:
             self._contended_prefill = self._contended_steps = 0.0
         elif self._contended_prefill > self.prefill_share * self._contended_steps:
             # Prefill has had its share of the time since the contention began:
-            # this step serves the decoding jobs alone. Which step runs a chunk
-            # changes no job's numbers (chunks keep their boundaries).
-            prefilling = []
-            self._prefill_deferrals += 1
+            # this step serves the decoding jobs, and prompts short enough to
+            # cost about what a few decode rows do.
+            short = [job for job in prefilling if len(job.prompt) - job.cached <= _SHORT_PREFILL]
+            if len(short) < len(prefilling):
+                self._prefill_deferrals += 1
+            prefilling = short
 
         rows: list[_Job] = []
         row_logits: list[Tensor] = []
         budget = self.prefill_chunk
         for job in prefilling:
-            if budget <= 0:
-                break
             # Chunks end at multiples of prefill_chunk whatever else runs, so
             # that a job's numbers (hence its greedy text) do not depend on
             # which jobs arrived with it.
             start = job.cached
             end = min((start // self.prefill_chunk + 1) * self.prefill_chunk, len(job.prompt))
             chunk = job.prompt[start:end]
+            if len(chunk) > budget and budget < self.prefill_chunk:
+                break  # a step runs one chunk past its budget only when it is its first
             budget -= len(chunk)
             try:
                 hidden = llama.forward(
