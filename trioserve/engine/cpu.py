@@ -175,10 +175,12 @@ class CpuEngine:
     prefill_share: float = 0.5
     _waiting: deque[GenerationSpec] = attrs.field(factory=deque)
     _slots: list[_Job] = attrs.field(factory=list)
-    #: Seconds of prefill chunks, and of whole steps, since prefill and
-    #: decoding last began to contend (both reset when they stop).
-    _contended_prefill: float = 0.0
-    _contended_steps: float = 0.0
+    #: Seconds of engine time that prefill may still take beside decoding
+    #: jobs: each contended step adds ``prefill_share`` of its time and takes
+    #: its prefill time; chunks wait while it is negative. Never above 0 (no
+    #: credit is saved up), and kept between contentions, so that a stream
+    #: that ends and starts again does not hand a long prompt a chunk each time.
+    _prefill_balance: float = 0.0
     _prefill_deferrals: int = 0
 
     @classmethod
@@ -404,9 +406,8 @@ class CpuEngine:
         prefilling.sort(key=lambda job: len(job.prompt) - job.cached)
         step_started = time.perf_counter()
         contended = bool(decoding and prefilling)
-        if not contended:
-            self._contended_prefill = self._contended_steps = 0.0
-        elif self._contended_prefill > self.prefill_share * self._contended_steps:
+        prefill_seconds = 0.0
+        if contended and self.prefill_share < 1.0 and self._prefill_balance < 0.0:
             # Prefill has had its share of the time since the contention began:
             # this step serves the decoding jobs, and prompts short enough to
             # cost about what a few decode rows do.
@@ -448,7 +449,7 @@ class CpuEngine:
                 row_logits.append(llama.logits(weights, hidden))
 
         if contended:
-            self._contended_prefill += time.perf_counter() - step_started
+            prefill_seconds = time.perf_counter() - step_started
 
         if decoding:
             try:
@@ -474,7 +475,10 @@ class CpuEngine:
         if rows:
             updates.extend(self._sample_and_emit(rows, torch.cat(row_logits)))
         if contended:
-            self._contended_steps += time.perf_counter() - step_started
+            step_seconds = time.perf_counter() - step_started
+            self._prefill_balance = min(
+                0.0, self._prefill_balance + self.prefill_share * step_seconds - prefill_seconds
+            )
         if not self._slots:
             self._cache.release()
         return updates
