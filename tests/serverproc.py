@@ -24,6 +24,8 @@ import trio
 __all__ = ["ServerProcess", "open_server_process"]
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The start of a log line in the text format (``2026-11-30 21:44:10,269 ``).
+_LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d")
 _LISTENING = re.compile(r"listening on (ws://\[?([^\]/]+?)\]?:(\d+)/)")
 
 
@@ -66,6 +68,18 @@ class ServerProcess:
             or line.startswith("Traceback")
             or "ERROR:" in line
         ]
+
+    def error_reports(self, context: int = 40) -> list[str]:
+        """Each ERROR (or worse) log line with the lines that follow it (its
+        traceback), up to the next ordinary log line or ``context`` lines."""
+        reports: list[list[str]] = []
+        for line in self.log:
+            starts = " ERROR " in line or " CRITICAL " in line or "ERROR:" in line
+            if starts:
+                reports.append([line])
+            elif reports and len(reports[-1]) < context and not _LOG_LINE.match(line):
+                reports[-1].append(line)
+        return ["\n".join(report) for report in reports]
 
 
 async def _pump(stream: trio.abc.ReceiveStream, lines: list[str], echo: bool) -> None:

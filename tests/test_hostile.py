@@ -29,6 +29,7 @@ here, in ``ASSUMED_CONFIG_FIELDS``):
 from __future__ import annotations
 
 import json
+import logging
 import random
 import shutil
 import threading
@@ -922,6 +923,33 @@ async def test_rfc6455_violations_get_the_rfc_close_code(violation: str) -> None
             assert close is not None, "no close frame before the TCP connection ended"
             assert close.close_code == code
         await still_serves(listening.url)
+
+
+async def test_a_violation_while_replies_are_queued_closes_with_its_code(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by the 100,000-frame fuzz run: the close frame for a violation
+    waited for the writer, which held the stream while a reader that did not
+    read blocked it; the writer's next reply then met wsproto after the close
+    frame (LocalProtocolError) and the server logged "writer failed" (in the
+    fuzz run one peer saw its connection drop, 1006, instead of its close code)."""
+    big = "x" * 200_000
+    async with serving(
+        ScriptedEngine(step_delay=0.002), max_message_bytes=2**20, max_output_bytes=2**27
+    ) as (_, listening):
+        ws = await wire.open_raw_websocket("127.0.0.1", listening.port, receive_buffer=4096)
+        for n in range(200):  # 40 MB of replies: more than the socket buffers hold
+            await ws.send_json({"action": "echo", "request_id": [n, big]})
+        await trio.sleep(0.5)  # the writer is now blocked on the socket
+        await ws.send_raw(wire.build_frame(0x3, b"{}"))  # a reserved opcode
+        await trio.sleep(0.5)  # the close frame waits behind the writer
+        frames, close = await ws.read_to_close(within=20)
+        await ws.aclose()
+        assert close is not None and close.close_code == 1002, close
+        assert 0 < len(frames) <= 200
+        await still_serves(listening.url)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
 
 
 # --- defect 12: token healing on SentencePiece-style tokenizers -----------------------------------

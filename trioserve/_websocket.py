@@ -10,7 +10,8 @@ keep two promises of RFC 6455 that version 0.12 does not:
   opcode or RSV bit, an unmasked frame, a stray continuation) is answered
   with a close frame carrying wsproto's code (1002, or 1007 for invalid
   UTF-8) before the TCP connection is closed, as section 7.1.7 asks;
-  trio-websocket dropped the connection without one.
+  trio-websocket dropped the connection without one. A message sent after
+  that close frame ends in ``ConnectionClosed``, as after any other close.
 
 Both are overrides of two event handlers of ``WebSocketConnection``; the
 tests in ``tests/test_hostile.py`` pin the behaviour, so a trio-websocket
@@ -23,10 +24,11 @@ import contextlib
 
 import trio
 import wsproto
-from trio_websocket import WebSocketConnection, WebSocketRequest
+from trio_websocket import CloseReason, ConnectionClosed, WebSocketConnection, WebSocketRequest
 from wsproto import ConnectionType, WSConnection
 from wsproto.connection import ConnectionState
 from wsproto.events import CloseConnection, TextMessage
+from wsproto.utilities import LocalProtocolError
 
 __all__ = ["HandshakeAborted", "ServerWebSocket", "accept_stream"]
 
@@ -50,10 +52,28 @@ class ServerWebSocket(WebSocketConnection):
             # wsproto reports a frame it could not parse as a CloseConnection
             # event without a close frame from the peer (the state is still
             # OPEN): tell the peer why before the stream is closed.
+            # The close reason is set first (as trio-websocket does for a
+            # close the peer starts): sending the close frame may wait for a
+            # writer that holds the stream, and a writer's next message must
+            # then end in ConnectionClosed, not in wsproto's LocalProtocolError
+            # for a message after the close frame.
+            self._close_reason = CloseReason(event.code, event.reason or None)
             # The peer may be gone already; the stream is closed below anyway.
             with contextlib.suppress(Exception):
                 await self._send(CloseConnection(code=event.code, reason=event.reason))
         await super()._handle_close_connection_event(event)
+
+    async def send_message(self, message: str | bytes) -> None:
+        """Send one message; :class:`ConnectionClosed` once a close frame has gone
+        out, whichever side started the close."""
+        try:
+            await super().send_message(message)
+        except LocalProtocolError:
+            if self._wsproto.state == ConnectionState.OPEN:
+                raise
+            raise ConnectionClosed(
+                self._close_reason or CloseReason(1006, "the connection is closing")
+            ) from None
 
 
 class HandshakeAborted(Exception):

@@ -99,7 +99,7 @@ async def fuzz(args: argparse.Namespace, seed: int) -> tuple[FuzzReport, list[st
         if alive
         else f"DIED during the run (exit status {server.returncode})"
     )
-    errors = server.error_lines()
+    errors = server.error_reports()
     if not alive or server.returncode != 0:
         errors.append(f"the server ended with status {server.returncode}")
     return report, errors, ending

@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import re
 import string
 from typing import Any
 
@@ -203,8 +204,27 @@ def _unicode(rng: random.Random, length: int) -> str:
     return "".join(chars)
 
 
+def _without_surrogates(value: Any) -> Any:
+    """``value`` with every lone surrogate replaced: protocol.md refuses a
+    frame that holds one (``invalid_json``), so no valid request can."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("?", value)
+    if isinstance(value, list):
+        return [_without_surrogates(item) for item in value]
+    if isinstance(value, dict):
+        return {_without_surrogates(k): _without_surrogates(v) for k, v in value.items()}
+    return value
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def valid_request(rng: random.Random, vocab_size: int, serial: str) -> dict[str, Any]:
     """A request every server must accept (up to its limits)."""
+    return dict(_without_surrogates(_valid_request(rng, vocab_size, serial)))
+
+
+def _valid_request(rng: random.Random, vocab_size: int, serial: str) -> dict[str, Any]:
     action = rng.choice(ACTIONS)
     request: dict[str, Any] = {"action": action}
     if rng.random() < 0.8:
