@@ -820,6 +820,23 @@ async def test_the_frame_limit_counts_bytes(text: str, closed: bool) -> None:
         await still_serves(listening.url)
 
 
+async def test_a_client_that_sends_a_6mb_frame_before_reading_gets_its_1009() -> None:
+    """Found by the 100,000-frame fuzz run: a client that writes a whole frame
+    over the limit before it reads anything saw its connection reset (1006):
+    the server stopped reading at the limit, and while closing it read and
+    dropped only 256 KiB of the rest before closing the socket under it."""
+    frame = wire.build_frame(wire.TEXT, b'{"action":"echo","x":"' + b"a" * 6_000_000 + b'"}')
+    async with serving(ScriptedEngine(), max_message_bytes=256 * 1024) as (_, listening):
+        ws = await wire.open_raw_websocket("127.0.0.1", listening.port)
+        with trio.fail_after(20):
+            await ws.send_raw(frame)  # all of it, reading nothing meanwhile
+        frames, close = await ws.read_to_close(within=20)
+        await ws.aclose()
+        assert frames == []
+        assert close is not None and close.close_code == 1009, close
+        await still_serves(listening.url)
+
+
 # --- defect 10: terminal frames of jobs that had finished -----------------------------------------
 
 
