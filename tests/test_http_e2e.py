@@ -133,6 +133,13 @@ async def test_curl_prometheus_and_the_openai_sdk_against_the_cli() -> None:
         )
         assert _counter(scrape, "trioserve_time_to_first_token_seconds_count", api="openai") == 3
         assert _counter(scrape, "trioserve_generated_tokens_total", api="openai") >= 2 * tokens
+        # The engine's own figures, read on its thread after each step.
+        assert _counter(scrape, "trioserve_engine_weight_bytes") > 100 * 2**20
+        assert _counter(scrape, "trioserve_engine_kv_cache_bytes") == 0  # nothing runs now
+        assert _counter(scrape, "trioserve_prefix_cache_capacity_bytes") == 128 * 2**20
+        # Four generations (2 chats, 1 completion, 1 infer; the third chat was
+        # refused) each looked the cache up once.
+        assert _counter(scrape, "trioserve_prefix_cache_lookups_total") == 4
 
     # One access-log line per finished request, as JSON, without the prompt.
     records = [json.loads(line) for line in server.log if line.startswith("{")]

@@ -86,6 +86,27 @@ def test_engine_steps_and_job_gauges() -> None:
     assert value(metrics, "trioserve_jobs_waiting") == 0
 
 
+def test_the_engines_totals_advance_the_counters_by_their_change() -> None:
+    metrics = Metrics()
+    metrics.engine_memory(kv_cache_bytes=4096, weight_bytes=10**8)
+    assert value(metrics, "trioserve_engine_kv_cache_bytes") == 4096
+    assert value(metrics, "trioserve_engine_weight_bytes") == 10**8
+    assert value(metrics, "trioserve_prefix_cache_lookups_total", result="hit") == 0
+    for hits, misses in ((0, 3), (2, 3), (2, 3), (5, 4)):
+        metrics.prefix_cache(
+            size_bytes=hits * 64, capacity_bytes=1024, hits=hits, misses=misses, evictions=1
+        )
+    assert value(metrics, "trioserve_prefix_cache_lookups_total", result="hit") == 5
+    assert value(metrics, "trioserve_prefix_cache_lookups_total", result="miss") == 4
+    assert value(metrics, "trioserve_prefix_cache_evictions_total") == 1
+    assert value(metrics, "trioserve_prefix_cache_bytes") == 320
+    assert value(metrics, "trioserve_prefix_cache_capacity_bytes") == 1024
+    metrics.prefill_deferrals(7)
+    metrics.prefill_deferrals(2)  # a new engine counts from 0: only growth counts
+    metrics.prefill_deferrals(3)
+    assert value(metrics, "trioserve_prefill_deferrals_total") == 8
+
+
 def test_connections_rejections_cancellations_http() -> None:
     metrics = Metrics()
     for cause in CANCEL_CAUSES:

@@ -181,6 +181,52 @@ class Metrics:
             registry=r,
             buckets=_BATCH_BUCKETS,
         )
+        self._kv_bytes = Gauge(
+            "engine_kv_cache_bytes",
+            "Bytes the running jobs' keys and values hold (CPU engine).",
+            namespace=ns,
+            registry=r,
+        )
+        self._weight_bytes = Gauge(
+            "engine_weight_bytes",
+            "Bytes the model's weights hold (CPU engine).",
+            namespace=ns,
+            registry=r,
+        )
+        self._prefix_bytes = Gauge(
+            "prefix_cache_bytes",
+            "Bytes the prefix cache of finished prompts holds (CPU engine).",
+            namespace=ns,
+            registry=r,
+        )
+        self._prefix_capacity = Gauge(
+            "prefix_cache_capacity_bytes",
+            "The prefix cache's bound in bytes (CPU engine).",
+            namespace=ns,
+            registry=r,
+        )
+        self._prefix_lookups = Counter(
+            "prefix_cache_lookups",
+            "Prompts looked up in the prefix cache, by result (hit: at least one block reused).",
+            ("result",),
+            namespace=ns,
+            registry=r,
+        )
+        self._prefix_evictions = Counter(
+            "prefix_cache_evictions",
+            "Prefix cache blocks evicted to stay within its bound.",
+            namespace=ns,
+            registry=r,
+        )
+        self._prefill_deferrals = Counter(
+            "prefill_deferrals",
+            "Engine steps that decoded alone while prompts waited, because prefill had had "
+            "its share of the engine's time (--prefill-share).",
+            namespace=ns,
+            registry=r,
+        )
+        # The engine reports running totals; the counters advance by the change.
+        self._engine_totals: dict[str, int] = {}
         self._prompt_tokens = Counter(
             "prompt_tokens",
             "Prompt tokens of finished or interrupted requests.",
@@ -246,6 +292,8 @@ class Metrics:
             self._prompt_tokens.labels(api)
             self._generated_tokens.labels(api)
             self._cached_tokens.labels(api)
+        for result in ("hit", "miss"):
+            self._prefix_lookups.labels(result)
         for cause in CANCEL_CAUSES:
             self._cancellations.labels(cause)
         for protocol in PROTOCOLS:
@@ -324,6 +372,33 @@ class Metrics:
         """The scheduler's current running and waiting job counts."""
         self._running.set(running)
         self._waiting.set(waiting)
+
+    def engine_memory(self, *, kv_cache_bytes: int, weight_bytes: int) -> None:
+        """What the engine's KV cache and weights hold now."""
+        self._kv_bytes.set(kv_cache_bytes)
+        self._weight_bytes.set(weight_bytes)
+
+    def prefix_cache(
+        self, *, size_bytes: int, capacity_bytes: int, hits: int, misses: int, evictions: int
+    ) -> None:
+        """The prefix cache now: its size, and its running totals since it was
+        made (the counters advance by their change)."""
+        self._prefix_bytes.set(size_bytes)
+        self._prefix_capacity.set(capacity_bytes)
+        self._advance("hits", hits, self._prefix_lookups.labels("hit"))
+        self._advance("misses", misses, self._prefix_lookups.labels("miss"))
+        self._advance("evictions", evictions, self._prefix_evictions)
+
+    def prefill_deferrals(self, total: int) -> None:
+        """The engine's running total of deferred prefill steps."""
+        self._advance("prefill_deferrals", total, self._prefill_deferrals)
+
+    def _advance(self, key: str, total: int, counter: Counter) -> None:
+        last = self._engine_totals.get(key, 0)
+        if total > last:
+            counter.inc(total - last)
+        # A total that went down belongs to a new engine: count from it.
+        self._engine_totals[key] = total
 
     # -- connections ----------------------------------------------------------------
 

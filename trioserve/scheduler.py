@@ -34,6 +34,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import attrs
 import trio
@@ -120,6 +121,9 @@ class StepRecord:
     #: Updates the step produced.
     updates: int
     failed: bool
+    #: The engine's ``statistics()`` right after the step, read on the engine
+    #: thread (None for an engine without one, or when it failed).
+    engine_statistics: Any = None
 
 
 @attrs.define(eq=False)
@@ -456,6 +460,7 @@ class Scheduler:
         live: set[int] = set()
         drop: list[int] = []
         engine = self.engine
+        statistics = getattr(engine, "statistics", None)
         while True:
             with self._lock:
                 submits, self._inbox_submit = self._inbox_submit, []
@@ -504,8 +509,18 @@ class Scheduler:
                 for update in updates:
                     if not isinstance(update, TextUpdate):
                         live.discard(update.job_id)
+            engine_statistics = None
+            if callable(statistics):
+                try:
+                    engine_statistics = statistics()
+                except Exception:
+                    log.debug("the engine's statistics failed", exc_info=True)
             record = StepRecord(
-                duration=duration, batch=batch, updates=len(updates), failed=error is not None
+                duration=duration,
+                batch=batch,
+                updates=len(updates),
+                failed=error is not None,
+                engine_statistics=engine_statistics,
             )
             self._post(_StepResult(updates, failed_ids, error, record))
 

@@ -17,6 +17,7 @@ outside the cancelled scope. This module knows nothing of torch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from collections.abc import Callable, Mapping
@@ -465,6 +466,24 @@ class Server:
         self.metrics.step(record.duration, record.batch)
         stats = self.scheduler.statistics()
         self.metrics.jobs(running=stats.running, waiting=stats.waiting)
+        engine = record.engine_statistics
+        if engine is None:
+            return
+        # Duck-typed: the CPU engine's statistics (importing its class would
+        # import torch here); an engine whose statistics differ reports nothing.
+        with contextlib.suppress(AttributeError):
+            self.metrics.engine_memory(
+                kv_cache_bytes=engine.kv_cache_bytes, weight_bytes=engine.weight_bytes
+            )
+            prefix = engine.prefix_cache
+            self.metrics.prefix_cache(
+                size_bytes=prefix.bytes,
+                capacity_bytes=prefix.capacity_bytes,
+                hits=prefix.hits,
+                misses=prefix.misses,
+                evictions=prefix.evictions,
+            )
+            self.metrics.prefill_deferrals(engine.prefill_deferrals)
 
     def _info_page(self) -> dict[str, Any]:
         info = self.engine.info
