@@ -298,7 +298,7 @@ def exllamav2_may_run() -> bool:
 def test_exllamav2_without_a_gpu_is_one_clear_error() -> None:
     if exllamav2_may_run():
         pytest.skip("exllamav2 and CUDA are here: the engine would load")
-    line = assert_one_clean_error(run_cli("--engine", "exllamav2", "--offline"), 1)
+    line = assert_one_clean_error(run_cli("--engine", "exllamav2", "--offline", "--port", "0"), 1)
     assert line.startswith("trioserve: error: the exllamav2 engine cannot run here")
 
 
