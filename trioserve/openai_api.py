@@ -36,7 +36,6 @@ What is accepted (``docs/openai.md`` has the table):
 from __future__ import annotations
 
 import json
-import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Literal, TypeAlias
@@ -48,6 +47,8 @@ from cattrs.gen import make_dict_structure_fn, override
 
 from trioserve.engine.base import Finished, GenerationSpec, SamplingSettings
 from trioserve.errors import TrioserveError
+from trioserve.protocol._fields import as_float, as_int
+from trioserve.protocol._json import STRICT_DECODER
 
 __all__ = [
     "ChatCompletionRequest",
@@ -302,27 +303,13 @@ def _show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a json value")
-
-
-def _finite_float(text: str) -> float:
-    number = float(text)
-    if not math.isfinite(number):
-        raise ValueError(f"number {_show(text)} is too large")
-    return number
-
-
-_DECODER: Final = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
-
-
 def _parse_body(body: bytes) -> dict[str, Any]:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError:
         raise _invalid("the request body is not valid utf-8", None) from None
     try:
-        obj = _DECODER.decode(text)
+        obj = STRICT_DECODER.decode(text)
     except json.JSONDecodeError as exc:
         raise _invalid(
             f"the request body is not valid json: {exc.msg[:1].lower()}{exc.msg[1:]} "
@@ -336,26 +323,6 @@ def _parse_body(body: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise _invalid("the request body must be a json object", None)
     return obj
-
-
-def _as_int(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return None
-
-
-def _as_float(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
 
 
 def _text(value: Any) -> bool:
@@ -381,7 +348,7 @@ def _int_rule(name: str, lo: int, hi: int | None = None) -> _Hook:
     def hook(value: Any, _: Any) -> int | None:
         if value is None:
             return None
-        number = _as_int(value)
+        number = as_int(value)
         if number is None or number < lo or (hi is not None and number > hi):
             raise _BadParam(name, f"{name} must be {allowed}, got {_show(value)}")
         return number
@@ -393,7 +360,7 @@ def _float_rule(name: str, lo: float, hi: float, *, default: float) -> _Hook:
     def hook(value: Any, _: Any) -> float:
         if value is None:
             return default
-        number = _as_float(value)
+        number = as_float(value)
         if number is None or not lo <= number <= hi:
             raise _BadParam(
                 name, f"{name} must be a number in [{lo:g}, {hi:g}], got {_show(value)}"
@@ -464,7 +431,7 @@ def _ids_rule(name: str, cap: int) -> _Hook:
             raise _BadParam(name, f"{name} may hold at most {cap} token ids, got {len(items)}")
         out: list[int] = []
         for index, item in enumerate(items):
-            number = _as_int(item)
+            number = as_int(item)
             if number is None or number < 0 or number > _TOP_K_MAX:
                 param = f"{name}[{index}]" if isinstance(value, list) else name
                 raise _BadParam(
@@ -486,8 +453,8 @@ def _prompt_hook(value: Any, _: Any) -> str | tuple[int, ...]:
         if not _text(value):
             raise _BadParam("prompt", "prompt is not valid unicode (it holds a lone surrogate)")
         return value
-    if isinstance(value, list) and value and all(_as_int(v) is not None for v in value):
-        ids = tuple(_as_int(v) for v in value)
+    if isinstance(value, list) and value and all(as_int(v) is not None for v in value):
+        ids = tuple(as_int(v) for v in value)
         if any(i is None or i < 0 or i > _TOP_K_MAX for i in ids):
             raise _BadParam("prompt", "prompt token ids must be integers >= 0")
         return tuple(i for i in ids if i is not None)

@@ -56,7 +56,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tests import wire  # noqa: E402
-from tests.bench.server_bench import ClientHolder, raise_fd_limit  # noqa: E402
+from tests.bench.server_bench import (  # noqa: E402
+    ClientHolder,
+    median,
+    percentile,
+    raise_fd_limit,
+)
 from tests.hostile import random_words  # noqa: E402
 from tests.serverproc import ServerProcess, open_server_process  # noqa: E402
 
@@ -96,20 +101,6 @@ class HostileScale:
 
 FULL = HostileScale(pairs=3, round_seconds=10.0, good_tokens=24, idle_connections=1000)
 QUICK = HostileScale(pairs=1, round_seconds=5.0, good_tokens=12, idle_connections=1000)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def median(values: Sequence[float]) -> float:
-    return percentile(values, 50)
 
 
 def infer(text: str, max_new_tokens: int, **fields: Any) -> dict[str, Any]:

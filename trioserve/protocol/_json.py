@@ -93,7 +93,10 @@ def _finite_float(text: str) -> float:
     return number
 
 
-_DECODER: Final = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+#: A decoder that refuses ``NaN``/``Infinity`` and numbers that read as
+#: infinite (:class:`JsonError`, a ``ValueError``); the OpenAI routes parse
+#: request bodies with it too.
+STRICT_DECODER: Final = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
 
 
 def _has_lone_surrogate(obj: Any) -> bool:
@@ -128,7 +131,7 @@ def parse_json(frame: str) -> Any:
             f"frame is nested too deeply: arrays and objects may nest {MAX_JSON_DEPTH} deep"
         )
     try:
-        obj = _DECODER.decode(frame)
+        obj = STRICT_DECODER.decode(frame)
     except json.JSONDecodeError as exc:
         raise JsonError(
             f"frame is not valid json: {exc.msg[:1].lower()}{exc.msg[1:]}"
