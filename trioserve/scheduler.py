@@ -122,7 +122,8 @@ class StepRecord:
     updates: int
     failed: bool
     #: The engine's ``statistics()`` right after the step, read on the engine
-    #: thread (None for an engine without one, or when it failed).
+    #: thread (None for an engine without one, when it failed, or when no
+    #: ``on_step`` observer is set).
     engine_statistics: Any = None
 
 
@@ -510,7 +511,7 @@ class Scheduler:
                     if not isinstance(update, TextUpdate):
                         live.discard(update.job_id)
             engine_statistics = None
-            if callable(statistics):
+            if callable(statistics) and self.on_step is not None:
                 try:
                     engine_statistics = statistics()
                 except Exception:

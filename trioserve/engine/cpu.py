@@ -182,6 +182,9 @@ class CpuEngine:
     #: that ends and starts again does not hand a long prompt a chunk each time.
     _prefill_balance: float = 0.0
     _prefill_deferrals: int = 0
+    #: The weights' bytes, counted once at load (statistics() is read after
+    #: every step; walking the weights costs about 0.1 ms).
+    _weight_bytes: int = 0
 
     @classmethod
     def load(
@@ -304,6 +307,7 @@ class CpuEngine:
             info=info,
             device=torch_device,
             prefill_share=prefill_share,
+            weight_bytes=model.nbytes,
         )
 
     @property
@@ -327,7 +331,7 @@ class CpuEngine:
             running_jobs=len(self._slots),
             waiting_jobs=len(self._waiting),
             kv_cache_bytes=self._cache.nbytes,
-            weight_bytes=0 if self._weights is None else self._weights.nbytes,
+            weight_bytes=0 if self._weights is None else self._weight_bytes,
             prefix_cache=self._prefix_cache.statistics(),
             prefill_deferrals=self._prefill_deferrals,
         )
