@@ -11,7 +11,7 @@ import attrs
 import h11
 import trio
 
-from trioserve.http import FrontDoor, serve_front_door
+from trioserve.server.front_door import FrontDoor, serve_front_door
 
 
 @attrs.frozen

@@ -328,7 +328,7 @@ async def test_chat_cli_refuses_bad_options(args: list[str], says: str) -> None:
 
 
 def test_chat_cli_help_has_help_and_a_default_for_every_option() -> None:
-    from trioserve.client import build_chat_parser
+    from trioserve.client.chat import build_chat_parser
 
     secret = "sk-chat-secret-91d2"
     result = subprocess.run(

@@ -16,10 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.http_helpers import RawClient, connect, get, request, running, until
-from trioserve.http import (
+from trioserve.metrics import Metrics
+from trioserve.server.front_door import FrontDoor
+from trioserve.server.http_types import (
     AccessPolicy,
     BodyWriter,
-    FrontDoor,
     HTTPError,
     HTTPLimits,
     HTTPRequest,
@@ -30,8 +31,6 @@ from trioserve.http import (
     StreamingResponse,
     event_stream,
 )
-from trioserve.metrics import Metrics
-from trioserve.openai_api import OpenAIError
 
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -99,7 +98,7 @@ class App:
         raise HTTPError(418, "short and stout", code="teapot")
 
     async def overloaded(self, request: HTTPRequest) -> Response:
-        raise OpenAIError(503, "busy", code="overloaded", retry_after=2)
+        raise HTTPError(503, "busy", code="overloaded", headers=[("Retry-After", "2")])
 
     async def stream(self, request: HTTPRequest) -> StreamingResponse:
         async def write(out: BodyWriter) -> None:

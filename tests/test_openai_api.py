@@ -15,7 +15,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion import Completion as CompletionChunk
 
 from trioserve.engine.base import Finished, SamplingSettings
-from trioserve.openai_api import (
+from trioserve.openai.api import (
     SSE_DONE,
     ChatCompletionRequest,
     ChatCompletionStream,

@@ -14,17 +14,7 @@ import openai
 import trio
 
 from tests.http_helpers import running
-from trioserve.http import (
-    AccessPolicy,
-    BodyWriter,
-    FrontDoor,
-    HTTPRequest,
-    Response,
-    Router,
-    StreamingResponse,
-    event_stream,
-)
-from trioserve.openai_api import (
+from trioserve.openai.api import (
     ChatCompletionStream,
     CompletionStream,
     ModelLimits,
@@ -38,6 +28,17 @@ from trioserve.openai_api import (
     parse_chat_request,
     parse_completion_request,
 )
+from trioserve.server.front_door import FrontDoor
+from trioserve.server.http_types import (
+    AccessPolicy,
+    BodyWriter,
+    HTTPRequest,
+    Response,
+    Router,
+    StreamingResponse,
+    event_stream,
+)
+from trioserve.server.routes import http_errors
 
 KEY = "sk-test"
 MODEL = ModelLimits(
@@ -81,9 +82,9 @@ class Routes:
 
     def router(self) -> Router:
         router = Router()
-        router.add("GET", "/v1/models", self.models)
-        router.add("POST", "/v1/completions", self.completions)
-        router.add("POST", "/v1/chat/completions", self.chat)
+        router.add("GET", "/v1/models", http_errors(self.models))
+        router.add("POST", "/v1/completions", http_errors(self.completions))
+        router.add("POST", "/v1/chat/completions", http_errors(self.chat))
         return router
 
     async def models(self, request: HTTPRequest) -> Response:

@@ -19,11 +19,12 @@ from tests.helpers import ScriptedEngine
 from tests.http_helpers import get, running, until
 from trioserve.chat_template import ChatTemplate, load_chat_template
 from trioserve.engine.base import Engine
-from trioserve.http import AccessPolicy, FrontDoor, HTTPLimits, Router
+from trioserve.generation.scheduler import Scheduler
 from trioserve.metrics import Metrics
-from trioserve.openai_api import ModelLimits
-from trioserve.routes import OpenAIRoutes, OpsRoutes, Readiness, SchedulerBackend
-from trioserve.scheduler import Scheduler
+from trioserve.openai.api import ModelLimits
+from trioserve.server.front_door import FrontDoor
+from trioserve.server.http_types import AccessPolicy, HTTPLimits, Router
+from trioserve.server.routes import OpenAIRoutes, OpsRoutes, Readiness, SchedulerBackend
 
 if TYPE_CHECKING:
     from trioserve.engine.cpu import CpuEngine

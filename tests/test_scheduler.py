@@ -8,8 +8,8 @@ import pytest
 import trio
 
 from trioserve.engine.base import Failed, Finished, GenerationSpec, SamplingSettings, TextUpdate
-from trioserve.scheduler import Job, QueueFull, Scheduler
-from trioserve.worker import open_engine_thread
+from trioserve.generation.engine_thread import open_engine_thread
+from trioserve.generation.scheduler import Job, QueueFull, Scheduler
 
 from .helpers import EOS, ScriptedEngine
 

@@ -7,7 +7,7 @@ import threading
 import pytest
 import trio
 
-from trioserve.worker import EngineThread, EngineThreadClosed, open_engine_thread
+from trioserve.generation.engine_thread import EngineThread, EngineThreadClosed, open_engine_thread
 
 
 async def test_every_call_runs_on_one_thread_in_order() -> None:

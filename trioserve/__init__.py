@@ -17,9 +17,15 @@ loaded, so a program that only talks to a server never pays for it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from ._version import __version__
+from .client import (
+    Client,
+    ConnectionClosed,
+    ConnectionFailed,
+    InferStream,
+    ServerError,
+    open_client,
+)
 from .engine import EngineOptions, load_engine
 from .engine.base import (
     Engine,
@@ -33,20 +39,18 @@ from .engine.base import (
     Update,
 )
 from .errors import ConfigError, EngineError, ListenError, ModelError, TrioserveError
+from .generation import (
+    EngineThread,
+    EngineThreadClosed,
+    Job,
+    QueueFull,
+    Scheduler,
+    SchedulerClosed,
+    SchedulerStatistics,
+    open_engine_thread,
+)
 from .protocol import InferChunk, InferFinal, ProtocolError
-from .scheduler import Job, QueueFull, Scheduler, SchedulerClosed, SchedulerStatistics
 from .server import Listening, Server, ServerConfig, ServerStatistics, serve
-from .worker import EngineThread, EngineThreadClosed, open_engine_thread
-
-if TYPE_CHECKING:
-    from .client import (
-        Client,
-        ConnectionClosed,
-        ConnectionFailed,
-        InferStream,
-        ServerError,
-        open_client,
-    )
 
 __all__ = [
     "Client",
@@ -89,25 +93,3 @@ __all__ = [
     "open_engine_thread",
     "serve",
 ]
-
-# The client's names are imported on first use, not here: ``python -m
-# trioserve.client`` imports this package first, and an eager import would make
-# runpy run the client module a second time as ``__main__`` (with its own copies
-# of the client's classes, and a RuntimeWarning saying so).
-_CLIENT_NAMES = frozenset(
-    {"Client", "ConnectionClosed", "ConnectionFailed", "InferStream", "ServerError", "open_client"}
-)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _CLIENT_NAMES:
-        from . import client
-
-        value = getattr(client, name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'trioserve' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | _CLIENT_NAMES)

@@ -41,9 +41,9 @@ from ._version import __version__
 from .engine import EngineOptions, load_engine
 from .engine.base import WEIGHT_MODES, Engine
 from .errors import ConfigError, TrioserveError
+from .generation import EngineThread, open_engine_thread
 from .logs import LOG_FORMATS, LOG_LEVELS, configure_logging, phase
 from .server import Listening, Server, ServerConfig
-from .worker import EngineThread, open_engine_thread
 
 __all__ = ["OPTIONS", "Option", "build_parser", "env_name", "main"]
 

@@ -34,7 +34,7 @@ import trio  # noqa: E402
 from tests.bench import engine_bench, hostile_bench, server_bench  # noqa: E402
 from trioserve.engine.cpu import DTYPES, CpuEngine  # noqa: E402
 from trioserve.engine.models import default_model_dir  # noqa: E402
-from trioserve.worker import open_engine_thread  # noqa: E402
+from trioserve.generation.engine_thread import open_engine_thread  # noqa: E402
 
 PARTS = ("engine", "server", "hostile")
 

@@ -58,8 +58,8 @@ from trioserve.engine.base import (
     SamplingSettings,
     Update,
 )
+from trioserve.generation.engine_thread import EngineThread
 from trioserve.server import Server, ServerConfig
-from trioserve.worker import EngineThread
 
 __all__ = [
     "FULL",

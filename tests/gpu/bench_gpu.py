@@ -45,8 +45,8 @@ from trioserve.engine.base import EngineInfo
 from trioserve.engine.exllamav2 import PAGE_SIZE, ExLlamaV2Engine, probe_exllamav2
 from trioserve.engine.models import default_model_dir
 from trioserve.engine.tokenizer import Tokenizer
+from trioserve.generation.engine_thread import EngineThread, open_engine_thread
 from trioserve.server import Server, ServerConfig
-from trioserve.worker import EngineThread, open_engine_thread
 
 PROMPT = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from .errors import TrioserveError
+from trioserve.errors import TrioserveError
 
 __all__ = ["EngineThread", "EngineThreadClosed", "open_engine_thread"]
 

@@ -21,7 +21,7 @@ from typing import Literal, Protocol, TypeAlias
 import attrs
 import trio
 
-from .engine.base import (
+from trioserve.engine.base import (
     Engine,
     EngineInfo,
     Failed,
@@ -30,7 +30,8 @@ from .engine.base import (
     SamplingSettings,
     TextUpdate,
 )
-from .errors import TrioserveError
+from trioserve.errors import TrioserveError
+
 from .scheduler import Job, QueueFull, Scheduler, SchedulerClosed
 
 __all__ = [

@@ -39,9 +39,10 @@ from typing import Any
 import attrs
 import trio
 
-from .engine.base import Engine, Failed, Finished, GenerationSpec, TextUpdate, Update
-from .errors import TrioserveError
-from .worker import EngineThread, open_engine_thread
+from trioserve.engine.base import Engine, Failed, Finished, GenerationSpec, TextUpdate, Update
+from trioserve.errors import TrioserveError
+
+from .engine_thread import EngineThread, open_engine_thread
 
 __all__ = ["Job", "QueueFull", "Scheduler", "SchedulerClosed", "SchedulerStatistics", "StepRecord"]
 

@@ -33,9 +33,9 @@ import attrs
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
-from . import protocol as p
-from .chat_template import ChatTemplateError
-from .inference import (
+from trioserve import protocol as p
+from trioserve.chat_template import ChatTemplateError
+from trioserve.generation.generation import (
     Generation,
     GenerationRequest,
     InvalidGeneration,

@@ -27,21 +27,24 @@ from typing import Any, Final, Literal, Protocol
 import attrs
 import trio
 
-from trioserve import openai_api as oa
+from trioserve import openai as oa
 from trioserve._version import __version__
 from trioserve.chat_template import ChatTemplate, ChatTemplateError, NoChatTemplate
 from trioserve.engine.base import Engine, Failed, Finished, GenerationSpec, TextUpdate, Update
-from trioserve.http import (
+from trioserve.generation.generation import Tokenizing
+from trioserve.generation.scheduler import Job, QueueFull, Scheduler, SchedulerClosed
+from trioserve.metrics import Metrics
+
+from .http_types import (
     BodyWriter,
+    Handler,
+    HTTPError,
     HTTPRequest,
     Response,
     Router,
     StreamingResponse,
     event_stream,
 )
-from trioserve.inference import Tokenizing
-from trioserve.metrics import Metrics
-from trioserve.scheduler import Job, QueueFull, Scheduler, SchedulerClosed
 
 __all__ = [
     "Generation",
@@ -222,6 +225,21 @@ class SchedulerBackend:
 # The OpenAI routes
 
 
+def http_errors(handler: Handler) -> Handler:
+    """``handler`` with its API errors turned into the HTTP layer's: the
+    front door knows no API, only :class:`HTTPError` (with OpenAI's body)."""
+
+    async def wrapped(request: HTTPRequest) -> Response | StreamingResponse:
+        try:
+            return await handler(request)
+        except oa.OpenAIError as exc:
+            raise HTTPError(
+                exc.status, exc.message, headers=exc.headers(), body=exc.body()
+            ) from None
+
+    return wrapped
+
+
 def _outcome(status: int) -> str:
     """The metrics outcome of an error status."""
     return {
@@ -318,10 +336,10 @@ class OpenAIRoutes:
     created: int = attrs.Factory(lambda: int(time.time()))
 
     def install(self, router: Router) -> None:
-        router.add("GET", "/v1/models", self.models)
-        router.add("GET", "/v1/models/{model}", self.model)
-        router.add("POST", "/v1/completions", self.completions)
-        router.add("POST", "/v1/chat/completions", self.chat_completions)
+        router.add("GET", "/v1/models", http_errors(self.models))
+        router.add("GET", "/v1/models/{model}", http_errors(self.model))
+        router.add("POST", "/v1/completions", http_errors(self.completions))
+        router.add("POST", "/v1/chat/completions", http_errors(self.chat_completions))
 
     async def models(self, request: HTTPRequest) -> Response:
         return Response(200, oa.models_response(self.backend.model.name, self.created))

@@ -27,19 +27,21 @@ import attrs
 import trio
 from trio_websocket import WebSocketConnection
 
-from . import openai_api as oa
-from . import protocol as p
-from ._version import __version__
-from .chat_template import ChatTemplate, NoChatTemplate, load_chat_template
+from trioserve import openai as oa
+from trioserve import protocol as p
+from trioserve._version import __version__
+from trioserve.chat_template import ChatTemplate, NoChatTemplate, load_chat_template
+from trioserve.engine.base import Engine, EngineInfo
+from trioserve.errors import ConfigError, ListenError, TrioserveError
+from trioserve.generation.engine_thread import EngineThread, open_engine_thread
+from trioserve.generation.generation import Tokenizing
+from trioserve.generation.scheduler import Scheduler, SchedulerStatistics, StepRecord
+from trioserve.metrics import Metrics
+
 from .connection import Connection
-from .engine.base import Engine, EngineInfo
-from .errors import ConfigError, ListenError, TrioserveError
-from .http import AccessPolicy, FrontDoor, HTTPLimits, Reject, RequestHead, Router, serve_front_door
-from .inference import Tokenizing
-from .metrics import Metrics
+from .front_door import FrontDoor, serve_front_door
+from .http_types import AccessPolicy, HTTPLimits, Reject, RequestHead, Router
 from .routes import OpenAIRoutes, OpsRoutes, Readiness, SchedulerBackend
-from .scheduler import Scheduler, SchedulerStatistics, StepRecord
-from .worker import EngineThread, open_engine_thread
 
 __all__ = ["Listening", "Server", "ServerConfig", "ServerStatistics", "serve"]
 

@@ -1,0 +1,33 @@
+"""One generation, from a request to its outcome, whichever door it came in
+by: :class:`~.generation.Generation` (admission, prompt, trimming, tokens,
+timing, interrupt), the :class:`~.scheduler.Scheduler` (the generation task:
+fairness and routing), and the :class:`~.engine_thread.EngineThread` that runs
+every torch call. Knows trio and the Engine protocol; no sockets, no wire
+format."""
+
+from .engine_thread import EngineThread, EngineThreadClosed, open_engine_thread
+from .generation import (
+    Generation,
+    GenerationRequest,
+    InvalidGeneration,
+    Overloaded,
+    Tokenizing,
+)
+from .scheduler import Job, QueueFull, Scheduler, SchedulerClosed, SchedulerStatistics, StepRecord
+
+__all__ = [
+    "EngineThread",
+    "EngineThreadClosed",
+    "Generation",
+    "GenerationRequest",
+    "InvalidGeneration",
+    "Job",
+    "Overloaded",
+    "QueueFull",
+    "Scheduler",
+    "SchedulerClosed",
+    "SchedulerStatistics",
+    "StepRecord",
+    "Tokenizing",
+    "open_engine_thread",
+]
