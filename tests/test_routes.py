@@ -21,10 +21,11 @@ from trioserve.chat_template import ChatTemplate, load_chat_template
 from trioserve.engine.base import Engine
 from trioserve.generation.scheduler import Scheduler
 from trioserve.metrics import Metrics
-from trioserve.openai.api import ModelLimits
+from trioserve.generation import Generations, Tokenizing
 from trioserve.server.front_door import FrontDoor
 from trioserve.server.http_types import AccessPolicy, HTTPLimits, Router
-from trioserve.server.routes import OpenAIRoutes, OpsRoutes, Readiness, SchedulerBackend
+from trioserve.server.doors import ClientIdentity
+from trioserve.server.routes import OpenAIRoutes, OpsRoutes, Readiness
 
 if TYPE_CHECKING:
     from trioserve.engine.cpu import CpuEngine
@@ -66,22 +67,17 @@ async def serving(
     scheduler = Scheduler(engine, max_waiting=max_waiting)
     metrics = Metrics(process=False)
     state: list[Readiness] = ["ready"]
-    backend = SchedulerBackend(
+    generations = Generations(
         scheduler=scheduler,
-        engine=engine,
-        model=ModelLimits(
-            name=info.model_name,
-            context_length=info.context_length,
-            vocab_size=info.vocab_size,
-            eos_token_ids=info.eos_token_ids,
-            max_new_tokens=min(max_new_tokens, info.context_length - 1),
-        ),
+        tokenizing=Tokenizing(engine),
+        max_new_tokens=min(max_new_tokens, info.context_length - 1),
         chat_template=template,
+        observer=metrics,
         is_draining=lambda: state[0] == "draining",
     )
     router = Router()
     OpsRoutes(readiness=lambda: state[0], metrics=metrics).install(router)
-    OpenAIRoutes(backend, metrics=metrics).install(router)
+    OpenAIRoutes(generations, ClientIdentity(keyed=True), metrics=metrics).install(router)
     door = FrontDoor(
         router, policy=AccessPolicy(api_key=KEY), limits=HTTPLimits(), observer=metrics
     )

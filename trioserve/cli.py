@@ -300,6 +300,17 @@ OPTIONS: Final[tuple[Option, ...]] = (
         shown_default="the loopback origins only: localhost, 127.0.0.1 and [::1], any port",
         flag_name="--allowed-origin",
     ),
+    Option(
+        "trusted_proxies",
+        NET,
+        "a proxy (address or CIDR, e.g. 10.0.0.0/8) whose X-Forwarded-For names the client's "
+        "address; repeat it for more (in the environment: commas); other peers' headers are "
+        "ignored",
+        S,
+        metavar="CIDR",
+        shown_default="none: the client is the peer's address",
+        flag_name="--trusted-proxy",
+    ),
     # model and engine
     Option(
         "model",
@@ -436,9 +447,18 @@ OPTIONS: Final[tuple[Option, ...]] = (
         metavar="N",
     ),
     Option(
-        "max_running_per_connection",
+        "max_requests_per_client",
         LIMITS,
-        "engine slots one connection may hold while others wait",
+        "generation requests in flight per client, over all its WebSocket connections and HTTP "
+        "requests (a client is its API key, else its address); more are answered 'overloaded' "
+        "(HTTP 429)",
+        S,
+        metavar="N",
+    ),
+    Option(
+        "max_running_per_client",
+        LIMITS,
+        "engine slots one client may hold while others wait",
         S,
         metavar="N",
         shown_default="all but one of the engine's slots",

@@ -7,8 +7,11 @@ format."""
 
 from .engine_thread import EngineThread, EngineThreadClosed, open_engine_thread
 from .generation import (
+    Fit,
     Generation,
+    GenerationObserver,
     GenerationRequest,
+    Generations,
     InvalidGeneration,
     Overloaded,
     Tokenizing,
@@ -18,8 +21,11 @@ from .scheduler import Job, QueueFull, Scheduler, SchedulerClosed, SchedulerStat
 __all__ = [
     "EngineThread",
     "EngineThreadClosed",
+    "Fit",
     "Generation",
+    "GenerationObserver",
     "GenerationRequest",
+    "Generations",
     "InvalidGeneration",
     "Job",
     "Overloaded",

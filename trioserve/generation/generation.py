@@ -1,26 +1,31 @@
-"""One generation, from a validated request to its outcome; no sockets.
+"""One generation, from a request to its outcome, whichever door it came in by.
 
-Both front ends (the WebSocket protocol and, through it, any other API) turn
-a request into a :class:`GenerationRequest`, and :class:`Generation` does the
-rest: checks against the model, tokenizes (after the queue has room, off the
-event loop for long texts), trims to the context, submits the job and follows
-its updates. The front end reads what it needs to answer from the
-``Generation`` (text so far, counts, timing, the outcome) and decides how to
-send it; nothing here knows a frame or a socket.
+Both doors (the WebSocket protocol and the OpenAI API) turn a request into a
+:class:`GenerationRequest` and ask :class:`Generations` (one per server) for a
+:class:`Generation`. From there the path is one: the model checks
+(:func:`check_request`), admission (the server drains, the client's request
+limit, room in the scheduler), the chat template, tokenizing (long texts off
+the event loop), fitting the prompt to the context (trimmed or refused, as the
+request says), the engine's job (:func:`build_spec`), and following its
+updates with their token counts and timing. The door reads what it needs to
+answer from the ``Generation`` (text so far, counts, timing, the outcome) and
+decides how to send it; nothing here knows a frame, a socket or a wire format.
 
-The pure part, :func:`trim_prompt` and :func:`build_spec`, is separate so it
-can be tested without trio.
+The pure part (:func:`check_request`, :func:`fit_prompt`, :func:`build_spec`)
+is separate so it can be tested without trio.
 """
 
 from __future__ import annotations
 
+import collections
 import math
-from collections.abc import Callable, Hashable, Sequence
-from typing import Literal, Protocol, TypeAlias
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Final, Literal, Protocol, TypeAlias
 
 import attrs
 import trio
 
+from trioserve.chat_template import ChatTemplate, ChatTemplateError
 from trioserve.engine.base import (
     Engine,
     EngineInfo,
@@ -35,48 +40,143 @@ from trioserve.errors import TrioserveError
 from .scheduler import Job, QueueFull, Scheduler, SchedulerClosed
 
 __all__ = [
+    "Fit",
     "Generation",
+    "GenerationObserver",
     "GenerationRequest",
+    "Generations",
     "InvalidGeneration",
     "Outcome",
     "Overloaded",
     "Tokenizing",
     "build_spec",
+    "check_request",
+    "fit_prompt",
     "tail_chars",
     "trim_prompt",
 ]
 
+#: Texts (or message lists) longer than this many characters are tokenized
+#: (rendered) in a worker thread rather than on the event loop.
+INLINE_CHARS: Final = 2048
+
 
 class InvalidGeneration(TrioserveError):
-    """The request cannot run on this model (a limit or a token id); names the field."""
+    """The request cannot run on this model; a client's mistake.
 
-    def __init__(self, message: str, field: str) -> None:
+    ``field`` is the request's field by its neutral name (``prompt``,
+    ``messages``, ``max_new_tokens``, ``stop_token_ids``, ``banned_ids``,
+    ``logit_bias``); ``index`` the element of a list field; each door names it
+    in its own wire terms. ``code`` is a machine-readable reason where one
+    helps a client (``context_length_exceeded``, ``no_chat_template``,
+    ``chat_template_error``).
+    """
+
+    def __init__(
+        self, message: str, field: str, *, index: int | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
+        self.index = index
+        self.code = code
 
 
 class Overloaded(TrioserveError):
-    """No room for the job now (queue full, or the server is shutting down)."""
+    """No room for the job now (queue full, the client's limit, or the server
+    is shutting down); the client may retry."""
+
+    def __init__(self, message: str, *, draining: bool = False) -> None:
+        super().__init__(message)
+        self.message = message
+        self.draining = draining
+
+
+#: What to do with a prompt that leaves less room than ``max_new_tokens``:
+#: ``trim`` keeps its end (the WebSocket ``infer``, protocol.md 3.4), ``refuse``
+#: answers ``context_length_exceeded`` (OpenAI: a chat must not be answered
+#: as if cut short).
+Fit: TypeAlias = Literal["trim", "refuse"]
 
 
 @attrs.frozen(kw_only=True)
 class GenerationRequest:
-    """What to generate, whatever API asked for it."""
+    """What to generate, whatever door asked for it. The prompt is one of
+    ``text`` (with ``custom_bos`` before it), ``messages`` (rendered with the
+    model's chat template) or ``prompt_ids``."""
 
-    #: The prompt text, and ``custom_bos`` put before it (its first token
-    #: survives trimming: protocol.md 3.4).
-    text: str
+    text: str = ""
     custom_bos: str = ""
-    max_new_tokens: int
+    #: A chat as the template reads it (``{"role", "content", ...}`` each).
+    messages: tuple[Mapping[str, Any], ...] | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    #: None: as many as the context leaves, up to the server's cap.
+    max_new_tokens: int | None
+    fit: Fit = "trim"
     sampling: SamplingSettings = attrs.field(factory=SamplingSettings)
     stop_strings: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     banned_ids: tuple[int, ...] = ()
     token_healing: bool = False
-    #: Wire path of the prompt, for errors (``$.text``, or ``$.messages``
-    #: when the prompt was rendered from them).
-    text_field: str = "$.text"
+
+    @property
+    def prompt_field(self) -> str:
+        return "messages" if self.messages is not None else "prompt"
+
+    def describe_prompt(self) -> str:
+        """The prompt as text, for logs (before it is rendered or tokenized)."""
+        if self.messages is not None:
+            return "\n".join(str(m.get("content", "")) for m in self.messages)
+        return self.custom_bos + self.text
+
+
+# --------------------------------------------------------------------------
+# The pure part
+
+
+def check_request(
+    request: GenerationRequest,
+    info: EngineInfo,
+    *,
+    max_new_tokens: int,
+    renders_messages: bool,
+) -> None:
+    """The checks that depend on the model and need no tokenizer (protocol
+    section 3.4): ``max_new_tokens`` within the server's cap, token ids within
+    the vocabulary, ``messages`` only where the model has a chat template.
+    Raises :class:`InvalidGeneration`."""
+    if request.max_new_tokens is not None and request.max_new_tokens > max_new_tokens:
+        raise InvalidGeneration(
+            f"max_new_tokens must be at most {max_new_tokens} for this model (context length "
+            f"{info.context_length}), got {request.max_new_tokens!r}",
+            "max_new_tokens",
+        )
+    vocab = info.vocab_size
+    for field, ids in (
+        ("prompt", request.prompt_ids or ()),
+        ("stop_token_ids", request.stop_token_ids),
+        ("banned_ids", request.banned_ids),
+        ("logit_bias", _biased_ids(request.sampling)),
+    ):
+        for index, token in enumerate(ids):
+            if not 0 <= token < vocab:
+                raise InvalidGeneration(
+                    f"token ids must be in 0..{vocab - 1}, got {token!r}", field, index=index
+                )
+    if request.messages is not None and not renders_messages:
+        raise InvalidGeneration(
+            f"the model {info.model_name!r} has no chat template to render messages with: "
+            "send the prompt as text",
+            "messages",
+            code="no_chat_template",
+        )
+
+
+def _biased_ids(sampling: SamplingSettings) -> Sequence[int]:
+    bias = getattr(sampling, "logit_bias", None)
+    if not bias:
+        return ()
+    return [token for token, _ in bias]
 
 
 def trim_prompt(ids: Sequence[int], keep: int, *, keep_first: bool) -> list[int]:
@@ -87,6 +187,43 @@ def trim_prompt(ids: Sequence[int], keep: int, *, keep_first: bool) -> list[int]
     if keep_first:
         return [ids[0], *ids[len(ids) - (keep - 1) :]] if keep > 1 else [ids[0]]
     return list(ids[len(ids) - keep :])
+
+
+def fit_prompt(
+    request: GenerationRequest, ids: Sequence[int], info: EngineInfo, *, max_new_tokens: int
+) -> tuple[list[int], int]:
+    """``ids`` fitted to the context for ``request``: the prompt ids (trimmed
+    when the request says so) and the job's ``max_new_tokens`` (the request's,
+    or what the context leaves up to the server's cap ``max_new_tokens``).
+    Raises :class:`InvalidGeneration` for an empty prompt, or one that does
+    not fit and may not be trimmed."""
+    field = request.prompt_field
+    if not ids:
+        raise InvalidGeneration("the prompt must encode to at least one token", field)
+    context = info.context_length
+    if request.max_new_tokens is None:
+        room = context - len(ids)
+        if room < 1 and request.fit == "refuse":
+            raise InvalidGeneration(
+                f"this model's maximum context length is {context} tokens, and the prompt has "
+                f"{len(ids)}: no room is left to generate",
+                field,
+                code="context_length_exceeded",
+            )
+        new = max(1, min(max_new_tokens, room))
+    else:
+        new = request.max_new_tokens
+    keep = context - new
+    if len(ids) <= keep:
+        return list(ids), new
+    if request.fit == "refuse":
+        raise InvalidGeneration(
+            f"this model's maximum context length is {context} tokens; the prompt has "
+            f"{len(ids)} and max_new_tokens asks for {new}: reduce one of them",
+            "max_new_tokens" if request.max_new_tokens is not None else field,
+            code="context_length_exceeded",
+        )
+    return trim_prompt(ids, keep, keep_first=bool(request.custom_bos)), new
 
 
 def tail_chars(info: EngineInfo, keep: int) -> int | None:
@@ -105,13 +242,19 @@ def tail_chars(info: EngineInfo, keep: int) -> int | None:
 
 
 def build_spec(
-    job_id: int, request: GenerationRequest, prompt_ids: Sequence[int], info: EngineInfo
+    job_id: int,
+    request: GenerationRequest,
+    prompt_ids: Sequence[int],
+    info: EngineInfo,
+    *,
+    max_new_tokens: int,
 ) -> GenerationSpec:
-    """The engine's job for ``request`` with its final prompt ids."""
+    """The engine's job for ``request`` with its fitted prompt ids and
+    ``max_new_tokens`` (:func:`fit_prompt`)."""
     return GenerationSpec(
         job_id=job_id,
         prompt_ids=tuple(prompt_ids),
-        max_new_tokens=request.max_new_tokens,
+        max_new_tokens=max_new_tokens,
         sampling=request.sampling,
         stop_token_ids=frozenset(info.eos_token_ids) | frozenset(request.stop_token_ids),
         stop_strings=request.stop_strings,
@@ -120,14 +263,20 @@ def build_spec(
     )
 
 
-class Tokenizing:
-    """Runs an engine's tokenizer for the event loop: short texts inline (a
-    few microseconds), long ones in a worker thread of its own limiter, so
-    that tokenizing never takes a thread the engine or anything else needs.
-    The engine's tokenizer releases the GIL on long texts, so the event loop
-    keeps running meanwhile."""
+# --------------------------------------------------------------------------
+# Off the event loop
 
-    def __init__(self, engine: Engine, *, inline_chars: int = 2048, threads: int = 1) -> None:
+
+class Tokenizing:
+    """Runs an engine's tokenizer and the chat template for the event loop:
+    short inputs inline (a few microseconds), long ones in a worker thread of
+    its own limiter, so that neither ever takes a thread the engine or
+    anything else needs. The engine's tokenizer releases the GIL on long
+    texts, so the event loop keeps running meanwhile."""
+
+    def __init__(
+        self, engine: Engine, *, inline_chars: int = INLINE_CHARS, threads: int = 1
+    ) -> None:
         self.engine = engine
         self.inline_chars = inline_chars
         self.limiter = trio.CapacityLimiter(threads)
@@ -142,6 +291,18 @@ class Tokenizing:
             return self.engine.decode(ids)
         return await trio.to_thread.run_sync(self.engine.decode, ids, limiter=self.limiter)
 
+    async def render(self, template: ChatTemplate, messages: Sequence[Mapping[str, Any]]) -> str:
+        """``messages`` through ``template``; raises :class:`ChatTemplateError`."""
+        listed = [dict(m) for m in messages]
+        size = sum(len(str(m.get("content") or "")) for m in listed)
+        if size <= self.inline_chars:
+            return template.render(listed)
+        return await trio.to_thread.run_sync(template.render, listed, limiter=self.limiter)
+
+
+# --------------------------------------------------------------------------
+# Generations: one per server
+
 
 Outcome: TypeAlias = Literal["finished", "failed", "interrupted"]
 
@@ -155,21 +316,105 @@ class GenerationObserver(Protocol):
 
 
 @attrs.define(eq=False)
+class Generations:
+    """Where both doors get their :class:`Generation`: the scheduler, the
+    tokenizer, the model's chat template and limits, and the per-client
+    request limit, shared by every request of a server.
+
+    A client is what the door says it is (its API key, else its address):
+    ``max_requests_per_client`` bounds the generations it has in flight across
+    both doors, and the scheduler's slot guarantee (one client never holds
+    every engine slot) is per client too.
+    """
+
+    scheduler: Scheduler
+    tokenizing: Tokenizing
+    #: The server's cap on generated tokens (at most the context length - 1).
+    max_new_tokens: int
+    chat_template: ChatTemplate | None = None
+    observer: GenerationObserver | None = None
+    is_draining: Callable[[], bool] = lambda: False
+    max_requests_per_client: int = 64
+    _in_flight: collections.Counter[Hashable] = attrs.field(factory=collections.Counter, init=False)
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.scheduler.engine.info
+
+    def check(self, request: GenerationRequest) -> None:
+        """:func:`check_request` against this server's model (synchronous:
+        a door answers a bad request before it starts any task)."""
+        check_request(
+            request,
+            self.info,
+            max_new_tokens=self.max_new_tokens,
+            renders_messages=self.chat_template is not None,
+        )
+
+    def open(
+        self,
+        request: GenerationRequest,
+        *,
+        client: Hashable,
+        owner: Hashable | None = None,
+        api: str = "websocket",
+    ) -> Generation:
+        """A new generation of ``request`` for ``client`` (``owner``: its
+        connection, for fairness among one client's connections). Checks the
+        request (:class:`InvalidGeneration`) and admission
+        (:class:`Overloaded`); the generation counts against the client's
+        limit until it is :meth:`Generation.close`\\ d."""
+        self.check(request)
+        if self.is_draining():
+            raise Overloaded("the server is shutting down and takes no new requests", draining=True)
+        if self._in_flight[client] >= self.max_requests_per_client:
+            raise Overloaded(
+                f"this client already has {self._in_flight[client]} requests in flight (the "
+                f"limit is {self.max_requests_per_client}); wait for one to finish"
+            )
+        self._in_flight[client] += 1
+        return Generation(
+            request=request,
+            generations=self,
+            client=client,
+            owner=owner if owner is not None else client,
+            received=trio.current_time(),
+            api=api,
+        )
+
+    def in_flight(self, client: Hashable) -> int:
+        return self._in_flight[client]
+
+    def _closed(self, client: Hashable) -> None:
+        self._in_flight[client] -= 1
+        if self._in_flight[client] <= 0:
+            del self._in_flight[client]
+
+
+@attrs.define(eq=False)
 class Generation:
     """One generation in flight: its prompt, job, text so far and timing.
 
-    ``run`` prepares and submits the job and follows its updates to the end;
-    ``on_text`` (set by the front end) is called synchronously with each
-    piece of released text, so the front end decides how (and whether yet)
-    to send it. When the task running ``run`` is cancelled (a stop, a
-    disconnect, a shutdown), call :meth:`interrupt` from outside the
-    cancelled scope: it frees the job and settles the outcome.
+    :meth:`start` prepares and submits the job (raising
+    :class:`InvalidGeneration` or :class:`Overloaded` before anything was
+    queued); :meth:`follow` reads its updates to the end; :meth:`run` is
+    both. ``on_text`` (set by the door) is called synchronously with each
+    piece of released text, so the door decides how (and whether yet) to
+    send it. When the task following a generation is cancelled (a stop, a
+    disconnect, a shutdown), call :meth:`interrupt` from outside the cancelled
+    scope: it frees the job and settles the outcome. :meth:`close` (in a
+    ``finally``) releases the job and the client's count; it is idempotent.
     """
 
     request: GenerationRequest
+    generations: Generations = attrs.field(repr=False)
+    client: Hashable
+    owner: Hashable
     #: trio.current_time() when the request arrived.
     received: float
-    owner: Hashable | None = None
+    #: Under which name the metrics count it (``websocket``, ``openai``).
+    api: str = "websocket"
+    #: The prompt as the model reads it (rendered, trimmed), for replies.
     util_text: str = ""
     prompt_tokens: int = 0
     trimmed_tokens: int = 0
@@ -179,20 +424,18 @@ class Generation:
     held: str = ""
     generated_tokens: int = 0
     first_token_at: float | None = None
+    last_token_at: float | None = None
     job: Job | None = None
     #: Set when the outcome is decided (a stop can no longer change it).
     outcome: Outcome | None = None
     finished: Finished | None = None
     failure: str | None = None
     ended_at: float | None = None
-    #: Told of the first token and of the gaps between later ones (metrics),
-    #: under ``api``'s name.
-    observer: GenerationObserver | None = None
-    api: str = "websocket"
-    last_token_at: float | None = None
-    #: Called with each piece of released text; the front end sets it.
+    #: Called with each piece of released text; the door sets it.
     on_text: Callable[[str], None] = attrs.field(default=lambda _text: None, repr=False)
     _prompt_ids: list[int] = attrs.field(factory=list, init=False, repr=False)
+    _max_new_tokens: int = attrs.field(default=0, init=False, repr=False)
+    _closed: bool = attrs.field(default=False, init=False, repr=False)
 
     @property
     def decided(self) -> bool:
@@ -200,66 +443,98 @@ class Generation:
         update (a stop arriving now is too late to change it)."""
         return self.outcome is not None or (self.job is not None and self.job.done)
 
-    async def run(
-        self, scheduler: Scheduler, tokenizing: Tokenizing, *, max_new_tokens: int
-    ) -> None:
-        """Prepare, submit and follow the job until it ends.
+    async def run(self) -> None:
+        """:meth:`start`, then :meth:`follow`."""
+        await self.start()
+        await self.follow()
 
-        The request has been checked against the model already (limits and
-        token ids: ``protocol.validate_against_model``, or the OpenAI core's
-        own checks). Raises :class:`InvalidGeneration` (an empty prompt) or
-        :class:`Overloaded` before the job is submitted; after that, the
-        outcome says how it ended.
-        """
-        info = scheduler.engine.info
-        request = self.request
+    async def start(self) -> None:
+        """Render, tokenize, fit and submit the job. Raises
+        :class:`InvalidGeneration` or :class:`Overloaded`; nothing is queued
+        then."""
+        generations = self.generations
+        scheduler = generations.scheduler
         # Room first, so a full server does not tokenize megabytes for nothing.
-        if not scheduler.has_room(self.owner):
+        if not scheduler.has_room(self.client):
             raise Overloaded(
                 f"{scheduler.max_waiting} jobs are already waiting for the engine; retry later"
             )
-        await self._prepare(tokenizing, info)
-        spec = build_spec(scheduler.new_job_id(), request, self._prompt_ids, info)
+        await self._prepare()
+        spec = build_spec(
+            scheduler.new_job_id(),
+            self.request,
+            self._prompt_ids,
+            generations.info,
+            max_new_tokens=self._max_new_tokens,
+        )
+        if generations.is_draining():
+            raise Overloaded("the server is shutting down and takes no new requests", draining=True)
         try:
-            self.job = job = scheduler.open_job(spec, owner=self.owner)
+            self.job = scheduler.open_job(spec, owner=self.owner, client=self.client)
         except QueueFull as exc:
             raise Overloaded(str(exc)) from None
         except SchedulerClosed:
-            raise Overloaded("the server is shutting down and takes no new requests") from None
+            raise Overloaded(
+                "the server is shutting down and takes no new requests", draining=True
+            ) from None
+
+    async def follow(self) -> None:
+        """Read the job's updates until it ends; the outcome says how."""
+        job = self.job
+        assert job is not None, "start() first"
         async for update in job.updates:
             if self._apply(update):
                 return
-        # pragma: no cover - the scheduler always ends a job with an update
-        self._settle("failed", failure="the job ended without a result")
+        # The job was cancelled under us (a shutdown past its grace).
+        self.interrupt()
 
-    async def _prepare(self, tokenizing: Tokenizing, info: EngineInfo) -> None:
-        """Tokenize and trim: protocol.md 3.4."""
+    async def _prepare(self) -> None:
+        """Render, tokenize and fit: protocol.md 3.4."""
         request = self.request
-        keep = info.context_length - request.max_new_tokens
-        prompt = request.custom_bos + request.text
+        generations = self.generations
+        tokenizing = generations.tokenizing
+        info = generations.info
+        if request.prompt_ids is not None:
+            ids = list(request.prompt_ids)
+            prompt = ""
+        else:
+            if request.messages is not None:
+                template = generations.chat_template
+                assert template is not None  # check_request refused it otherwise
+                try:
+                    prompt = await tokenizing.render(template, request.messages)
+                except ChatTemplateError as exc:
+                    raise InvalidGeneration(
+                        str(exc), "messages", code="chat_template_error"
+                    ) from None
+            else:
+                prompt = request.custom_bos + request.text
+            ids = await self._encode(prompt, request, info)
+        fitted, self._max_new_tokens = fit_prompt(
+            request, ids, info, max_new_tokens=generations.max_new_tokens
+        )
+        if len(fitted) < len(ids):
+            self.trimmed_tokens = len(ids) - len(fitted)
+            self.util_text = await tokenizing.decode(fitted)
+        elif prompt:
+            self.util_text = prompt
+        else:
+            self.util_text = await tokenizing.decode(fitted)
+        self.prompt_tokens = len(fitted)
+        self._prompt_ids = fitted
+
+    async def _encode(self, prompt: str, request: GenerationRequest, info: EngineInfo) -> list[int]:
+        tokenizing = self.generations.tokenizing
+        keep = info.context_length - (request.max_new_tokens or 1)
         tail = tail_chars(info, keep)
-        if tail is not None and len(request.text) > tail:
+        text = prompt[len(request.custom_bos) :] if request.messages is None else prompt
+        if request.fit == "trim" and tail is not None and len(text) > tail:
             # Far longer than the context: only its tail can be kept, so only
             # the tail is tokenized. trimmed_tokens then counts the tokens of
             # that tail that were dropped (a lower bound).
             head = await tokenizing.encode(request.custom_bos) if request.custom_bos else []
-            ids = head[:1] + await tokenizing.encode(request.text[len(request.text) - tail :])
-        else:
-            ids = await tokenizing.encode(prompt)
-        if not ids:
-            raise InvalidGeneration(
-                "the prompt (customBos + text) must encode to at least one token",
-                request.text_field,
-            )
-        if len(ids) > keep:
-            kept = trim_prompt(ids, keep, keep_first=bool(request.custom_bos))
-            self.trimmed_tokens = len(ids) - len(kept)
-            ids = kept
-            self.util_text = await tokenizing.decode(ids)
-        else:
-            self.util_text = prompt
-        self.prompt_tokens = len(ids)
-        self._prompt_ids = ids
+            return head[:1] + await tokenizing.encode(text[len(text) - tail :])
+        return await tokenizing.encode(prompt)
 
     def _apply(self, update: TextUpdate | Finished | Failed) -> bool:
         """Take one update; True when it was the last."""
@@ -284,7 +559,7 @@ class Generation:
         if new <= 0:
             return
         now = trio.current_time()
-        observer = self.observer
+        observer = self.generations.observer
         if self.first_token_at is None:
             self.first_token_at = now
             if observer is not None:
@@ -306,7 +581,7 @@ class Generation:
         self.failure = failure
         self.ended_at = trio.current_time()
 
-    def interrupt(self, scheduler: Scheduler) -> None:
+    def interrupt(self) -> None:
         """Settle a generation whose task was cancelled: synchronous, for
         ``finally`` blocks.
 
@@ -329,11 +604,20 @@ class Generation:
                 if self._apply(update):
                     return
         if job is not None:
-            scheduler.cancel(job)
+            self.generations.scheduler.cancel(job)
         if self.held:
             self._release(self.held)
             self.held = ""
         self._settle("interrupted")
+
+    def close(self) -> None:
+        """Free the engine job (if it still runs) and the client's count:
+        synchronous and idempotent, for ``finally`` blocks."""
+        if self.job is not None:
+            self.generations.scheduler.cancel(self.job)
+        if not self._closed:
+            self._closed = True
+            self.generations._closed(self.client)
 
     # -- figures for replies and logs ------------------------------------------------
 

@@ -75,9 +75,13 @@ class Job:
     _send: trio.MemorySendChannel[Update] = attrs.field(repr=False)
     #: The owner's end.
     updates: trio.MemoryReceiveChannel[Update] = attrs.field(repr=False)
-    #: Who the job belongs to (a connection): admission is fair across owners.
-    #: ``None``: the job is its own owner.
+    #: Who the job belongs to (a connection): admission is fair across one
+    #: client's owners. ``None``: the job is its own owner.
     owner: Hashable | None = None
+    #: The client the owner belongs to (an API key, an address): admission is
+    #: fair across clients first, and a client's slots are capped. ``None``:
+    #: the owner is its own client.
+    client: Hashable | None = None
     #: trio.current_time() when the job was queued, and when the engine took it.
     queued_at: float = 0.0
     started_at: float | None = None
@@ -92,6 +96,18 @@ class Job:
     @property
     def fair_key(self) -> Hashable:
         return self if self.owner is None else self.owner
+
+    @property
+    def client_key(self) -> Hashable:
+        return self.fair_key if self.client is None else self.client
+
+
+@attrs.define(eq=False)
+class _ClientQueue:
+    """One client's waiting jobs, per owner, and the owners' turn order."""
+
+    owners: dict[Hashable, dict[int, Job]] = attrs.Factory(dict)
+    rotation: collections.deque[Hashable] = attrs.Factory(collections.deque)
 
 
 @attrs.frozen
@@ -146,9 +162,10 @@ class Scheduler:
     Free engine slots take jobs at once, so a burst on an idle engine fills its
     slots before it counts against the queue.
 
-    Admission is round-robin across owners, and one owner holds at most
-    ``max_running_per_owner`` slots (default: all but one, so that another
-    client's request starts at once even while one client floods the engine).
+    Admission is round-robin across clients, then across each client's owners
+    (its connections), and one client holds at most ``max_running_per_owner``
+    slots (default: all but one, so that another client's request starts at
+    once even while one client floods the engine, through either door).
 
     ``engine_thread``: the thread that steps the engine (use the one that
     loaded it, see :mod:`trioserve.worker`); without one, the step loop runs
@@ -180,8 +197,8 @@ class Scheduler:
         # Trio side: jobs admitted to the engine (in the inbox or stepping),
         # and jobs waiting, per owner in arrival order.
         self._running: dict[int, Job] = {}
-        self._running_per_owner: collections.Counter[Hashable] = collections.Counter()
-        self._queues: dict[Hashable, dict[int, Job]] = {}
+        self._running_per_client: collections.Counter[Hashable] = collections.Counter()
+        self._queues: dict[Hashable, _ClientQueue] = {}
         self._rotation: collections.deque[Hashable] = collections.deque()
         self._waiting = 0
         # The inbox, shared with the engine thread under the lock.
@@ -211,7 +228,13 @@ class Scheduler:
     def new_job_id(self) -> int:
         return next(_job_ids)
 
-    def open_job(self, spec: GenerationSpec, *, owner: Hashable | None = None) -> Job:
+    def open_job(
+        self,
+        spec: GenerationSpec,
+        *,
+        owner: Hashable | None = None,
+        client: Hashable | None = None,
+    ) -> Job:
         """Create a job for ``spec`` and queue it; raise :class:`QueueFull`
         when it finds neither a free slot nor room in the queue, and
         :class:`SchedulerClosed` after the generation task has ended."""
@@ -221,7 +244,14 @@ class Scheduler:
         # job's updates are bounded by its max_new_tokens, and its owner reads
         # them as they come (it never waits on its client either).
         send, receive = trio.open_memory_channel[Update](math.inf)
-        job = Job(spec=spec, send=send, updates=receive, owner=owner, queued_at=trio.current_time())
+        job = Job(
+            spec=spec,
+            send=send,
+            updates=receive,
+            owner=owner,
+            client=client,
+            queued_at=trio.current_time(),
+        )
         self.submit_nowait(job)
         return job
 
@@ -229,11 +259,14 @@ class Scheduler:
         """Queue ``job`` for the engine, or raise :class:`QueueFull` at once."""
         if self._closed:
             raise SchedulerClosed("the generation task is not running")
-        key = job.fair_key
-        queue = self._queues.get(key)
+        client = self._queues.get(job.client_key)
+        if client is None:
+            client = self._queues[job.client_key] = _ClientQueue()
+            self._rotation.append(job.client_key)
+        queue = client.owners.get(job.fair_key)
         if queue is None:
-            queue = self._queues[key] = {}
-            self._rotation.append(key)
+            queue = client.owners[job.fair_key] = {}
+            client.rotation.append(job.fair_key)
         queue[job.job_id] = job
         self._waiting += 1
         self._admit()
@@ -243,9 +276,9 @@ class Scheduler:
                 f"{self.max_waiting} jobs are already waiting for the engine; retry later"
             )
 
-    def has_room(self, owner: Hashable | None = None) -> bool:
+    def has_room(self, client: Hashable | None = None) -> bool:
         """Whether a job submitted now would be accepted (a free slot for
-        ``owner``, or room in the queue): checked before costly work such as
+        ``client``, or room in the queue): checked before costly work such as
         tokenizing a long prompt."""
         if self._closed:
             return False
@@ -253,7 +286,7 @@ class Scheduler:
             return True
         free = self.capacity - len(self._running)
         return free > 0 and (
-            owner is None or self._running_per_owner[owner] < self.max_running_per_owner
+            client is None or self._running_per_client[client] < self.max_running_per_owner
         )
 
     def cancel(self, job: Job) -> None:
@@ -305,23 +338,29 @@ class Scheduler:
     # -- queue and admission (trio side) --------------------------------------------
 
     def _is_waiting(self, job: Job) -> bool:
-        queue = self._queues.get(job.fair_key)
+        client = self._queues.get(job.client_key)
+        if client is None:
+            return False
+        queue = client.owners.get(job.fair_key)
         return queue is not None and job.job_id in queue
 
     def _remove_waiting(self, job: Job) -> None:
-        key = job.fair_key
-        queue = self._queues[key]
+        client = self._queues[job.client_key]
+        queue = client.owners[job.fair_key]
         del queue[job.job_id]
         self._waiting -= 1
         if not queue:
-            del self._queues[key]
-            self._rotation.remove(key)
+            del client.owners[job.fair_key]
+            client.rotation.remove(job.fair_key)
+        if not client.owners:
+            del self._queues[job.client_key]
+            self._rotation.remove(job.client_key)
 
     def _release_slot(self, job: Job) -> None:
-        key = job.fair_key
-        self._running_per_owner[key] -= 1
-        if self._running_per_owner[key] <= 0:
-            del self._running_per_owner[key]
+        key = job.client_key
+        self._running_per_client[key] -= 1
+        if self._running_per_client[key] <= 0:
+            del self._running_per_client[key]
 
     def _admit(self) -> None:
         """Move waiting jobs into free engine slots, one owner at a time."""
@@ -335,7 +374,7 @@ class Scheduler:
                 break
             job.started_at = now
             self._running[job.job_id] = job
-            self._running_per_owner[job.fair_key] += 1
+            self._running_per_client[job.client_key] += 1
             admitted.append(job)
         if admitted:
             self._post_to_loop(submit=admitted)
@@ -351,19 +390,19 @@ class Scheduler:
             self._work_ready.set()
 
     def _next_fair(self) -> Job | None:
-        """The first waiting job of the next owner in the rotation that may
-        take a slot; that owner goes to the back of the rotation."""
+        """The first waiting job of the next owner of the next client in the
+        rotation that may take a slot; that client, and that owner within it,
+        go to the back of their rotations."""
         for _ in range(len(self._rotation)):
             key = self._rotation[0]
             self._rotation.rotate(-1)
-            if self._running_per_owner[key] >= self.max_running_per_owner:
+            if self._running_per_client[key] >= self.max_running_per_owner:
                 continue
-            queue = self._queues[key]
-            job = queue.pop(next(iter(queue)))
-            self._waiting -= 1
-            if not queue:
-                del self._queues[key]
-                self._rotation.remove(key)
+            client = self._queues[key]
+            owner = client.rotation[0]
+            client.rotation.rotate(-1)
+            job = next(iter(client.owners[owner].values()))
+            self._remove_waiting(job)
             return job
         return None
 
@@ -574,10 +613,11 @@ class Scheduler:
         """Fail every job still running or queued: no owner is left waiting."""
         self._closed = True
         leftover = list(self._running.values())
-        for queue in self._queues.values():
-            leftover.extend(queue.values())
+        for client in self._queues.values():
+            for queue in client.owners.values():
+                leftover.extend(queue.values())
         self._running.clear()
-        self._running_per_owner.clear()
+        self._running_per_client.clear()
         self._queues.clear()
         self._rotation.clear()
         self._waiting = 0

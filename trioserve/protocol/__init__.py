@@ -69,6 +69,7 @@ from ._messages import (
     Timing,
     Usage,
 )
+from ._semantics import action_name, infer_chunk, infer_final
 
 __all__ = [
     "ACTIONS",
@@ -107,11 +108,14 @@ __all__ = [
     "Timing",
     "Usage",
     "Wire",
+    "action_name",
     "decode_reply",
     "decode_request",
     "encode_reply",
     "encode_request",
+    "infer_chunk",
     "infer_field_table",
+    "infer_final",
     "json_equal",
     "request_fields",
     "structure_reply",

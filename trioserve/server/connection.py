@@ -26,31 +26,29 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
 
 import attrs
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from trioserve import protocol as p
-from trioserve.chat_template import ChatTemplateError
-from trioserve.generation.generation import (
-    Generation,
-    GenerationRequest,
-    InvalidGeneration,
-    Overloaded,
-)
+from trioserve.generation import Generation, Generations, InvalidGeneration, Overloaded
+from trioserve.metrics import Metrics
 
-if TYPE_CHECKING:
-    from .server import Server
+from .doors import from_infer, websocket_path
 
-__all__ = ["Connection", "InferEntry", "Outbox", "OutboxOverflow"]
+__all__ = [
+    "Connection",
+    "ConnectionServices",
+    "ConnectionSettings",
+    "InferEntry",
+    "Outbox",
+    "OutboxOverflow",
+]
 
 log = logging.getLogger("trioserve.server")
-
-#: Messages longer than this (characters in all) are rendered in a worker thread.
-_RENDER_INLINE_CHARS = 4096
 access_log = logging.getLogger("trioserve.access")
 
 
@@ -150,15 +148,49 @@ class Outbox:
         self.bytes = 0
 
 
-class Connection:
-    """One client: a reader, a writer, a keepalive and its infer tasks."""
+@attrs.frozen(kw_only=True)
+class ConnectionSettings:
+    """A connection's limits and timers (``ServerConfig``'s, resolved)."""
 
-    def __init__(self, server: Server, ws: WebSocketConnection, peer: str) -> None:
-        self.server = server
+    max_message_bytes: int
+    max_requests: int
+    max_output_bytes: int
+    send_timeout: float
+    close_timeout: float
+    ping_interval: float
+    ping_timeout: float
+    log_prompts: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class ConnectionServices:
+    """What a connection needs of its server, and nothing more."""
+
+    generations: Generations
+    metrics: Metrics
+    settings: ConnectionSettings
+    #: The ``info`` reply with these echoed ids (the server's live status).
+    info_reply: Callable[[Mapping[str, Any]], p.InfoReply]
+
+
+class Connection:
+    """One client: a reader, a writer, a keepalive and its infer tasks.
+
+    ``client`` is who the connection belongs to (its API key, else its
+    address): its generations count against that client's limits, shared
+    with the client's other connections and HTTP requests.
+    """
+
+    def __init__(
+        self, services: ConnectionServices, ws: WebSocketConnection, peer: str, client: Hashable
+    ) -> None:
+        self.services = services
+        self.settings = services.settings
         self.ws = ws
         self.peer = peer
+        self.client = client
         self.requests: set[InferEntry] = set()
-        self.outbox = Outbox(server.config.max_output_bytes)
+        self.outbox = Outbox(services.settings.max_output_bytes)
         self._nursery: trio.Nursery | None = None
         self._closing = False
         self._writer_done = trio.Event()
@@ -216,7 +248,7 @@ class Connection:
         """Send what is queued, then close the WebSocket."""
         self._closing = True
         self.outbox.close()
-        with trio.move_on_after(self.server.config.close_timeout):
+        with trio.move_on_after(self.settings.close_timeout):
             await self._writer_done.wait()
         await self._close_ws(code, reason)
 
@@ -225,7 +257,7 @@ class Connection:
             self.close_code = code
         # A peer that does not read will not answer the close handshake
         # either; cancelling aclose closes the socket.
-        with trio.move_on_after(self.server.config.close_timeout):
+        with trio.move_on_after(self.settings.close_timeout):
             await self.ws.aclose(code, reason)
 
     async def _abort(self, code: int, reason: str) -> None:
@@ -269,7 +301,7 @@ class Connection:
     async def _close_after_writer(self, code: int, reason: str) -> None:
         assert self._wound_down is not None
         try:
-            with trio.move_on_after(self.server.config.close_timeout):
+            with trio.move_on_after(self.settings.close_timeout):
                 await self._writer_done.wait()
             await self._close_ws(code, reason)
         finally:
@@ -307,19 +339,18 @@ class Connection:
         if not chunk:
             return None
         entry.sent = len(generation.response)
-        request = entry.request
         return p.encode_reply(
-            p.InferChunk(
+            p.infer_chunk(
+                entry.request,
                 chunk=chunk,
-                util_text=None if request.compact_chunks else generation.util_text,
-                response=generation.response if request.stream_full else None,
-                echoed=request.echoed,
+                util_text=generation.util_text,
+                response=generation.response,
             )
         )
 
     async def _send_watchdog(self) -> None:
         """Wind down a client that accepts no byte of a frame for ``send_timeout``."""
-        timeout = self.server.config.send_timeout
+        timeout = self.settings.send_timeout
         while True:
             since = self._sending_since
             if since is None:
@@ -334,7 +365,7 @@ class Connection:
             return
 
     async def _keepalive(self) -> None:
-        config = self.server.config
+        config = self.settings
         while True:
             await trio.sleep(config.ping_interval)
             with trio.move_on_after(config.ping_timeout) as timeout:
@@ -350,7 +381,7 @@ class Connection:
     # -- requests -----------------------------------------------------------------
 
     async def _reader(self) -> None:
-        max_bytes = self.server.max_message_bytes
+        max_bytes = self.settings.max_message_bytes
         while True:
             try:
                 message = await self.ws.get_message()
@@ -379,7 +410,7 @@ class Connection:
         except BaseException as exc:
             fatal, rest = split_cancellation(exc)
             if rest is not None:
-                action = _action_name(request)
+                action = p.action_name(request)
                 log.error(
                     "connection %s: %s request failed", self.peer, action or "a", exc_info=rest
                 )
@@ -396,12 +427,12 @@ class Connection:
                 raise fatal from None
 
     async def _handle(self, request: p.Request) -> None:
-        server = self.server
+        tokenizing = self.services.generations.tokenizing
         if isinstance(request, p.EchoRequest):
             self._reply(p.EchoReply(echoed=request.echoed))
             self._log_request(request, quiet=True)
         elif isinstance(request, p.EstimateTokenRequest):
-            ids = await server.tokenizing.encode(request.text)
+            ids = await tokenizing.encode(request.text)
             self._reply(p.EstimateTokenReply(num_tokens=len(ids), echoed=request.echoed))
             self._log_request(request, prompt_tokens=len(ids))
         elif isinstance(request, p.LefttrimTokenRequest):
@@ -415,13 +446,13 @@ class Connection:
             self._reply(p.StopReply(stopped=stopped, echoed=request.echoed))
             self._log_request(request, stopped=stopped)
         elif isinstance(request, p.InfoRequest):
-            self._reply(server.info_reply(request.echoed))
+            self._reply(self.services.info_reply(request.echoed))
             self._log_request(request, quiet=True)
         else:  # pragma: no cover - decode_request returns only the above
             raise AssertionError(request)
 
     async def _lefttrim(self, text: str, length: int) -> str:
-        tokenizing = self.server.tokenizing
+        tokenizing = self.services.generations.tokenizing
         ids = await tokenizing.encode(text)
         if len(ids) <= length:
             return text
@@ -430,8 +461,7 @@ class Connection:
         return await tokenizing.decode(ids[-length:])
 
     def _start_infer(self, request: p.InferRequest) -> None:
-        server = self.server
-        limit = server.config.max_requests_per_connection
+        limit = self.settings.max_requests
         if len(self.requests) >= limit:
             raise p.ProtocolError(
                 "overloaded",
@@ -440,47 +470,27 @@ class Connection:
                 action="infer",
                 echoed=request.echoed,
             )
-        if server.draining:
+        try:
+            generation = self.services.generations.open(
+                from_infer(request), client=self.client, owner=self, api="websocket"
+            )
+        except InvalidGeneration as exc:
             raise p.ProtocolError(
-                "overloaded",
-                "the server is shutting down and takes no new infer requests",
+                "invalid_request",
+                exc.message,
+                field=websocket_path(exc, request),
                 action="infer",
                 echoed=request.echoed,
-            )
-        info = server.engine.info
-        p.validate_against_model(
-            request,
-            vocab_size=info.vocab_size,
-            max_new_tokens=server.max_new_tokens,
-            context_length=info.context_length,
-            renders_messages=server.chat_template is not None,
-        )
-        generation = Generation(
-            request=generation_request(request),
-            received=trio.current_time(),
-            owner=self,
-            observer=server.metrics,
-        )
+            ) from None
+        except Overloaded as exc:
+            raise p.ProtocolError(
+                "overloaded", exc.message, action="infer", echoed=request.echoed
+            ) from None
         entry = InferEntry(request, generation)
         generation.on_text = lambda _text: self._text_released(entry)
         self.requests.add(entry)
         assert self._nursery is not None
         self._nursery.start_soon(self._run_infer, entry)
-
-    async def _render(self, request: p.InferRequest) -> str:
-        """The prompt of an ``infer`` with ``messages``: the model's chat template
-        (in a worker thread when the messages are long)."""
-        template = self.server.chat_template
-        assert template is not None and request.messages is not None
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        try:
-            if sum(len(m.content) for m in request.messages) > _RENDER_INLINE_CHARS:
-                return await trio.to_thread.run_sync(
-                    template.render, messages, limiter=self.server.tokenizing.limiter
-                )
-            return template.render(messages)
-        except ChatTemplateError as exc:
-            raise InvalidGeneration(str(exc), "$.messages") from None
 
     def _text_released(self, entry: InferEntry) -> None:
         if entry.request.stream and not entry.chunk_pending:
@@ -504,29 +514,22 @@ class Connection:
     async def _run_infer(self, entry: InferEntry) -> None:
         request = entry.request
         generation = entry.generation
-        server = self.server
         reply: p.Reply | None = None
         try:
             with entry.scope:
                 try:
-                    if request.messages is not None:
-                        generation.request = attrs.evolve(
-                            generation.request, text=await self._render(request)
-                        )
-                    await generation.run(
-                        server.scheduler, server.tokenizing, max_new_tokens=server.max_new_tokens
-                    )
+                    await generation.run()
                 except InvalidGeneration as exc:
                     reply = p.ProtocolError(
                         "invalid_request",
                         exc.message,
-                        field=exc.field,
+                        field=websocket_path(exc, request),
                         action="infer",
                         echoed=request.echoed,
                     ).reply()
                 except Overloaded as exc:
                     reply = p.ProtocolError(
-                        "overloaded", str(exc), action="infer", echoed=request.echoed
+                        "overloaded", exc.message, action="infer", echoed=request.echoed
                     ).reply()
         except BaseException as exc:
             fatal, rest = split_cancellation(exc)
@@ -554,7 +557,7 @@ class Connection:
         try:
             if reply is None:
                 if generation.outcome is None:
-                    generation.interrupt(self.server.scheduler)
+                    generation.interrupt()
                 if generation.outcome == "failed":
                     reply = p.ProtocolError(
                         "internal",
@@ -564,8 +567,6 @@ class Connection:
                     ).reply()
                 else:
                     reply = self._final(entry)
-            elif generation.job is not None:
-                self.server.scheduler.cancel(generation.job)
             if (
                 entry.request.stream
                 and not entry.chunk_pending
@@ -576,46 +577,26 @@ class Connection:
             self._put(p.encode_reply(reply))
             self._log_infer(entry, reply)
         finally:
-            if generation.job is not None:
-                self.server.scheduler.cancel(generation.job)
+            generation.close()
             entry.done.set()
             self.requests.discard(entry)
 
     def _final(self, entry: InferEntry) -> p.InferFinal:
         generation = entry.generation
-        request = entry.request
-        finished = generation.finished
-        stop_reason: Any = "interrupted"
-        eos_reason: Any = None
-        stop_string = stop_token = None
-        if finished is not None:
-            if finished.reason == "max_new_tokens":
-                stop_reason = "num_tokens"
-            else:
-                stop_reason = "eos"
-                eos_reason = finished.reason
-                stop_string = finished.stop_string
-                stop_token = finished.stop_token
-        first_token_s = generation.first_token_s
-        return p.InferFinal(
+        return p.infer_final(
+            entry.request,
+            generation.finished,
             response=generation.response,
-            util_text=generation.util_text or _prompt_of(request),
-            stop_reason=stop_reason,
-            eos_reason=eos_reason,
-            stop_string=stop_string,
-            stop_token=stop_token,
+            util_text=generation.util_text,
             usage=p.Usage(
                 prompt_tokens=generation.prompt_tokens,
                 trimmed_tokens=generation.trimmed_tokens,
                 generated_tokens=generation.generated_tokens,
                 cached_tokens=generation.cached_tokens,
             ),
-            timing=p.Timing(
-                queued_s=round(generation.queued_s, 6),
-                first_token_s=None if first_token_s is None else round(first_token_s, 6),
-                total_s=round(generation.total_s, 6),
-            ),
-            echoed=request.echoed,
+            queued_s=generation.queued_s,
+            first_token_s=generation.first_token_s,
+            total_s=generation.total_s,
         )
 
     # -- logs -----------------------------------------------------------------------
@@ -643,7 +624,7 @@ class Connection:
             fields["stop_reason"] = outcome = reply.stop_reason
         elif isinstance(reply, p.ErrorReply):
             fields["error_type"] = outcome = reply.error.type
-        metrics = self.server.metrics
+        metrics = self.services.metrics
         metrics.request_finished(
             api="websocket",
             action="infer",
@@ -657,16 +638,17 @@ class Connection:
             metrics.queue_wait(generation.queued_s)
         if outcome == "interrupted":
             metrics.cancelled(entry.cancel_cause or "disconnect")
-        if self.server.config.log_prompts:
-            fields["prompt"] = entry.generation.util_text or _prompt_of(entry.request)
+        if self.settings.log_prompts:
+            generation = entry.generation
+            fields["prompt"] = generation.util_text or generation.request.describe_prompt()
         access_log.info("infer done", extra={"fields": fields})
 
     def _log_request(self, request: p.Request | None, *, quiet: bool = False, **extra: Any) -> None:
         """Count a quick action and log it (echo and info, which clients use
         as pings, at DEBUG; the others at INFO)."""
-        self.server.metrics.request_finished(
+        self.services.metrics.request_finished(
             api="websocket",
-            action=_action_name(request) or "unknown",
+            action=p.action_name(request) or "unknown",
             outcome=extra.get("error_type", "ok"),
         )
         level = logging.DEBUG if quiet and "error_type" not in extra else logging.INFO
@@ -675,48 +657,10 @@ class Connection:
         fields: dict[str, Any] = {
             "peer": self.peer,
             "api": "websocket",
-            "action": _action_name(request),
+            "action": p.action_name(request),
             "request_id": short_repr(request.echoed.get("request_id"))
             if request is not None
             else None,
             **extra,
         }
         access_log.log(level, "%s done", fields["action"] or "request", extra={"fields": fields})
-
-
-def _action_name(request: p.Request | None) -> str | None:
-    if request is None:
-        return None
-    for name, cls in _ACTIONS.items():
-        if isinstance(request, cls):
-            return name
-    return None
-
-
-_ACTIONS: dict[str, type] = {
-    "echo": p.EchoRequest,
-    "estimate_token": p.EstimateTokenRequest,
-    "lefttrim_token": p.LefttrimTokenRequest,
-    "infer": p.InferRequest,
-    "stop": p.StopRequest,
-    "info": p.InfoRequest,
-}
-
-
-def _prompt_of(request: p.InferRequest) -> str:
-    return request.custom_bos + (request.text or "")
-
-
-def generation_request(request: p.InferRequest) -> GenerationRequest:
-    """The transport-neutral part of an ``infer`` request."""
-    return GenerationRequest(
-        text=request.text or "",
-        custom_bos=request.custom_bos,
-        max_new_tokens=request.max_new_tokens,
-        sampling=request.sampling_settings(),
-        stop_strings=request.stop_strings,
-        stop_token_ids=tuple(c for c in request.stop_conditions if isinstance(c, int)),
-        banned_ids=tuple(request.bann_bann),
-        token_healing=request.token_healing,
-        text_field="$.text" if request.messages is None else "$.messages",
-    )

@@ -8,9 +8,10 @@ serves them; routes (:mod:`.routes`) build and return them.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import re
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Final, Protocol, TypeAlias
 from urllib.parse import parse_qs, unquote
 
@@ -30,6 +31,7 @@ __all__ = [
     "Handler",
     "KiB",
     "MiB",
+    "Network",
     "NoObserver",
     "Observer",
     "Reject",
@@ -38,8 +40,10 @@ __all__ = [
     "Router",
     "StreamingResponse",
     "WebSocketHandler",
+    "client_address",
     "error_body",
     "event_stream",
+    "parse_networks",
 ]
 
 KiB: Final = 1024
@@ -224,6 +228,78 @@ class RequestHead:
             if key == name:
                 tokens.extend(t.strip().lower() for t in value.split(b",") if t.strip())
         return tokens
+
+    def bearer_key(self) -> str | None:
+        """The token of ``Authorization: Bearer <token>``, if any."""
+        scheme, _, token = self.header_bytes(b"authorization").partition(b" ")
+        if scheme.lower() != b"bearer":
+            return None
+        return token.strip().decode("latin-1")
+
+    def query_param(self, name: str) -> str | None:
+        """The first value of a query parameter, URL-decoded, if any."""
+        values = parse_qs(self.query).get(name)
+        return values[0] if values else None
+
+    @property
+    def peer_host(self) -> str:
+        """The peer's address without its port (``[::1]:5000`` -> ``::1``)."""
+        host, _, port = self.peer.rpartition(":")
+        if not host or not port.isdigit():
+            return self.peer
+        return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+#: At most this many addresses of ``X-Forwarded-For`` are looked at, from
+#: the right (the nearest proxies first).
+MAX_FORWARDED_HOPS: Final = 32
+
+Network: TypeAlias = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_networks(
+    cidrs: Iterable[str],
+) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """CIDRs (``10.0.0.0/8``, ``::1``) as networks; raises ``ValueError``."""
+    return tuple(ipaddress.ip_network(c.strip(), strict=False) for c in cidrs)
+
+
+def _in_networks(address: str, networks: Iterable[Network]) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(ip.version == n.version and ip in n for n in networks)
+
+
+def client_address(head: RequestHead, trusted_proxies: Sequence[Network]) -> str:
+    """The client's address: the peer's, or, when the peer is a trusted proxy,
+    the nearest untrusted address of ``X-Forwarded-For`` (read from the right,
+    so that a client cannot choose its address by sending the header itself:
+    only what a trusted proxy appended counts). An untrusted peer's header is
+    ignored."""
+    networks = trusted_proxies
+    address = head.peer_host
+    if not networks or not _in_networks(address, networks):
+        return address
+    forwarded: list[str] = []
+    for key, value in head.headers:
+        if key == b"x-forwarded-for":
+            forwarded.extend(value.decode("latin-1").split(","))
+    for hop in reversed(forwarded[-MAX_FORWARDED_HOPS:]):
+        hop = hop.strip()
+        if hop.startswith("[") and "]" in hop:  # [v6]:port
+            hop = hop[1 : hop.index("]")]
+        elif hop.count(":") == 1:  # v4:port
+            hop = hop.partition(":")[0]
+        try:
+            ipaddress.ip_address(hop)
+        except ValueError:
+            return address  # a hop that is no address: trust nothing beyond it
+        if not _in_networks(hop, networks):
+            return hop
+        address = hop
+    return address
 
 
 @attrs.frozen

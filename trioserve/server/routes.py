@@ -1,40 +1,36 @@
 """The HTTP routes of a server: health, readiness, metrics, the info page, and
-the OpenAI-compatible API over the scheduler.
+the OpenAI-compatible API.
 
 :class:`OpsRoutes` and :class:`OpenAIRoutes` add their handlers to a
-:class:`~trioserve.http.Router`. The OpenAI routes need four things of the
-server, named by :class:`GenerationBackend`: the model's limits, its chat
-template, tokenizing off the event loop, and starting a job whose updates can
-be read and which can be cancelled. :class:`SchedulerBackend` provides them
-over a :class:`~trioserve.scheduler.Scheduler`.
-
-A request's life (both routes, streamed or not): parse and bound the body
-(400), render the chat template (400 when the model has none or it refuses
-the messages), tokenize, check against the context (400), start the job
-(503 when the queue is full or the server drains), then read its updates
-until it finishes. The job is cancelled in a ``finally``: when the client
-disconnects, the front door cancels the handler's scope, and the engine slot
-is freed before the next step, as on the WebSocket side.
+:class:`~trioserve.server.http_types.Router`. The OpenAI routes run each
+request through the same pipeline as a WebSocket ``infer``
+(:class:`~trioserve.generation.Generations`): the request is parsed and bounded
+(400), turned into a :class:`~trioserve.generation.GenerationRequest`, checked
+against the model (400), admitted (503 while draining or full, 429 over the
+client's request limit), rendered, tokenized and fitted (400
+``context_length_exceeded``), then followed to its end. The job is released in
+a ``finally``: when the client disconnects, the front door cancels the
+handler's scope, and the engine slot is freed before the next step, as on the
+WebSocket side. API errors become :class:`HTTPError` here: the front door
+knows no API.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterable, Callable, Mapping
-from typing import Any, Final, Literal, Protocol
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, Literal
 
 import attrs
 import trio
 
 from trioserve import openai as oa
 from trioserve._version import __version__
-from trioserve.chat_template import ChatTemplate, ChatTemplateError, NoChatTemplate
-from trioserve.engine.base import Engine, Failed, Finished, GenerationSpec, TextUpdate, Update
-from trioserve.generation.generation import Tokenizing
-from trioserve.generation.scheduler import Job, QueueFull, Scheduler, SchedulerClosed
+from trioserve.generation import Generation, Generations, InvalidGeneration, Overloaded
 from trioserve.metrics import Metrics
 
+from .doors import ClientIdentity, from_openai, openai_error
 from .http_types import (
     BodyWriter,
     Handler,
@@ -46,24 +42,13 @@ from .http_types import (
     event_stream,
 )
 
-__all__ = [
-    "Generation",
-    "GenerationBackend",
-    "OpenAIRoutes",
-    "OpsRoutes",
-    "Readiness",
-    "SchedulerBackend",
-]
+__all__ = ["OpenAIRoutes", "OpsRoutes", "Readiness", "http_errors"]
 
 log = logging.getLogger("trioserve.routes")
 access_log = logging.getLogger("trioserve.access")
 
 #: Readiness of the server: only ``ready`` answers 200 on ``/ready``.
 Readiness = Literal["ready", "starting", "draining"]
-
-#: Texts (or message lists) longer than this many characters are tokenized
-#: (rendered) in a worker thread rather than on the event loop.
-_THREAD_CHARS: Final = 4096
 
 
 # --------------------------------------------------------------------------
@@ -120,108 +105,6 @@ class OpsRoutes:
 
 
 # --------------------------------------------------------------------------
-# What the OpenAI routes need of the server
-
-
-class Generation(Protocol):
-    """One started job: its updates, until a Finished or Failed, and a
-    synchronous, idempotent cancel (safe in ``finally``)."""
-
-    @property
-    def updates(self) -> AsyncIterable[Update]: ...
-
-    def cancel(self) -> None: ...
-
-
-class GenerationBackend(Protocol):
-    @property
-    def model(self) -> oa.ModelLimits: ...
-
-    @property
-    def chat_template(self) -> ChatTemplate | None: ...
-
-    @property
-    def draining(self) -> bool: ...
-
-    async def encode(self, text: str) -> list[int]:
-        """Tokenize as the WebSocket side does, off the event loop when long."""
-        ...
-
-    def new_job_id(self) -> int: ...
-
-    def start(self, spec: GenerationSpec) -> Generation:
-        """Queue ``spec``; raise :class:`~trioserve.openai_api.OpenAIError`
-        (503 with Retry-After, or 429) when it cannot be taken now."""
-        ...
-
-
-@attrs.define(eq=False)
-class _JobGeneration:
-    scheduler: Scheduler
-    job: Job
-
-    @property
-    def updates(self) -> AsyncIterable[Update]:
-        return self.job.updates
-
-    def cancel(self) -> None:
-        self.scheduler.cancel(self.job)
-
-
-@attrs.define(eq=False)
-class SchedulerBackend:
-    """:class:`GenerationBackend` over a scheduler and its engine."""
-
-    scheduler: Scheduler
-    engine: Engine
-    model: oa.ModelLimits
-    chat_template: ChatTemplate | None = None
-    is_draining: Callable[[], bool] = lambda: False
-    #: The server's tokenizing (long texts off the event loop, GIL released,
-    #: on a limiter of its own); None: one of its own.
-    tokenizing: Tokenizing | None = None
-
-    def __attrs_post_init__(self) -> None:
-        if self.tokenizing is None:
-            self.tokenizing = Tokenizing(self.engine)
-
-    @property
-    def draining(self) -> bool:
-        return self.is_draining()
-
-    async def encode(self, text: str) -> list[int]:
-        # Room first, so that a full server does not tokenize megabytes for nothing.
-        if not self.scheduler.has_room():
-            raise oa.OpenAIError(
-                503,
-                f"{self.scheduler.max_waiting} jobs are already waiting for the engine; "
-                "retry later",
-                code="overloaded",
-                retry_after=1,
-            )
-        assert self.tokenizing is not None
-        return await self.tokenizing.encode(text)
-
-    def new_job_id(self) -> int:
-        return self.scheduler.new_job_id()
-
-    def start(self, spec: GenerationSpec) -> Generation:
-        if self.draining:
-            raise oa.OpenAIError(
-                503, "the server is shutting down", code="overloaded", retry_after=1
-            )
-        try:
-            job = self.scheduler.open_job(spec)
-        except QueueFull as exc:
-            raise oa.OpenAIError(503, str(exc), code="overloaded", retry_after=1) from None
-        except SchedulerClosed:
-            raise oa.OpenAIError(
-                503, "the server is shutting down", code="overloaded", retry_after=1
-            ) from None
-        return _JobGeneration(self.scheduler, job)
-
-
-# --------------------------------------------------------------------------
 # The OpenAI routes
 
 
@@ -251,89 +134,29 @@ def _outcome(status: int) -> str:
     }.get(status, "internal")
 
 
-@attrs.define(eq=False)
-class _Tracker:
-    """Timing and token counts of one generation request, for its usage and
-    the metrics."""
+def _overloaded(exc: Overloaded) -> oa.OpenAIError:
+    return oa.OpenAIError(503, exc.message, code="overloaded", retry_after=1)
 
-    metrics: Metrics | None
-    action: str
-    #: The client, for the access log.
-    peer: str = ""
-    arrived: float = attrs.Factory(trio.current_time)
-    first_at: float | None = None
-    cached_tokens: int = 0
-    last: float | None = None
-    generated: int = 0
-    prompt_tokens: int = 0
-    done: bool = False
 
-    def update(self, generated: int) -> None:
-        now = trio.current_time()
-        new = generated - self.generated
-        if new > 0 and self.first_at is None:
-            self.first_at = now
-        if new > 0 and self.metrics is not None:
-            if self.last is None:
-                self.metrics.first_token(now - self.arrived, api="openai")
-                if new > 1:
-                    self.metrics.tokens(0.0, new - 1)
-            else:
-                self.metrics.tokens(now - self.last, new)
-        if new > 0:
-            self.last = now
-        self.generated = max(self.generated, generated)
-
-    def finish(self, outcome: str) -> None:
-        if self.done:
-            return
-        self.done = True
-        now = trio.current_time()
-        if self.metrics is not None:
-            self.metrics.request_finished(
-                api="openai",
-                action=self.action,
-                outcome=outcome,
-                prompt_tokens=self.prompt_tokens,
-                generated_tokens=self.generated,
-                cached_tokens=self.cached_tokens,
-                duration=now - self.arrived,
-            )
-        ttft = None if self.first_at is None else round(self.first_at - self.arrived, 4)
-        rate = None
-        if self.first_at is not None and self.last is not None and self.generated > 1:
-            span = self.last - self.first_at
-            rate = round((self.generated - 1) / span, 1) if span > 0 else None
-        access_log.info(
-            "%s done",
-            self.action,
-            extra={
-                "fields": {
-                    "peer": self.peer,
-                    "api": "openai",
-                    "action": self.action,
-                    "outcome": outcome,
-                    "prompt_tokens": self.prompt_tokens,
-                    "generated_tokens": self.generated,
-                    "cached_tokens": self.cached_tokens,
-                    "ttft_s": ttft,
-                    "tok_s": rate,
-                    "total_s": round(now - self.arrived, 4),
-                }
-            },
-        )
+_SHUTTING_DOWN = "the server is shutting down"
 
 
 @attrs.define
 class OpenAIRoutes:
     """``GET /v1/models``, ``GET /v1/models/{model}``, ``POST
-    /v1/completions`` and ``POST /v1/chat/completions`` over ``backend``."""
+    /v1/completions`` and ``POST /v1/chat/completions``, through
+    ``generations``."""
 
-    backend: GenerationBackend
+    generations: Generations
+    identity: ClientIdentity
     limits: oa.OpenAILimits = attrs.Factory(oa.OpenAILimits)
     metrics: Metrics | None = None
     #: When the model was loaded (the ``created`` of the model object).
     created: int = attrs.Factory(lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        return self.generations.info.model_name
 
     def install(self, router: Router) -> None:
         router.add("GET", "/v1/models", http_errors(self.models))
@@ -342,11 +165,11 @@ class OpenAIRoutes:
         router.add("POST", "/v1/chat/completions", http_errors(self.chat_completions))
 
     async def models(self, request: HTTPRequest) -> Response:
-        return Response(200, oa.models_response(self.backend.model.name, self.created))
+        return Response(200, oa.models_response(self.model_name, self.created))
 
     async def model(self, request: HTTPRequest) -> Response:
         name = request.params["model"]
-        if name != self.backend.model.name:
+        if name != self.model_name:
             raise oa.OpenAIError(
                 404,
                 f"the model {name[:200]!r} does not exist",
@@ -356,175 +179,271 @@ class OpenAIRoutes:
         return Response.json(oa.model_object(name, self.created))
 
     async def completions(self, request: HTTPRequest) -> Response | StreamingResponse:
-        tracker = _Tracker(self.metrics, "completions", request.head.peer)
-        try:
-            parsed = oa.parse_completion_request(request.body, self.limits)
-            if isinstance(parsed.prompt, str):
-                ids = await self.backend.encode(parsed.prompt)
-            elif parsed.echo:
-                raise oa.OpenAIError(
-                    400, "echo needs the prompt as text, not token ids", param="echo"
-                )
-            else:
-                ids = list(parsed.prompt)
-            echo = parsed.prompt if parsed.echo and isinstance(parsed.prompt, str) else ""
-            return await self._generate(parsed, ids, tracker, echo=echo)
-        except oa.OpenAIError as exc:
-            tracker.finish(_outcome(exc.status))
-            raise
+        return await self._serve(request, "completions")
 
     async def chat_completions(self, request: HTTPRequest) -> Response | StreamingResponse:
-        tracker = _Tracker(self.metrics, "chat_completions", request.head.peer)
-        try:
-            parsed = oa.parse_chat_request(request.body, self.limits)
-            prompt = await self._render(parsed)
-            ids = await self.backend.encode(prompt)
-            return await self._generate(parsed, ids, tracker)
-        except oa.OpenAIError as exc:
-            tracker.finish(_outcome(exc.status))
-            raise
+        return await self._serve(request, "chat_completions")
 
-    async def _render(self, request: oa.ChatCompletionRequest) -> str:
-        template = self.backend.chat_template
-        if template is None:
-            raise oa.OpenAIError(
-                400,
-                f"the model {self.backend.model.name!r} has no chat template: use /v1/completions "
-                "with a prompt in the model's format",
-                param="messages",
-                code="no_chat_template",
-            )
-        messages = request.template_messages()
+    async def _serve(
+        self, http: HTTPRequest, action: Literal["completions", "chat_completions"]
+    ) -> Response | StreamingResponse:
+        arrived = trio.current_time()
+        client = self.identity.of(http.head)
+        generation: Generation | None = None
         try:
-            if sum(len(m.content) for m in request.messages) > _THREAD_CHARS:
-                return await trio.to_thread.run_sync(template.render, messages)
-            return template.render(messages)
-        except NoChatTemplate as exc:  # pragma: no cover - a template is there
-            raise oa.OpenAIError(400, str(exc), param="messages", code="no_chat_template") from None
-        except ChatTemplateError as exc:
+            parsed: oa.CompletionRequest | oa.ChatCompletionRequest
+            if action == "completions":
+                parsed = oa.parse_completion_request(http.body, self.limits)
+                if parsed.echo and not isinstance(parsed.prompt, str):
+                    raise oa.OpenAIError(
+                        400, "echo needs the prompt as text, not token ids", param="echo"
+                    )
+            else:
+                parsed = oa.parse_chat_request(http.body, self.limits)
+            generation = self._open(parsed, client)
+            generation.received = arrived
+            try:
+                await generation.start()
+            except InvalidGeneration as exc:
+                raise openai_error(exc) from None
+            except Overloaded as exc:
+                raise _overloaded(exc) from None
+        except oa.OpenAIError as exc:
+            if generation is not None:
+                generation.close()
+            self._finish(http, action, generation, _outcome(exc.status), arrived)
+            raise
+        except BaseException:
+            if generation is not None:
+                generation.close()
+            raise
+        reply = _Reply(self, http, action, parsed, generation)
+        if not parsed.stream:
+            return await reply.whole()
+        return event_stream(reply.stream)
+
+    def _open(
+        self, parsed: oa.CompletionRequest | oa.ChatCompletionRequest, client: Hashable
+    ) -> Generation:
+        try:
+            return self.generations.open(from_openai(parsed), client=client, api="openai")
+        except InvalidGeneration as exc:
+            raise openai_error(exc) from None
+        except Overloaded as exc:
+            if exc.draining:
+                raise _overloaded(exc) from None
+            # The client's own limit: a rate limit, not the server's fullness.
             raise oa.OpenAIError(
-                400, str(exc), param="messages", code="chat_template_error"
+                429, exc.message, code="rate_limit_exceeded", retry_after=1
             ) from None
 
-    async def _generate(
+    def _finish(
         self,
-        request: oa.CompletionRequest | oa.ChatCompletionRequest,
-        ids: list[int],
-        tracker: _Tracker,
-        *,
-        echo: str = "",
-    ) -> Response | StreamingResponse:
-        backend = self.backend
-        spec = oa.build_spec(request, ids, backend.model, job_id=backend.new_job_id())
-        tracker.prompt_tokens = len(spec.prompt_ids)
-        # Started before the response begins, so that an overloaded server
-        # answers with a status the SDKs retry on, not a broken stream.
-        generation = backend.start(spec)
-        chat = isinstance(request, oa.ChatCompletionRequest)
-        kind: Literal["cmpl", "chatcmpl"] = "chatcmpl" if chat else "cmpl"
-        response_id = oa.new_id(kind)
-        created = int(time.time())
-        name = backend.model.name
-        if not request.stream:
-            try:
-                text, finished = await self._collect(generation, tracker)
-            finally:
-                self._release(generation, tracker)
-            usage = oa.TokenUsage(
-                finished.prompt_tokens, finished.generated_tokens, finished.cached_tokens
+        http: HTTPRequest,
+        action: str,
+        generation: Generation | None,
+        outcome: str,
+        arrived: float,
+    ) -> None:
+        """Count and log one request's end."""
+        now = trio.current_time()
+        prompt = generated = cached = 0
+        ttft = rate = None
+        if generation is not None:
+            prompt = generation.prompt_tokens
+            generated = generation.generated_tokens
+            cached = generation.cached_tokens
+            if generation.first_token_s is not None:
+                ttft = round(generation.first_token_s, 4)
+            if generation.tokens_per_second is not None:
+                rate = round(generation.tokens_per_second, 1)
+        if self.metrics is not None:
+            self.metrics.request_finished(
+                api="openai",
+                action=action,
+                outcome=outcome,
+                prompt_tokens=prompt,
+                generated_tokens=generated,
+                cached_tokens=cached,
+                duration=now - arrived,
             )
-            reason = oa.finish_reason(finished)
-            if chat:
-                body = oa.chat_completion_response(
-                    id=response_id,
-                    created=created,
-                    model=name,
-                    content=text,
-                    finish_reason=reason,
-                    usage=usage,
+            if generation is not None and outcome == "interrupted":
+                self.metrics.cancelled(
+                    "shutdown" if self.generations.is_draining() else "disconnect"
                 )
-            else:
-                body = oa.completion_response(
-                    id=response_id,
-                    created=created,
-                    model=name,
-                    text=echo + text,
-                    finish_reason=reason,
-                    usage=usage,
-                )
-            return Response(200, body)
+        access_log.info(
+            "%s done",
+            action,
+            extra={
+                "fields": {
+                    "peer": http.head.peer,
+                    "api": "openai",
+                    "action": action,
+                    "outcome": outcome,
+                    "prompt_tokens": prompt,
+                    "generated_tokens": generated,
+                    "cached_tokens": cached,
+                    "ttft_s": ttft,
+                    "tok_s": rate,
+                    "total_s": round(now - arrived, 4),
+                }
+            },
+        )
 
-        stream: oa.ChatCompletionStream | oa.CompletionStream
-        if chat:
-            stream = oa.ChatCompletionStream(response_id, created, name, request.include_usage)
+
+@attrs.define(eq=False)
+class _Reply:
+    """The answer to one started OpenAI generation, whole or streamed."""
+
+    routes: OpenAIRoutes
+    http: HTTPRequest
+    action: str
+    request: oa.CompletionRequest | oa.ChatCompletionRequest
+    generation: Generation
+    id: str = ""
+    created: int = attrs.Factory(lambda: int(time.time()))
+    done: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        self.id = oa.new_id("chatcmpl" if self.chat else "cmpl")
+
+    @property
+    def chat(self) -> bool:
+        return isinstance(self.request, oa.ChatCompletionRequest)
+
+    @property
+    def echo(self) -> str:
+        request = self.request
+        if isinstance(request, oa.CompletionRequest) and request.echo:
+            assert isinstance(request.prompt, str)
+            return request.prompt
+        return ""
+
+    def _usage(self) -> oa.TokenUsage:
+        g = self.generation
+        return oa.TokenUsage(g.prompt_tokens, g.generated_tokens, g.cached_tokens)
+
+    def _end(self, outcome: str) -> None:
+        if not self.done:
+            self.done = True
+            self.routes._finish(
+                self.http, self.action, self.generation, outcome, self.generation.received
+            )
+
+    def _failure(self) -> oa.OpenAIError:
+        """The error of a generation that did not finish."""
+        generation = self.generation
+        if generation.outcome == "failed" and not self.routes.generations.is_draining():
+            self._end("internal")
+            log.error("generation failed: %s", generation.failure)
+            return oa.OpenAIError(500, generation.failure or "the engine failed", code="internal")
+        # Interrupted under us: only the shutdown does that.
+        self._end("interrupted")
+        return oa.OpenAIError(503, _SHUTTING_DOWN, code="overloaded", retry_after=1)
+
+    def _outcome(self) -> str:
+        finished = self.generation.finished
+        assert finished is not None
+        return "num_tokens" if finished.reason == "max_new_tokens" else "eos"
+
+    async def whole(self) -> Response:
+        generation = self.generation
+        try:
+            await generation.follow()
+        finally:
+            self._release()
+        finished = generation.finished
+        if finished is None:
+            raise self._failure()
+        self._end(self._outcome())
+        reason = oa.finish_reason(finished)
+        name = self.routes.model_name
+        if self.chat:
+            body = oa.chat_completion_response(
+                id=self.id,
+                created=self.created,
+                model=name,
+                content=generation.response,
+                finish_reason=reason,
+                usage=self._usage(),
+            )
         else:
-            stream = oa.CompletionStream(response_id, created, name, request.include_usage)
+            body = oa.completion_response(
+                id=self.id,
+                created=self.created,
+                model=name,
+                text=self.echo + generation.response,
+                finish_reason=reason,
+                usage=self._usage(),
+            )
+        return Response(200, body)
 
-        async def write(out: BodyWriter) -> None:
-            try:
+    async def stream(self, out: BodyWriter) -> None:
+        """Send the generation as Server-Sent Events. Text released while a
+        write waits on the client is sent as one event with the next write
+        (never lost, never reordered): a slow reader gets fewer, larger
+        events, and the generation never waits on the socket."""
+        generation = self.generation
+        request = self.request
+        name = self.routes.model_name
+        stream: oa.ChatCompletionStream | oa.CompletionStream
+        if isinstance(request, oa.ChatCompletionRequest):
+            stream = oa.ChatCompletionStream(self.id, self.created, name, request.include_usage)
+        else:
+            stream = oa.CompletionStream(self.id, self.created, name, request.include_usage)
+        wake = trio.Event()
+
+        def released(_text: str) -> None:
+            wake.set()
+
+        generation.on_text = released
+        sent = 0
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def follow() -> None:
+                    try:
+                        await generation.follow()
+                    finally:
+                        wake.set()
+
+                nursery.start_soon(follow)
                 if isinstance(stream, oa.ChatCompletionStream):
                     await out.send(stream.start())
-                if echo:
-                    await out.send(stream.text(echo))
-                async for update in generation.updates:
-                    if isinstance(update, TextUpdate):
-                        tracker.update(update.generated_tokens)
-                        if update.text:
-                            await out.send(stream.text(update.text))
-                    elif isinstance(update, Finished):
-                        tracker.update(update.generated_tokens)
-                        usage = oa.TokenUsage(
-                            update.prompt_tokens, update.generated_tokens, update.cached_tokens
+                if self.echo:
+                    await out.send(stream.text(self.echo))
+                while True:
+                    await wake.wait()
+                    wake = trio.Event()
+                    ended = generation.outcome is not None
+                    text = generation.response[sent:]
+                    sent += len(text)
+                    if not ended:
+                        if text:
+                            await out.send(stream.text(text))
+                        continue
+                    if generation.finished is not None:
+                        self._end(self._outcome())
+                        await out.send(
+                            stream.finish(
+                                oa.finish_reason(generation.finished), self._usage(), text=text
+                            )
                         )
-                        reason = oa.finish_reason(update)
-                        tracker.cached_tokens = update.cached_tokens
-                        tracker.finish("num_tokens" if reason == "length" else "eos")
-                        await out.send(stream.finish(reason, usage, text=update.text))
-                        return
                     else:
-                        error = self._failure(update, tracker)
-                        await out.send(stream.error(error))
-                        return
-            finally:
-                self._release(generation, tracker)
+                        if text:
+                            await out.send(stream.text(text))
+                        await out.send(stream.error(self._failure()))
+                    return
+        finally:
+            self._release()
 
-        return event_stream(write)
-
-    async def _collect(self, generation: Generation, tracker: _Tracker) -> tuple[str, Finished]:
-        parts: list[str] = []
-        async for update in generation.updates:
-            if isinstance(update, TextUpdate):
-                tracker.update(update.generated_tokens)
-                parts.append(update.text)
-            elif isinstance(update, Finished):
-                tracker.update(update.generated_tokens)
-                tracker.cached_tokens = update.cached_tokens
-                tracker.finish("num_tokens" if update.reason == "max_new_tokens" else "eos")
-                parts.append(update.text)
-                return "".join(parts), update
-            else:
-                raise self._failure(update, tracker)
-        # The job was cancelled under us: only the shutdown does that.
-        tracker.finish("interrupted")
-        raise oa.OpenAIError(503, "the server is shutting down", code="overloaded", retry_after=1)
-
-    def _failure(self, update: Failed, tracker: _Tracker) -> oa.OpenAIError:
-        if self.backend.draining:
-            tracker.finish("interrupted")
-            if self.metrics is not None:
-                self.metrics.cancelled("shutdown")
-            return oa.OpenAIError(
-                503, "the server is shutting down", code="overloaded", retry_after=1
-            )
-        tracker.finish("internal")
-        log.error("generation failed: %s", update.message)
-        return oa.OpenAIError(500, update.message, code="internal")
-
-    def _release(self, generation: Generation, tracker: _Tracker) -> None:
+    def _release(self) -> None:
         """The job's end, in a ``finally``: a request that has no outcome yet
         is being abandoned by its client."""
-        generation.cancel()
-        if not tracker.done:
-            tracker.finish("interrupted")
-            if self.metrics is not None:
-                self.metrics.cancelled("disconnect")
+        generation = self.generation
+        abandoned = generation.outcome is None
+        if abandoned:
+            generation.interrupt()
+        generation.close()
+        if abandoned and not self.done:
+            self._end("interrupted")

@@ -27,21 +27,21 @@ import attrs
 import trio
 from trio_websocket import WebSocketConnection
 
-from trioserve import openai as oa
 from trioserve import protocol as p
 from trioserve._version import __version__
 from trioserve.chat_template import ChatTemplate, NoChatTemplate, load_chat_template
 from trioserve.engine.base import Engine, EngineInfo
 from trioserve.errors import ConfigError, ListenError, TrioserveError
+from trioserve.generation import Generations, Tokenizing
 from trioserve.generation.engine_thread import EngineThread, open_engine_thread
-from trioserve.generation.generation import Tokenizing
 from trioserve.generation.scheduler import Scheduler, SchedulerStatistics, StepRecord
 from trioserve.metrics import Metrics
 
-from .connection import Connection
+from .connection import Connection, ConnectionServices, ConnectionSettings
+from .doors import ClientIdentity
 from .front_door import FrontDoor, serve_front_door
-from .http_types import AccessPolicy, HTTPLimits, Reject, RequestHead, Router
-from .routes import OpenAIRoutes, OpsRoutes, Readiness, SchedulerBackend
+from .http_types import AccessPolicy, HTTPLimits, Reject, RequestHead, Router, parse_networks
+from .routes import OpenAIRoutes, OpsRoutes, Readiness
 
 __all__ = ["Listening", "Server", "ServerConfig", "ServerStatistics", "serve"]
 
@@ -93,9 +93,18 @@ class ServerConfig:
     max_requests_per_connection: int = attrs.field(
         default=32, validator=_positive("max requests per connection")
     )
-    #: Engine slots one connection may hold while others wait; None: all but
+    #: Generations one client may have in flight, over all its WebSocket
+    #: connections and HTTP requests. A client is its API key when the server
+    #: has one, else its address (see ``trusted_proxies``).
+    max_requests_per_client: int = attrs.field(
+        default=64, validator=_positive("max requests per client")
+    )
+    #: Engine slots one client may hold while others wait; None: all but
     #: one of the engine's slots (so a newcomer always finds one).
-    max_running_per_connection: int | None = None
+    max_running_per_client: int | None = None
+    #: Proxies (CIDRs) whose ``X-Forwarded-For`` names the client's address;
+    #: any other peer's header is ignored.
+    trusted_proxies: tuple[str, ...] = ()
     max_waiting_jobs: int = attrs.field(default=256, validator=_positive("max waiting jobs"))
     #: Open connections (handshakes included); more are answered 503.
     max_connections: int = attrs.field(default=2048, validator=_positive("max connections"))
@@ -123,10 +132,17 @@ class ServerConfig:
             raise ConfigError(f"max message bytes must be > 0, got {self.max_message_bytes!r}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ConfigError(f"max new tokens must be >= 1, got {self.max_new_tokens!r}")
-        if self.max_running_per_connection is not None and self.max_running_per_connection < 1:
+        if self.max_running_per_client is not None and self.max_running_per_client < 1:
             raise ConfigError(
-                f"max running per connection must be >= 1, got {self.max_running_per_connection!r}"
+                f"max running per client must be >= 1, got {self.max_running_per_client!r}"
             )
+        for cidr in self.trusted_proxies:
+            try:
+                parse_networks([cidr])
+            except ValueError:
+                raise ConfigError(
+                    f"trusted proxies must be addresses or networks (CIDR), got {cidr!r}"
+                ) from None
         if self.shutdown_grace < 0:
             raise ConfigError(f"shutdown grace must be >= 0, got {self.shutdown_grace!r}")
         if self.api_key is not None and not self.api_key:
@@ -233,34 +249,46 @@ class Server:
         self.scheduler = Scheduler(
             engine,
             max_waiting=config.max_waiting_jobs,
-            max_running_per_owner=config.max_running_per_connection,
+            max_running_per_owner=config.max_running_per_client,
         )
         self.tokenizing = Tokenizing(engine)
         self.metrics = Metrics()
         self.metrics.set_model(model=info.model_name, engine=info.engine)
         self.scheduler.on_step = self._on_step
         self.chat_template = _load_template(info)
+        self.generations = Generations(
+            scheduler=self.scheduler,
+            tokenizing=self.tokenizing,
+            max_new_tokens=self.max_new_tokens,
+            chat_template=self.chat_template,
+            observer=self.metrics,
+            is_draining=lambda: self._draining,
+            max_requests_per_client=config.max_requests_per_client,
+        )
+        self.identity = ClientIdentity(
+            keyed=config.api_key is not None,
+            trusted_proxies=parse_networks(config.trusted_proxies),
+        )
+        self._connection_services = ConnectionServices(
+            generations=self.generations,
+            metrics=self.metrics,
+            info_reply=self.info_reply,
+            settings=ConnectionSettings(
+                max_message_bytes=self.max_message_bytes,
+                max_requests=config.max_requests_per_connection,
+                max_output_bytes=config.max_output_bytes,
+                send_timeout=config.send_timeout,
+                close_timeout=config.close_timeout,
+                ping_interval=config.ping_interval,
+                ping_timeout=config.ping_timeout,
+                log_prompts=config.log_prompts,
+            ),
+        )
         router = Router()
         OpsRoutes(readiness=self.readiness, metrics=self.metrics, info=self._info_page).install(
             router
         )
-        OpenAIRoutes(
-            SchedulerBackend(
-                self.scheduler,
-                engine,
-                oa.ModelLimits(
-                    name=info.model_name,
-                    context_length=info.context_length,
-                    vocab_size=info.vocab_size,
-                    eos_token_ids=info.eos_token_ids,
-                    max_new_tokens=self.max_new_tokens,
-                ),
-                chat_template=self.chat_template,
-                is_draining=lambda: self._draining,
-                tokenizing=self.tokenizing,
-            ),
-            metrics=self.metrics,
-        ).install(router)
+        OpenAIRoutes(self.generations, self.identity, metrics=self.metrics).install(router)
         self.front_door = FrontDoor(
             router,
             policy=AccessPolicy(
@@ -457,7 +485,9 @@ class Server:
 
     async def _run_websocket(self, ws: WebSocketConnection, head: RequestHead) -> None:
         """Serve one accepted WebSocket connection until it ends."""
-        connection = Connection(self, ws, head.peer)
+        connection = Connection(
+            self._connection_services, ws, head.peer, client=self.identity.of(head)
+        )
         self._connections.add(connection)
         try:
             await connection.run()
