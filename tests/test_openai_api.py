@@ -14,7 +14,10 @@ from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion import Completion as CompletionChunk
 
-from trioserve.engine.base import Finished, SamplingSettings
+from trioserve.engine.base import EngineInfo, Finished, GenerationSpec, SamplingSettings
+from trioserve.generation import InvalidGeneration
+from trioserve.generation.generation import build_spec as pipeline_build_spec
+from trioserve.generation.generation import check_request, fit_prompt
 from trioserve.openai.api import (
     SSE_DONE,
     ChatCompletionRequest,
@@ -22,11 +25,9 @@ from trioserve.openai.api import (
     ChatMessage,
     CompletionRequest,
     CompletionStream,
-    ModelLimits,
     OpenAIError,
     OpenAILimits,
     TokenUsage,
-    build_spec,
     chat_completion_response,
     completion_response,
     finish_reason,
@@ -35,14 +36,36 @@ from trioserve.openai.api import (
     parse_chat_request,
     parse_completion_request,
 )
+from trioserve.server.doors import from_openai, openai_error
 
-MODEL = ModelLimits(
-    name="SmolLM2-135M-Instruct",
+MODEL = EngineInfo(
+    engine="scripted",
+    model_name="SmolLM2-135M-Instruct",
     context_length=64,
     vocab_size=1000,
+    bos_token_id=None,
     eos_token_ids=frozenset({2}),
-    max_new_tokens=63,
+    max_batch=1,
 )
+
+
+def build_spec(
+    request: CompletionRequest | ChatCompletionRequest,
+    ids: list[int],
+    model: EngineInfo = MODEL,
+    *,
+    job_id: int,
+    cap: int = 63,
+) -> GenerationSpec:
+    """The engine's job of an OpenAI request, through the one pipeline's pure
+    steps (as the routes run them), its errors in OpenAI's terms."""
+    generation = from_openai(request)
+    try:
+        check_request(generation, model, max_new_tokens=cap, renders_messages=True)
+        fitted, new = fit_prompt(generation, ids, model, max_new_tokens=cap)
+    except InvalidGeneration as exc:
+        raise openai_error(exc) from None
+    return pipeline_build_spec(job_id, generation, fitted, model, max_new_tokens=new)
 
 
 def body(**fields: Any) -> bytes:
@@ -126,8 +149,8 @@ def test_exllamav2_extensions_are_accepted() -> None:
     assert (settings.top_a, settings.skew, settings.rep_pen) == (0.2, 0.5, 1.1)
     assert request.token_healing
     assert request.bann_bann == (5, 6)
-    assert completion(repetition_penalty=1.2).rep_pen == 1.2
-    assert completion(repetition_penalty=1.2, rep_pen=1.2).rep_pen == 1.2
+    assert completion(repetition_penalty=1.2).sampling_settings().rep_pen == 1.2
+    assert completion(repetition_penalty=1.2, rep_pen=1.2).sampling_settings().rep_pen == 1.2
     error = refused(parse_completion_request, body(prompt="x", repetition_penalty=1.2, rep_pen=1.3))
     assert "not both" in error.message
 
@@ -185,7 +208,7 @@ def test_null_means_default() -> None:
         ({"stop": ["x"] * 65}, "stop"),
         ({"stop": ["x" * 1025]}, "stop[0]"),
         ({"bann_bann": [-1]}, "bann_bann[0]"),
-        ({"bann_bann": list(range(8193))}, "bann_bann"),
+        ({"bann_bann": list(range(OpenAILimits().max_banned_ids + 1))}, "bann_bann"),
         ({"model": 5}, "model"),
         ({"n": 2}, "n"),
         ({"best_of": 3}, "best_of"),
@@ -383,7 +406,7 @@ def test_limits_are_configurable() -> None:
 
 def test_build_spec() -> None:
     request = completion(max_tokens=5, stop=["\n"], stop_token_ids=[9], bann_bann=[4], seed=1)
-    spec = build_spec(request, [1, 2, 3], MODEL, job_id=77)
+    spec = build_spec(request, [1, 2, 3], job_id=77)
     assert spec.job_id == 77
     assert spec.prompt_ids == (1, 2, 3)
     assert spec.max_new_tokens == 5
@@ -394,12 +417,9 @@ def test_build_spec() -> None:
 
 
 def test_chat_without_max_tokens_gets_the_rest_of_the_context() -> None:
-    spec = build_spec(chat(), list(range(40)), MODEL, job_id=1)
+    spec = build_spec(chat(), list(range(40)), job_id=1)
     assert spec.max_new_tokens == 24
-    capped = ModelLimits(
-        name="m", context_length=64, vocab_size=1000, eos_token_ids=frozenset(), max_new_tokens=10
-    )
-    assert build_spec(chat(), [1], capped, job_id=1).max_new_tokens == 10
+    assert build_spec(chat(), [1], job_id=1, cap=10).max_new_tokens == 10
 
 
 @pytest.mark.parametrize(
@@ -410,8 +430,8 @@ def test_chat_without_max_tokens_gets_the_rest_of_the_context() -> None:
         (chat(), list(range(64)), "messages", "context_length_exceeded"),
         (completion(), [], "prompt", None),
         (completion(prompt=[1, 5000]), [1, 5000], "prompt", None),
-        (completion(bann_bann=[1000]), [1], "bann_bann", None),
-        (completion(stop_token_ids=[99999]), [1], "stop_token_ids", None),
+        (completion(bann_bann=[1000]), [1], "bann_bann[0]", None),
+        (completion(stop_token_ids=[99999]), [1], "stop_token_ids[0]", None),
     ],
 )
 def test_build_spec_refuses(
@@ -421,7 +441,7 @@ def test_build_spec_refuses(
     code: str | None,
 ) -> None:
     with pytest.raises(OpenAIError) as info:
-        build_spec(request_, ids, MODEL, job_id=1)
+        build_spec(request_, ids, job_id=1)
     assert info.value.status == 400
     assert info.value.param == param
     assert info.value.code == code
@@ -437,7 +457,7 @@ def test_completion_response_parses_as_the_sdks_completion() -> None:
     raw = completion_response(
         id=new_id("cmpl"),
         created=1700000000,
-        model=MODEL.name,
+        model=MODEL.model_name,
         text=" there",
         finish_reason="stop",
         usage=USAGE,
@@ -461,7 +481,7 @@ def test_chat_completion_response_parses_as_the_sdks_chat_completion() -> None:
     raw = chat_completion_response(
         id=new_id("chatcmpl"),
         created=1700000000,
-        model=MODEL.name,
+        model=MODEL.model_name,
         content="Paris.",
         finish_reason="length",
         usage=USAGE,
@@ -488,7 +508,7 @@ def events(raw: bytes) -> list[Any]:
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_chat_stream_events_parse_as_the_sdks_chunks(include_usage: bool) -> None:
     stream = ChatCompletionStream(
-        id="chatcmpl-1", created=1, model=MODEL.name, include_usage=include_usage
+        id="chatcmpl-1", created=1, model=MODEL.model_name, include_usage=include_usage
     )
     raw = stream.start() + stream.text("Hel") + stream.text("lo\n") + stream.finish("stop", USAGE)
     data = events(raw)
@@ -509,7 +529,7 @@ def test_chat_stream_events_parse_as_the_sdks_chunks(include_usage: bool) -> Non
 
 
 def test_completion_stream_events_parse_as_the_sdks_completions() -> None:
-    stream = CompletionStream(id="cmpl-1", created=1, model=MODEL.name, include_usage=True)
+    stream = CompletionStream(id="cmpl-1", created=1, model=MODEL.model_name, include_usage=True)
     raw = stream.text("a") + stream.finish("length", USAGE, text="b")
     first, last, usage, done = events(raw)
     assert done == "[DONE]"
@@ -541,10 +561,10 @@ def test_text_with_newlines_and_unicode_stays_one_event() -> None:
 
 
 def test_models_response_parses_as_the_sdks_models() -> None:
-    data = json.loads(models_response(MODEL.name, 1700000000))
+    data = json.loads(models_response(MODEL.model_name, 1700000000))
     assert data["object"] == "list"
     [model] = [Model.model_validate(m) for m in data["data"]]
-    assert model.id == MODEL.name
+    assert model.id == MODEL.model_name
     assert model.owned_by == "trioserve"
 
 

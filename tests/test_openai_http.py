@@ -14,13 +14,16 @@ import openai
 import trio
 
 from tests.http_helpers import running
+from trioserve.engine.base import EngineInfo
+from trioserve.generation import InvalidGeneration
+from trioserve.generation.generation import check_request, fit_prompt
 from trioserve.openai.api import (
+    ChatCompletionRequest,
     ChatCompletionStream,
+    CompletionRequest,
     CompletionStream,
-    ModelLimits,
     OpenAIError,
     TokenUsage,
-    build_spec,
     chat_completion_response,
     completion_response,
     models_response,
@@ -28,6 +31,7 @@ from trioserve.openai.api import (
     parse_chat_request,
     parse_completion_request,
 )
+from trioserve.server.doors import from_openai, openai_error
 from trioserve.server.front_door import FrontDoor
 from trioserve.server.http_types import (
     AccessPolicy,
@@ -41,13 +45,29 @@ from trioserve.server.http_types import (
 from trioserve.server.routes import http_errors
 
 KEY = "sk-test"
-MODEL = ModelLimits(
-    name="scripted-model",
+MODEL = EngineInfo(
+    engine="scripted",
+    model_name="scripted-model",
     context_length=128,
     vocab_size=256,
+    bos_token_id=None,
     eos_token_ids=frozenset({0}),
-    max_new_tokens=100,
+    max_batch=1,
 )
+CAP = 100
+
+
+def max_new_tokens(parsed: CompletionRequest | ChatCompletionRequest, ids: list[int]) -> int:
+    """The job's max_new_tokens through the one pipeline's pure steps, its
+    errors in OpenAI's terms (as the routes answer them)."""
+    request = from_openai(parsed)
+    try:
+        check_request(request, MODEL, max_new_tokens=CAP, renders_messages=True)
+        return fit_prompt(request, ids, MODEL, max_new_tokens=CAP)[1]
+    except InvalidGeneration as exc:
+        raise openai_error(exc) from None
+
+
 PIECES = ["Hel", "lo", ", ", "wor", "ld"]
 
 T = TypeVar("T")
@@ -88,27 +108,28 @@ class Routes:
         return router
 
     async def models(self, request: HTTPRequest) -> Response:
-        return Response(200, models_response(MODEL.name, self.created))
+        return Response(200, models_response(MODEL.model_name, self.created))
 
     async def completions(self, request: HTTPRequest) -> Response | StreamingResponse:
         parsed = parse_completion_request(request.body)
         prompt = parsed.prompt if isinstance(parsed.prompt, str) else ""
         ids = encode(prompt) if isinstance(parsed.prompt, str) else list(parsed.prompt)
-        spec = build_spec(parsed, ids, MODEL, job_id=1)
-        pieces, reason = scripted(spec.max_new_tokens, spec.stop_strings)
+        pieces, reason = scripted(max_new_tokens(parsed, ids), parsed.stop)
         usage = TokenUsage(len(ids), len(pieces))
         if not parsed.stream:
             text = (prompt if parsed.echo else "") + "".join(pieces)
             body = completion_response(
                 id=new_id("cmpl"),
                 created=self.created,
-                model=MODEL.name,
+                model=MODEL.model_name,
                 text=text,
                 finish_reason=reason,  # type: ignore[arg-type]
                 usage=usage,
             )
             return Response(200, body)
-        stream = CompletionStream(new_id("cmpl"), self.created, MODEL.name, parsed.include_usage)
+        stream = CompletionStream(
+            new_id("cmpl"), self.created, MODEL.model_name, parsed.include_usage
+        )
 
         async def write(out: BodyWriter) -> None:
             for piece in pieces:
@@ -121,21 +142,20 @@ class Routes:
         parsed = parse_chat_request(request.body)
         prompt = "".join(f"{m.role}: {m.content}\n" for m in parsed.messages)
         ids = encode(prompt)
-        spec = build_spec(parsed, ids, MODEL, job_id=1)
-        pieces, reason = scripted(spec.max_new_tokens, spec.stop_strings)
+        pieces, reason = scripted(max_new_tokens(parsed, ids), parsed.stop)
         usage = TokenUsage(len(ids), len(pieces), cached_tokens=2)
         if not parsed.stream:
             body = chat_completion_response(
                 id=new_id("chatcmpl"),
                 created=self.created,
-                model=MODEL.name,
+                model=MODEL.model_name,
                 content="".join(pieces),
                 finish_reason=reason,  # type: ignore[arg-type]
                 usage=usage,
             )
             return Response(200, body)
         stream = ChatCompletionStream(
-            new_id("chatcmpl"), self.created, MODEL.name, parsed.include_usage
+            new_id("chatcmpl"), self.created, MODEL.model_name, parsed.include_usage
         )
 
         async def write(out: BodyWriter) -> None:
@@ -174,7 +194,7 @@ def front_door(routes: Routes) -> FrontDoor:
 async def test_models() -> None:
     async with running(front_door(Routes())) as port:
         models = await in_thread(lambda: list(client(port).models.list()))
-    assert [m.id for m in models] == [MODEL.name]
+    assert [m.id for m in models] == [MODEL.model_name]
 
 
 async def test_completion_and_chat_completion() -> None:
@@ -190,7 +210,7 @@ async def test_completion_and_chat_completion() -> None:
         )
     assert done.choices[0].text == "Hello, "
     assert done.choices[0].finish_reason == "length"
-    assert done.model == MODEL.name
+    assert done.model == MODEL.model_name
     assert done.usage is not None and done.usage.completion_tokens == 3
     assert chat.choices[0].message.content == "Hel"
     assert chat.choices[0].finish_reason == "stop"

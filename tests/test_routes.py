@@ -19,12 +19,12 @@ from tests.helpers import ScriptedEngine
 from tests.http_helpers import get, running, until
 from trioserve.chat_template import ChatTemplate, load_chat_template
 from trioserve.engine.base import Engine
+from trioserve.generation import Generations, Tokenizing
 from trioserve.generation.scheduler import Scheduler
 from trioserve.metrics import Metrics
-from trioserve.generation import Generations, Tokenizing
+from trioserve.server.doors import ClientIdentity
 from trioserve.server.front_door import FrontDoor
 from trioserve.server.http_types import AccessPolicy, HTTPLimits, Router
-from trioserve.server.doors import ClientIdentity
 from trioserve.server.routes import OpenAIRoutes, OpsRoutes, Readiness
 
 if TYPE_CHECKING:

@@ -37,17 +37,18 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal, TypeAlias
 
 import attrs
 import cattrs
-from cattrs.errors import ClassValidationError
+from cattrs.errors import ClassValidationError, IterableValidationError
 from cattrs.gen import make_dict_structure_fn, override
 
-from trioserve.engine.base import Finished, GenerationSpec, SamplingSettings
+from trioserve import protocol as p
+from trioserve.engine.base import Finished, Range, SamplingSettings, setting_ranges
 from trioserve.errors import TrioserveError
-from trioserve.protocol._fields import as_float, as_int
+from trioserve.protocol._fields import MAX_TOKEN_ID, BadValue, Rule, as_int
 from trioserve.protocol._json import STRICT_DECODER
 
 __all__ = [
@@ -57,11 +58,9 @@ __all__ = [
     "CompletionRequest",
     "CompletionStream",
     "FinishReason",
-    "ModelLimits",
     "OpenAIError",
     "OpenAILimits",
     "TokenUsage",
-    "build_spec",
     "chat_completion_response",
     "completion_response",
     "error_body",
@@ -78,13 +77,6 @@ FinishReason: TypeAlias = Literal["stop", "length"]
 
 #: The end of every stream.
 SSE_DONE: Final = b"data: [DONE]\n\n"
-
-_SEED_MIN: Final = -(2**63)
-_SEED_MAX: Final = 2**64 - 1
-#: top_k beyond any vocabulary is the same as none; the cap keeps the value
-#: representable wherever the engines put it (a 64-bit tensor, a C int).
-_TOP_K_MAX: Final = 2**31 - 1
-
 
 # --------------------------------------------------------------------------
 # Errors
@@ -167,33 +159,65 @@ def _invalid(message: str, param: str | None, code: str | None = None) -> OpenAI
 
 
 # --------------------------------------------------------------------------
-# Limits
+# Rules: the WebSocket protocol's declarations, and OpenAI's narrower ranges
+
+#: ``infer``'s declared fields: every field this API shares with it takes its
+#: rule (type, range, list and string bounds) from there.
+_INFER: Final = p.request_fields("infer")
+_SAMPLER_NAMES: Final = tuple(a.name for a in attrs.fields(SamplingSettings))
+
+#: This API's names for sampler settings that OpenAI names differently.
+OPENAI_NAMES: Final[Mapping[str, str]] = {
+    "freq_pen": "frequency_penalty",
+    "pres_pen": "presence_penalty",
+}
+#: Sampler settings whose default differs here: OpenAI's (temperature 1,
+#: top_p 1) and no ExLlamaV2 filter unless asked for (top_k 0, rep_pen 1).
+#: Every other setting's default is :class:`SamplingSettings`'.
+OPENAI_DEFAULTS: Final[Mapping[str, Any]] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "rep_pen": 1.0,
+}
+#: Where OpenAI documents a narrower range than the engines take, by engine
+#: name. Checked at import to lie within the declared range.
+OPENAI_RANGES: Final[Mapping[str, Range]] = {
+    "temperature": Range(0.0, 2.0),
+    "freq_pen": Range(-2.0, 2.0),
+    "pres_pen": Range(-2.0, 2.0),
+}
+
+
+def _check_overrides() -> None:
+    ranges = setting_ranges()
+    for name, narrow in OPENAI_RANGES.items():
+        wide = ranges[name]
+        assert wide.lo <= narrow.lo <= narrow.hi <= wide.hi, (name, narrow, wide)
+    for name, default in OPENAI_DEFAULTS.items():
+        assert ranges[name].contains(default), (name, default)
+
+
+_check_overrides()
+
+
+def _rule(name: str) -> Rule:
+    rule: Rule = _INFER[name].rule
+    return rule
 
 
 @attrs.frozen(kw_only=True)
 class OpenAILimits:
-    """Bounds on a request's fields, checked before any work. The server sets
-    them to the WebSocket side's caps so that both doors take the same."""
+    """Bounds on a request's fields, checked before any work: the WebSocket
+    protocol's declared bounds, so that both doors take the same."""
 
-    max_stop_strings: int = 64
-    max_stop_string_chars: int = 1024
-    max_stop_token_ids: int = 1024
-    max_banned_ids: int = 8192
-    max_messages: int = 4096
+    max_stop_strings: int = _rule("stop_conditions").max_count  # type: ignore[attr-defined]
+    max_stop_string_chars: int = _rule("stop_conditions").max_chars  # type: ignore[attr-defined]
+    max_stop_token_ids: int = _rule("stop_conditions").max_count  # type: ignore[attr-defined]
+    max_banned_ids: int = _rule("bann_bann").max_count  # type: ignore[attr-defined]
+    max_messages: int = _rule("messages").max_count  # type: ignore[attr-defined]
     max_name_chars: int = 256
     max_content_parts: int = 1024
-
-
-@attrs.frozen(kw_only=True)
-class ModelLimits:
-    """What :func:`build_spec` checks a request against: the served model."""
-
-    name: str
-    context_length: int
-    vocab_size: int
-    eos_token_ids: frozenset[int]
-    #: The server's cap on generated tokens (at most ``context_length - 1``).
-    max_new_tokens: int
 
 
 # --------------------------------------------------------------------------
@@ -224,45 +248,28 @@ class _Generation:
     model: str | None = None
     #: None: as many as the context leaves (chat) -- completions default to 16.
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
     stop: tuple[str, ...] = ()
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     stream: bool = False
     include_usage: bool = False
-    # ExLlamaV2 extensions (the WebSocket protocol's names) and vLLM's
-    # stop_token_ids; off by default, as OpenAI has none of them.
-    top_k: int = 0
-    min_p: float = 0.0
-    typical: float = 0.0
-    top_a: float = 0.0
-    skew: float = 0.0
-    rep_pen: float = 1.0
     token_healing: bool = False
     bann_bann: tuple[int, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    #: The sampler settings the request gave, by engine name (each read by
+    #: its declared rule); the rest take :data:`OPENAI_DEFAULTS` or
+    #: :class:`SamplingSettings`' defaults.
+    sampler: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
 
     def sampling_settings(self) -> SamplingSettings:
-        top_p, top_k = self.top_p, self.top_k
-        if top_p == 0.0:
+        values = {**OPENAI_DEFAULTS, **self.sampler}
+        if values["top_p"] == 0.0:
             # OpenAI's top_p 0 keeps the single most likely token; the
             # engine's top_p 0 means "off". top_k 1 is the same distribution.
-            top_p, top_k = 1.0, 1
-        return SamplingSettings(
-            temperature=self.temperature,
-            top_k=top_k,
-            top_p=top_p,
-            top_a=self.top_a,
-            min_p=self.min_p,
-            typical=self.typical,
-            skew=self.skew,
-            rep_pen=self.rep_pen,
-            freq_pen=self.frequency_penalty,
-            pres_pen=self.presence_penalty,
-            seed=self.seed,
-        )
+            values["top_p"], values["top_k"] = 1.0, 1
+        return SamplingSettings(**values)
+
+    @property
+    def temperature(self) -> float:
+        return float(self.sampling_settings().temperature)
 
 
 @attrs.frozen(kw_only=True)
@@ -342,34 +349,6 @@ def _text(value: Any) -> bool:
 _Hook: TypeAlias = Callable[[Any, Any], Any]
 
 
-def _int_rule(name: str, lo: int, hi: int | None = None) -> _Hook:
-    allowed = f"an integer from {lo} to {hi}" if hi is not None else f"an integer >= {lo}"
-
-    def hook(value: Any, _: Any) -> int | None:
-        if value is None:
-            return None
-        number = as_int(value)
-        if number is None or number < lo or (hi is not None and number > hi):
-            raise _BadParam(name, f"{name} must be {allowed}, got {_show(value)}")
-        return number
-
-    return hook
-
-
-def _float_rule(name: str, lo: float, hi: float, *, default: float) -> _Hook:
-    def hook(value: Any, _: Any) -> float:
-        if value is None:
-            return default
-        number = as_float(value)
-        if number is None or not lo <= number <= hi:
-            raise _BadParam(
-                name, f"{name} must be a number in [{lo:g}, {hi:g}], got {_show(value)}"
-            )
-        return number
-
-    return hook
-
-
 def _bool_rule(name: str) -> _Hook:
     def hook(value: Any, _: Any) -> bool:
         if value is None:
@@ -432,7 +411,7 @@ def _ids_rule(name: str, cap: int) -> _Hook:
         out: list[int] = []
         for index, item in enumerate(items):
             number = as_int(item)
-            if number is None or number < 0 or number > _TOP_K_MAX:
+            if number is None or number < 0 or number > MAX_TOKEN_ID:
                 param = f"{name}[{index}]" if isinstance(value, list) else name
                 raise _BadParam(
                     param, f"{param} must be a token id (an integer >= 0), got {_show(item)}"
@@ -455,7 +434,7 @@ def _prompt_hook(value: Any, _: Any) -> str | tuple[int, ...]:
         return value
     if isinstance(value, list) and value and all(as_int(v) is not None for v in value):
         ids = tuple(as_int(v) for v in value)
-        if any(i is None or i < 0 or i > _TOP_K_MAX for i in ids):
+        if any(i is None or i < 0 or i > MAX_TOKEN_ID for i in ids):
             raise _BadParam("prompt", "prompt token ids must be integers >= 0")
         return tuple(i for i in ids if i is not None)
     if isinstance(value, list) and len(value) > 1 and all(isinstance(v, str | list) for v in value):
@@ -623,68 +602,82 @@ _FIELDS_COMMON: Final = frozenset(
     {
         "model",
         "max_tokens",
-        "temperature",
-        "top_p",
         "stop",
-        "seed",
-        "presence_penalty",
-        "frequency_penalty",
         "stream",
-        "top_k",
-        "min_p",
-        "typical",
-        "top_a",
-        "skew",
-        "rep_pen",
         "token_healing",
         "bann_bann",
         "stop_token_ids",
     }
 )
 
+#: This API's name -> the engine's, for every sampler setting.
+_SAMPLER_FIELDS: Final[Mapping[str, str]] = {
+    OPENAI_NAMES.get(name, name): name for name in _SAMPLER_NAMES
+}
+
+
+def _declared_rule(param: str, rule: Rule, value: Any, narrow: Range | None = None) -> Any:
+    """``value`` read by a declared rule (and OpenAI's narrower range), its
+    errors named by this API's ``param``."""
+    try:
+        result = rule.read(value)
+    except BadValue as exc:
+        raise _BadParam(param, f"{param} {exc}") from None
+    except (IterableValidationError, ClassValidationError) as exc:
+        index, leaf = _element_of(exc)
+        where = f"{param}[{index}]" if index is not None else param
+        raise _BadParam(where, f"{where} {leaf}") from None
+    if narrow is not None and not narrow.contains(result):
+        raise _BadParam(param, f"{param} must be {narrow.describe()}, got {_show(value)}")
+    return result
+
+
+def _element_of(exc: BaseException) -> tuple[Any, str]:
+    """The index (or key) and message of the first bad element of a list."""
+    for error in getattr(exc, "exceptions", ()):
+        for note in getattr(error, "__notes__", ()):
+            index = getattr(note, "index", getattr(note, "name", None))
+            return index, str(error)
+    return None, str(exc)
+
+
+def _sampler_hook(value: Any, _: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for param, given in value.items():
+        name = _SAMPLER_FIELDS[param]
+        if given is None:
+            continue  # null is "the default", as OpenAI reads it
+        out[name] = _declared_rule(param, _rule(name), given, OPENAI_RANGES.get(name))
+    return out
+
+
+def _declared_hook(param: str, name: str, *, default: Any) -> _Hook:
+    def hook(value: Any, _: Any) -> Any:
+        if value is None:
+            return default
+        return _declared_rule(param, _rule(name), value)
+
+    return hook
+
 
 def _common_hooks(limits: OpenAILimits) -> dict[str, Any]:
     return {
         "model": override(struct_hook=_model_hook),
-        "max_tokens": override(struct_hook=_int_rule("max_tokens", 1)),
-        "temperature": override(struct_hook=_float_rule("temperature", 0.0, 2.0, default=1.0)),
-        "top_p": override(struct_hook=_float_rule("top_p", 0.0, 1.0, default=1.0)),
+        "max_tokens": override(
+            struct_hook=_declared_hook("max_tokens", "max_new_tokens", default=None)
+        ),
         "stop": override(struct_hook=_stop_rule(limits)),
-        "seed": override(struct_hook=_int_rule("seed", _SEED_MIN, _SEED_MAX)),
-        "presence_penalty": override(
-            struct_hook=_float_rule("presence_penalty", -2.0, 2.0, default=0.0)
-        ),
-        "frequency_penalty": override(
-            struct_hook=_float_rule("frequency_penalty", -2.0, 2.0, default=0.0)
-        ),
         "stream": override(struct_hook=_bool_rule("stream")),
         "include_usage": override(struct_hook=_bool_rule("stream_options.include_usage")),
-        "top_k": override(struct_hook=_zero_default(_int_rule("top_k", 0, _TOP_K_MAX))),
-        "min_p": override(struct_hook=_float_rule("min_p", 0.0, 1.0, default=0.0)),
-        "typical": override(struct_hook=_float_rule("typical", 0.0, 1.0, default=0.0)),
-        # top_a multiplies a probability squared; anything above 1 drops all
-        # but the top token already, so 1e6 is a generous, representable cap.
-        "top_a": override(struct_hook=_float_rule("top_a", 0.0, 1e6, default=0.0)),
-        # The draw raises a uniform to exp(-skew): past +-50 that is 0 or 1
-        # for every draw, and exp overflows long before the float range ends.
-        "skew": override(struct_hook=_float_rule("skew", -50.0, 50.0, default=0.0)),
-        # A repetition penalty divides logits: 1e-2 already multiplies them
-        # by 100, and a tiny one would overflow them to infinity.
-        "rep_pen": override(struct_hook=_float_rule("rep_pen", 0.01, 100.0, default=1.0)),
-        "token_healing": override(struct_hook=_bool_rule("token_healing")),
+        "token_healing": override(
+            struct_hook=_declared_hook("token_healing", "token_healing", default=False)
+        ),
         "bann_bann": override(struct_hook=_ids_rule("bann_bann", limits.max_banned_ids)),
         "stop_token_ids": override(
             struct_hook=_ids_rule("stop_token_ids", limits.max_stop_token_ids)
         ),
+        "sampler": override(struct_hook=_sampler_hook),
     }
-
-
-def _zero_default(hook: _Hook) -> _Hook:
-    def wrapped(value: Any, type_: Any) -> Any:
-        result = hook(value, type_)
-        return 0 if result is None else result
-
-    return wrapped
 
 
 #: Other servers' names for fields of this API: vLLM's and transformers'
@@ -724,9 +717,12 @@ def _preprocess(obj: dict[str, Any], fields: frozenset[str]) -> dict[str, Any]:
             if target is None:
                 continue
             key = target
-        elif key == "stream_options":
+        if key == "stream_options":
             continue
-        elif key not in fields:
+        if key in _SAMPLER_FIELDS:
+            payload.setdefault("sampler", {})[key] = value
+            continue
+        if key not in fields:
             raise _invalid(
                 f"unrecognized request argument supplied: {_show(key)}", key, "unknown_parameter"
             )
@@ -782,7 +778,11 @@ def _parsers(limits: OpenAILimits) -> _Parsers:
                 {
                     "prompt": override(struct_hook=_prompt_hook),
                     "echo": override(struct_hook=_bool_rule("echo")),
-                    "max_tokens": override(struct_hook=_default(_int_rule("max_tokens", 1), 16)),
+                    "max_tokens": override(
+                        struct_hook=_default(
+                            _declared_hook("max_tokens", "max_new_tokens", default=None), 16
+                        )
+                    ),
                 },
             ),
             chat=_structure_fn(
@@ -844,79 +844,6 @@ def parse_chat_request(body: bytes, limits: OpenAILimits = OpenAILimits()) -> Ch
     payload = _preprocess(obj, _FIELDS_COMMON | {"messages"})
     request: ChatCompletionRequest = _structure(payload, _parsers(limits).chat, "messages")
     return request
-
-
-# --------------------------------------------------------------------------
-# From a request to the engine's job
-
-
-def build_spec(
-    request: CompletionRequest | ChatCompletionRequest,
-    prompt_ids: Sequence[int],
-    model: ModelLimits,
-    *,
-    job_id: int,
-) -> GenerationSpec:
-    """The engine job for ``request`` whose prompt encoded to ``prompt_ids``.
-
-    Unlike the WebSocket ``infer``, which trims a long prompt from the left,
-    this API refuses a prompt that does not fit, as OpenAI does
-    (``context_length_exceeded``): a chat client must not get an answer to a
-    conversation silently cut short. Without ``max_tokens`` (chat) the job may
-    generate as much as the context leaves, up to the server's cap.
-    """
-    if not prompt_ids:
-        raise _invalid("the prompt must encode to at least one token", _prompt_param(request))
-    vocab = model.vocab_size
-    for name, ids in (
-        ("prompt", prompt_ids if isinstance(request, CompletionRequest) else ()),
-        ("bann_bann", request.bann_bann),
-        ("stop_token_ids", request.stop_token_ids),
-    ):
-        for index, token in enumerate(ids):
-            if not 0 <= token < vocab:
-                raise _invalid(
-                    f"{name}[{index}] must be a token id in 0..{vocab - 1}, got {token!r}", name
-                )
-    room = model.context_length - len(prompt_ids)
-    if request.max_tokens is None:
-        max_new = min(model.max_new_tokens, room)
-        if max_new < 1:
-            raise _invalid(
-                f"this model's maximum context length is {model.context_length} tokens, and the "
-                f"prompt has {len(prompt_ids)}: no room is left to generate",
-                _prompt_param(request),
-                "context_length_exceeded",
-            )
-    else:
-        max_new = request.max_tokens
-        if max_new > model.max_new_tokens:
-            raise _invalid(
-                f"max_tokens must be at most {model.max_new_tokens} for this model, "
-                f"got {max_new!r}",
-                "max_tokens",
-            )
-        if max_new > room:
-            raise _invalid(
-                f"this model's maximum context length is {model.context_length} tokens; the prompt "
-                f"has {len(prompt_ids)} and max_tokens asks for {max_new}: reduce one of them",
-                "max_tokens",
-                "context_length_exceeded",
-            )
-    return GenerationSpec(
-        job_id=job_id,
-        prompt_ids=tuple(prompt_ids),
-        max_new_tokens=max_new,
-        sampling=request.sampling_settings(),
-        stop_token_ids=model.eos_token_ids | frozenset(request.stop_token_ids),
-        stop_strings=request.stop,
-        banned_ids=frozenset(request.bann_bann),
-        token_healing=request.token_healing,
-    )
-
-
-def _prompt_param(request: CompletionRequest | ChatCompletionRequest) -> str:
-    return "prompt" if isinstance(request, CompletionRequest) else "messages"
 
 
 # --------------------------------------------------------------------------
