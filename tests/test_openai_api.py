@@ -18,7 +18,7 @@ from trioserve.engine.base import EngineInfo, Finished, GenerationSpec, Sampling
 from trioserve.generation import InvalidGeneration
 from trioserve.generation.generation import build_spec as pipeline_build_spec
 from trioserve.generation.generation import check_request, fit_prompt
-from trioserve.openai.api import (
+from trioserve.openai import (
     SSE_DONE,
     ChatCompletionRequest,
     ChatCompletionStream,

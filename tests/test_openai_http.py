@@ -17,7 +17,7 @@ from tests.http_helpers import running
 from trioserve.engine.base import EngineInfo
 from trioserve.generation import InvalidGeneration
 from trioserve.generation.generation import check_request, fit_prompt
-from trioserve.openai.api import (
+from trioserve.openai import (
     ChatCompletionRequest,
     ChatCompletionStream,
     CompletionRequest,

@@ -1,6 +1,60 @@
-"""The OpenAI-compatible API as a pure core (:mod:`.api`): request bodies in,
-typed requests out; responses, stream chunks and errors in OpenAI's shape.
-No I/O, no trio, no torch."""
+"""The OpenAI-compatible API as a pure core: request bodies in, typed
+requests out (:mod:`.requests`); answers, stream chunks (:mod:`.responses`)
+and errors (:mod:`.errors`) in OpenAI's shape. No I/O, no trio, no torch.
 
-from .api import *  # noqa: F403
-from .api import __all__ as __all__
+What is accepted is listed in ``docs/openai.md``; its field table is
+generated from the declarations (:func:`field_table`).
+"""
+
+from .errors import OpenAIError, error_body
+from .requests import (
+    OPENAI_DEFAULTS,
+    OPENAI_NAMES,
+    OPENAI_RANGES,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    OpenAILimits,
+    parse_chat_request,
+    parse_completion_request,
+)
+from .responses import (
+    SSE_DONE,
+    ChatCompletionStream,
+    CompletionStream,
+    FinishReason,
+    TokenUsage,
+    chat_completion_response,
+    completion_response,
+    finish_reason,
+    model_object,
+    models_response,
+    new_id,
+    sse_event,
+)
+
+__all__ = [
+    "OPENAI_DEFAULTS",
+    "OPENAI_NAMES",
+    "OPENAI_RANGES",
+    "SSE_DONE",
+    "ChatCompletionRequest",
+    "ChatCompletionStream",
+    "ChatMessage",
+    "CompletionRequest",
+    "CompletionStream",
+    "FinishReason",
+    "OpenAIError",
+    "OpenAILimits",
+    "TokenUsage",
+    "chat_completion_response",
+    "completion_response",
+    "error_body",
+    "finish_reason",
+    "model_object",
+    "models_response",
+    "new_id",
+    "parse_chat_request",
+    "parse_completion_request",
+    "sse_event",
+]

@@ -1,16 +1,13 @@
-"""The OpenAI-compatible API as a pure core: request bodies in, typed requests,
-GenerationSpecs and JSON out. No I/O, no trio, no torch.
+"""OpenAI requests: bodies in, typed requests out. No I/O, no trio, no torch.
 
-The HTTP front door hands a route's body to :func:`parse_completion_request`
-or :func:`parse_chat_request` and gets a typed request or an
-:class:`OpenAIError` that already knows its status and body. After the prompt
-is tokenized (the chat prompt is rendered with the model's chat template
-first), :func:`build_spec` checks it against the model and makes the engine's
-:class:`~trioserve.engine.base.GenerationSpec`. The responses are built here too:
-:func:`completion_response` and :func:`chat_completion_response` for whole
-answers, :class:`CompletionStream` and :class:`ChatCompletionStream` for the
-Server-Sent Events of a streamed one, :func:`models_response` for the model
-list, and :meth:`OpenAIError.body` for errors in OpenAI's shape.
+A route hands its body to :func:`parse_completion_request` or
+:func:`parse_chat_request` and gets a typed request or an :class:`OpenAIError`
+(400, naming the field) that already knows its status and body. Every field
+this API shares with the WebSocket ``infer`` is read by the rule declared
+there (:mod:`trioserve.protocol`): the same types, ranges and bounds; where
+OpenAI documents a narrower range or another default, the override is
+declared here once (:data:`OPENAI_RANGES`, :data:`OPENAI_DEFAULTS`) and
+checked at import to lie within the declared range.
 
 What is accepted (``docs/openai.md`` has the table):
 
@@ -36,7 +33,6 @@ What is accepted (``docs/openai.md`` has the table):
 from __future__ import annotations
 
 import json
-import secrets
 from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal, TypeAlias
 
@@ -45,180 +41,34 @@ import cattrs
 from cattrs.errors import ClassValidationError, IterableValidationError
 from cattrs.gen import make_dict_structure_fn, override
 
-from trioserve import protocol as p
-from trioserve.engine.base import Finished, Range, SamplingSettings, setting_ranges
-from trioserve.errors import TrioserveError
+from trioserve.engine.base import Range, SamplingSettings
 from trioserve.protocol._fields import MAX_TOKEN_ID, BadValue, Rule, as_int
 from trioserve.protocol._json import STRICT_DECODER
 
+from .errors import OpenAIError
+from .errors import invalid as _invalid
+from .fields import (
+    _SAMPLER_FIELDS,
+    OPENAI_DEFAULTS,
+    OPENAI_NAMES,
+    OPENAI_RANGES,
+    OpenAILimits,
+    _rule,
+)
+
+DEFAULT_LIMITS: Final = OpenAILimits()
+
 __all__ = [
+    "OPENAI_DEFAULTS",
+    "OPENAI_NAMES",
+    "OPENAI_RANGES",
     "ChatCompletionRequest",
-    "ChatCompletionStream",
     "ChatMessage",
     "CompletionRequest",
-    "CompletionStream",
-    "FinishReason",
-    "OpenAIError",
     "OpenAILimits",
-    "TokenUsage",
-    "chat_completion_response",
-    "completion_response",
-    "error_body",
-    "finish_reason",
-    "model_object",
-    "models_response",
-    "new_id",
     "parse_chat_request",
     "parse_completion_request",
-    "sse_event",
 ]
-
-FinishReason: TypeAlias = Literal["stop", "length"]
-
-#: The end of every stream.
-SSE_DONE: Final = b"data: [DONE]\n\n"
-
-# --------------------------------------------------------------------------
-# Errors
-
-#: OpenAI's ``error.type`` for each status this API answers with.
-_ERROR_TYPES: Final[Mapping[int, str]] = {
-    400: "invalid_request_error",
-    401: "invalid_request_error",
-    403: "invalid_request_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    408: "invalid_request_error",
-    409: "invalid_request_error",
-    411: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    431: "invalid_request_error",
-    500: "server_error",
-    503: "server_error",
-}
-
-
-def error_body(
-    status: int, message: str, *, param: str | None = None, code: str | None = None
-) -> bytes:
-    """An error in OpenAI's shape: ``{"error": {"message", "type", "param",
-    "code"}}``. The SDKs read ``message`` into their exceptions."""
-    payload = {
-        "error": {
-            "message": message,
-            "type": _ERROR_TYPES.get(
-                status, "server_error" if status >= 500 else "invalid_request_error"
-            ),
-            "param": param,
-            "code": code,
-        }
-    }
-    return _dumps(payload)
-
-
-class OpenAIError(TrioserveError):
-    """A request this API answers with an error: its status, and everything
-    for OpenAI's error body. ``retry_after`` (seconds) goes into a
-    ``Retry-After`` header for 429 and 503."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        retry_after: int | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.retry_after = retry_after
-
-    def body(self) -> bytes:
-        return error_body(self.status, self.message, param=self.param, code=self.code)
-
-    def headers(self) -> list[tuple[str, str]]:
-        if self.retry_after is None:
-            return []
-        return [("Retry-After", str(self.retry_after))]
-
-    def __repr__(self) -> str:
-        return (
-            f"OpenAIError({self.status!r}, {self.message!r}, "
-            f"param={self.param!r}, code={self.code!r})"
-        )
-
-
-def _invalid(message: str, param: str | None, code: str | None = None) -> OpenAIError:
-    return OpenAIError(400, message, param=param, code=code)
-
-
-# --------------------------------------------------------------------------
-# Rules: the WebSocket protocol's declarations, and OpenAI's narrower ranges
-
-#: ``infer``'s declared fields: every field this API shares with it takes its
-#: rule (type, range, list and string bounds) from there.
-_INFER: Final = p.request_fields("infer")
-_SAMPLER_NAMES: Final = tuple(a.name for a in attrs.fields(SamplingSettings))
-
-#: This API's names for sampler settings that OpenAI names differently.
-OPENAI_NAMES: Final[Mapping[str, str]] = {
-    "freq_pen": "frequency_penalty",
-    "pres_pen": "presence_penalty",
-}
-#: Sampler settings whose default differs here: OpenAI's (temperature 1,
-#: top_p 1) and no ExLlamaV2 filter unless asked for (top_k 0, rep_pen 1).
-#: Every other setting's default is :class:`SamplingSettings`'.
-OPENAI_DEFAULTS: Final[Mapping[str, Any]] = {
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "rep_pen": 1.0,
-}
-#: Where OpenAI documents a narrower range than the engines take, by engine
-#: name. Checked at import to lie within the declared range.
-OPENAI_RANGES: Final[Mapping[str, Range]] = {
-    "temperature": Range(0.0, 2.0),
-    "freq_pen": Range(-2.0, 2.0),
-    "pres_pen": Range(-2.0, 2.0),
-}
-
-
-def _check_overrides() -> None:
-    ranges = setting_ranges()
-    for name, narrow in OPENAI_RANGES.items():
-        wide = ranges[name]
-        assert wide.lo <= narrow.lo <= narrow.hi <= wide.hi, (name, narrow, wide)
-    for name, default in OPENAI_DEFAULTS.items():
-        assert ranges[name].contains(default), (name, default)
-
-
-_check_overrides()
-
-
-def _rule(name: str) -> Rule:
-    rule: Rule = _INFER[name].rule
-    return rule
-
-
-@attrs.frozen(kw_only=True)
-class OpenAILimits:
-    """Bounds on a request's fields, checked before any work: the WebSocket
-    protocol's declared bounds, so that both doors take the same."""
-
-    max_stop_strings: int = _rule("stop_conditions").max_count  # type: ignore[attr-defined]
-    max_stop_string_chars: int = _rule("stop_conditions").max_chars  # type: ignore[attr-defined]
-    max_stop_token_ids: int = _rule("stop_conditions").max_count  # type: ignore[attr-defined]
-    max_banned_ids: int = _rule("bann_bann").max_count  # type: ignore[attr-defined]
-    max_messages: int = _rule("messages").max_count  # type: ignore[attr-defined]
-    max_name_chars: int = 256
-    max_content_parts: int = 1024
-
 
 # --------------------------------------------------------------------------
 # Requests
@@ -610,11 +460,6 @@ _FIELDS_COMMON: Final = frozenset(
     }
 )
 
-#: This API's name -> the engine's, for every sampler setting.
-_SAMPLER_FIELDS: Final[Mapping[str, str]] = {
-    OPENAI_NAMES.get(name, name): name for name in _SAMPLER_NAMES
-}
-
 
 def _declared_rule(param: str, rule: Rule, value: Any, narrow: Range | None = None) -> Any:
     """``value`` read by a declared rule (and OpenAI's narrower range), its
@@ -827,7 +672,7 @@ def _first_error(exc: BaseException) -> OpenAIError:
 
 
 def parse_completion_request(
-    body: bytes, limits: OpenAILimits = OpenAILimits()
+    body: bytes, limits: OpenAILimits = DEFAULT_LIMITS
 ) -> CompletionRequest:
     """The body of ``POST /v1/completions`` as a typed request; raises
     :class:`OpenAIError` (400, naming the field) for anything wrong."""
@@ -837,208 +682,10 @@ def parse_completion_request(
     return request
 
 
-def parse_chat_request(body: bytes, limits: OpenAILimits = OpenAILimits()) -> ChatCompletionRequest:
+def parse_chat_request(body: bytes, limits: OpenAILimits = DEFAULT_LIMITS) -> ChatCompletionRequest:
     """The body of ``POST /v1/chat/completions`` as a typed request; raises
     :class:`OpenAIError` (400, naming the field) for anything wrong."""
     obj = _parse_body(body)
     payload = _preprocess(obj, _FIELDS_COMMON | {"messages"})
     request: ChatCompletionRequest = _structure(payload, _parsers(limits).chat, "messages")
     return request
-
-
-# --------------------------------------------------------------------------
-# Responses
-
-
-def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-
-
-def new_id(kind: Literal["cmpl", "chatcmpl"]) -> str:
-    """A response id as OpenAI writes them (``chatcmpl-...``)."""
-    return f"{kind}-{secrets.token_hex(12)}"
-
-
-def finish_reason(finished: Finished) -> FinishReason:
-    """``length`` when max_tokens ended the job, ``stop`` for a stop token or
-    a stop string."""
-    return "length" if finished.reason == "max_new_tokens" else "stop"
-
-
-@attrs.frozen
-class TokenUsage:
-    """Token counts of one request: ``completion_tokens`` counts the stop
-    token too (as ``generated_tokens`` does on the WebSocket side);
-    ``cached_tokens`` is how many prompt tokens the engine did not compute."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
-
-
-def completion_response(
-    *,
-    id: str,
-    created: int,
-    model: str,
-    text: str,
-    finish_reason: FinishReason,
-    usage: TokenUsage,
-) -> bytes:
-    """The body of a whole ``/v1/completions`` answer."""
-    return _dumps(
-        {
-            "id": id,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            ],
-            "usage": usage.as_json(),
-            "system_fingerprint": None,
-        }
-    )
-
-
-def chat_completion_response(
-    *,
-    id: str,
-    created: int,
-    model: str,
-    content: str,
-    finish_reason: FinishReason,
-    usage: TokenUsage,
-) -> bytes:
-    """The body of a whole ``/v1/chat/completions`` answer."""
-    return _dumps(
-        {
-            "id": id,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": content, "refusal": None},
-                    "logprobs": None,
-                    "finish_reason": finish_reason,
-                }
-            ],
-            "usage": usage.as_json(),
-            "system_fingerprint": None,
-        }
-    )
-
-
-def sse_event(obj: Any) -> bytes:
-    """One Server-Sent Event carrying ``obj`` as JSON (compact, so it holds
-    no newline and the event is one ``data:`` line)."""
-    return b"data: " + _dumps(obj) + b"\n\n"
-
-
-@attrs.define
-class _Stream:
-    id: str
-    created: int
-    model: str
-    include_usage: bool
-
-    def _chunk(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk: dict[str, Any] = {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "system_fingerprint": None,
-        }
-        if self.include_usage:
-            # OpenAI puts "usage": null in every chunk but the last when the
-            # client asked for usage.
-            chunk["usage"] = None
-        return chunk
-
-    def _end(self, obj: str, last: list[dict[str, Any]], usage: TokenUsage) -> bytes:
-        out = sse_event(self._chunk(obj, last))
-        if self.include_usage:
-            final = self._chunk(obj, [])
-            final["usage"] = usage.as_json()
-            out += sse_event(final)
-        return out + SSE_DONE
-
-    def error(self, error: OpenAIError) -> bytes:
-        """An error after the stream began (the status is already sent): an
-        event in OpenAI's error shape, which the SDKs raise, then the end."""
-        return b"data: " + error.body() + b"\n\n" + SSE_DONE
-
-
-@attrs.define
-class CompletionStream(_Stream):
-    """The events of one streamed ``/v1/completions`` answer, in order:
-    :meth:`text` for each piece, then :meth:`finish` (its finish reason,
-    the usage chunk when asked for, and ``[DONE]``)."""
-
-    def text(self, text: str) -> bytes:
-        return sse_event(
-            self._chunk(
-                "text_completion",
-                [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}],
-            )
-        )
-
-    def finish(self, reason: FinishReason, usage: TokenUsage, text: str = "") -> bytes:
-        last = [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]
-        return self._end("text_completion", last, usage)
-
-
-@attrs.define
-class ChatCompletionStream(_Stream):
-    """The events of one streamed ``/v1/chat/completions`` answer, in order:
-    :meth:`start` (the assistant role), :meth:`text` for each piece, then
-    :meth:`finish`."""
-
-    def start(self) -> bytes:
-        return sse_event(
-            self._chunk(
-                "chat.completion.chunk",
-                [
-                    {
-                        "index": 0,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-            )
-        )
-
-    def text(self, text: str) -> bytes:
-        return sse_event(
-            self._chunk(
-                "chat.completion.chunk",
-                [{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}],
-            )
-        )
-
-    def finish(self, reason: FinishReason, usage: TokenUsage, text: str = "") -> bytes:
-        delta = {"content": text} if text else {}
-        last = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]
-        return self._end("chat.completion.chunk", last, usage)
-
-
-def model_object(name: str, created: int) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "trioserve"}
-
-
-def models_response(name: str, created: int) -> bytes:
-    """The body of ``GET /v1/models``: the one served model."""
-    return _dumps({"object": "list", "data": [model_object(name, created)]})

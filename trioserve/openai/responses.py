@@ -1,0 +1,228 @@
+"""OpenAI responses: whole answers, Server-Sent Events of streamed ones, and
+the model list, as bytes. No I/O."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any, Final, Literal, TypeAlias
+
+import attrs
+
+from trioserve.engine.base import Finished
+
+from .errors import OpenAIError
+
+__all__ = [
+    "SSE_DONE",
+    "ChatCompletionStream",
+    "CompletionStream",
+    "FinishReason",
+    "TokenUsage",
+    "chat_completion_response",
+    "completion_response",
+    "finish_reason",
+    "model_object",
+    "models_response",
+    "new_id",
+    "sse_event",
+]
+
+FinishReason: TypeAlias = Literal["stop", "length"]
+
+#: The end of every stream.
+SSE_DONE: Final = b"data: [DONE]\n\n"
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def new_id(kind: Literal["cmpl", "chatcmpl"]) -> str:
+    """A response id as OpenAI writes them (``chatcmpl-...``)."""
+    return f"{kind}-{secrets.token_hex(12)}"
+
+
+def finish_reason(finished: Finished) -> FinishReason:
+    """``length`` when max_tokens ended the job, ``stop`` for a stop token or
+    a stop string."""
+    return "length" if finished.reason == "max_new_tokens" else "stop"
+
+
+@attrs.frozen
+class TokenUsage:
+    """Token counts of one request: ``completion_tokens`` counts the stop
+    token too (as ``generated_tokens`` does on the WebSocket side);
+    ``cached_tokens`` is how many prompt tokens the engine did not compute."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+def completion_response(
+    *,
+    id: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: FinishReason,
+    usage: TokenUsage,
+) -> bytes:
+    """The body of a whole ``/v1/completions`` answer."""
+    return _dumps(
+        {
+            "id": id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            ],
+            "usage": usage.as_json(),
+            "system_fingerprint": None,
+        }
+    )
+
+
+def chat_completion_response(
+    *,
+    id: str,
+    created: int,
+    model: str,
+    content: str,
+    finish_reason: FinishReason,
+    usage: TokenUsage,
+) -> bytes:
+    """The body of a whole ``/v1/chat/completions`` answer."""
+    return _dumps(
+        {
+            "id": id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content, "refusal": None},
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                }
+            ],
+            "usage": usage.as_json(),
+            "system_fingerprint": None,
+        }
+    )
+
+
+def sse_event(obj: Any) -> bytes:
+    """One Server-Sent Event carrying ``obj`` as JSON (compact, so it holds
+    no newline and the event is one ``data:`` line)."""
+    return b"data: " + _dumps(obj) + b"\n\n"
+
+
+@attrs.define
+class _Stream:
+    id: str
+    created: int
+    model: str
+    include_usage: bool
+
+    def _chunk(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "system_fingerprint": None,
+        }
+        if self.include_usage:
+            # OpenAI puts "usage": null in every chunk but the last when the
+            # client asked for usage.
+            chunk["usage"] = None
+        return chunk
+
+    def _end(self, obj: str, last: list[dict[str, Any]], usage: TokenUsage) -> bytes:
+        out = sse_event(self._chunk(obj, last))
+        if self.include_usage:
+            final = self._chunk(obj, [])
+            final["usage"] = usage.as_json()
+            out += sse_event(final)
+        return out + SSE_DONE
+
+    def error(self, error: OpenAIError) -> bytes:
+        """An error after the stream began (the status is already sent): an
+        event in OpenAI's error shape, which the SDKs raise, then the end."""
+        return b"data: " + error.body() + b"\n\n" + SSE_DONE
+
+
+@attrs.define
+class CompletionStream(_Stream):
+    """The events of one streamed ``/v1/completions`` answer, in order:
+    :meth:`text` for each piece, then :meth:`finish` (its finish reason,
+    the usage chunk when asked for, and ``[DONE]``)."""
+
+    def text(self, text: str) -> bytes:
+        return sse_event(
+            self._chunk(
+                "text_completion",
+                [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}],
+            )
+        )
+
+    def finish(self, reason: FinishReason, usage: TokenUsage, text: str = "") -> bytes:
+        last = [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]
+        return self._end("text_completion", last, usage)
+
+
+@attrs.define
+class ChatCompletionStream(_Stream):
+    """The events of one streamed ``/v1/chat/completions`` answer, in order:
+    :meth:`start` (the assistant role), :meth:`text` for each piece, then
+    :meth:`finish`."""
+
+    def start(self) -> bytes:
+        return sse_event(
+            self._chunk(
+                "chat.completion.chunk",
+                [
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            )
+        )
+
+    def text(self, text: str) -> bytes:
+        return sse_event(
+            self._chunk(
+                "chat.completion.chunk",
+                [{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}],
+            )
+        )
+
+    def finish(self, reason: FinishReason, usage: TokenUsage, text: str = "") -> bytes:
+        delta = {"content": text} if text else {}
+        last = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]
+        return self._end("chat.completion.chunk", last, usage)
+
+
+def model_object(name: str, created: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "trioserve"}
+
+
+def models_response(name: str, created: int) -> bytes:
+    """The body of ``GET /v1/models``: the one served model."""
+    return _dumps({"object": "list", "data": [model_object(name, created)]})
