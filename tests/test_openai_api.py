@@ -589,3 +589,12 @@ def test_retry_after_header() -> None:
     error = OpenAIError(503, "busy", retry_after=1)
     assert error.headers() == [("Retry-After", "1")]
     assert OpenAIError(400, "bad").headers() == []
+
+
+def test_the_doc_table_is_the_declared_one() -> None:
+    from pathlib import Path
+
+    from trioserve.openai.fields import field_table
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "openai.md"
+    assert field_table() in doc.read_text(encoding="utf-8")
