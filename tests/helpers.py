@@ -307,13 +307,24 @@ def server_in_thread(
     async def main() -> None:
         engine = engine_factory()
         handle.engine = engine
+
+        async def serve_in_scope(task_status: trio.TaskStatus[Listening]) -> None:
+            # Its own scope: cancelling it is the server's graceful shutdown
+            # (a drain), while the test's clients in the nursery go on.
+            with handle.serve_scope:
+                await serve(
+                    engine,
+                    ServerConfig(host="127.0.0.1", port=0, **options),
+                    task_status=task_status,
+                )
+
         async with trio.open_nursery() as nursery:
-            handle.listening = await nursery.start(
-                serve, engine, ServerConfig(host="127.0.0.1", port=0, **options)
-            )
+            handle.listening = await nursery.start(serve_in_scope)
             handle.token = trio.lowlevel.current_trio_token()
             handle.cancel_scope = nursery.cancel_scope
             handle.nursery = nursery
+            # The loop outlives a drained server: the test's clients run on.
+            nursery.start_soon(trio.sleep_forever)
             ready.set()
 
     thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
@@ -338,3 +349,5 @@ class ServerHandle:
     #: A nursery in the server's loop for tasks of the test (clients).
     nursery: trio.Nursery | None = None
     engine: Any = None
+    #: Cancelled to shut the server down gracefully (it drains).
+    serve_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)

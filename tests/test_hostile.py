@@ -443,20 +443,32 @@ class GatedEngine(ScriptedEngine):
         return super().step(submit, cancel)
 
 
+def as_client(n: int) -> dict[str, Any]:
+    """Options of a connection that comes, through a trusted proxy on
+    loopback, from client address number ``n``."""
+    return {"extra_headers": [(b"X-Forwarded-For", f"192.0.2.{n}".encode())]}
+
+
 async def test_stopped_or_abandoned_queued_jobs_free_their_places_at_once() -> None:
     """Issue 8, defect 4: a queued job that was stopped (or whose client left)
     kept its place in the bounded queue until a slot freed, so other clients
     got ``overloaded``."""
     engine = ScriptedEngine(step_delay=0.005, max_batch=2)
-    async with serving(engine, max_waiting_jobs=4) as (server, listening):
-        async with raw_client(listening.url) as a1, raw_client(listening.url) as a2:
+    # Four clients, each its own (as four machines behind a trusted proxy):
+    # one client holds at most all but one of the engine's slots.
+    async with serving(engine, max_waiting_jobs=4, trusted_proxies=("127.0.0.1",)) as (
+        server,
+        listening,
+    ):
+        url = listening.url
+        async with raw_client(url, **as_client(1)) as a1, raw_client(url, **as_client(2)) as a2:
             # Both engine slots busy, one connection each.
             for ws, rid in ((a1, "a1"), (a2, "a2")):
                 await ws.send(infer("long", 10_000, stream=True, request_id=rid))
                 await ws.recv()
             await wait_until(lambda: server.statistics().scheduler.running == 2)
             for round_ in ("stop", "disconnect"):
-                async with raw_client(listening.url) as b:
+                async with raw_client(url, **as_client(3)) as b:
                     for i in range(4):
                         await b.send(infer("long", 1000, request_id=f"b{i}"))
                     await wait_until(lambda: server.statistics().scheduler.waiting == 4)
@@ -469,7 +481,7 @@ async def test_stopped_or_abandoned_queued_jobs_free_their_places_at_once() -> N
                         assert reply["stopped"] == 4
                         assert all(f["stop_reason"] == "interrupted" for f in finals)
                 # Four places are free again, at once, while both slots stay busy.
-                async with raw_client(listening.url) as c:
+                async with raw_client(url, **as_client(4)) as c:
                     for i in range(4):
                         await c.send(infer("say:ok", 5, request_id=f"c{i}"))
                     await settle(lambda: server.statistics().scheduler.waiting == 4, within=5)
@@ -488,13 +500,14 @@ async def test_a_burst_fills_free_engine_slots_not_just_the_queue() -> None:
     """Issue 8, defect 4: a burst on an idle server admitted only
     max_waiting_jobs + 1 requests although engine slots were free."""
     engine = GatedEngine(max_batch=4)
-    async with serving(engine, max_waiting_jobs=1) as (server, listening):
+    proxied = {"trusted_proxies": ("127.0.0.1",)}
+    async with serving(engine, max_waiting_jobs=1, **proxied) as (server, listening):
         clients = []
         async with trio.open_nursery() as nursery:
             done = trio.Event()
 
             async def hold(index: int, ready: trio.Event) -> None:
-                async with raw_client(listening.url) as ws:
+                async with raw_client(listening.url, **as_client(index)) as ws:
                     clients.append(ws)
                     ready.set()
                     await done.wait()

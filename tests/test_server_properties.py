@@ -4,9 +4,12 @@
   ``infer`` its chunks and exactly one terminal frame), and the connection stays
   open.
 * A Hypothesis state machine drives several connections with random
-  interleavings of infer, stop, stop-with-target, echo and disconnect, and checks
-  the invariants of protocol.md 3.4 and 3.5 on everything received. It runs on
-  the scripted engine (fast), and a shorter run on the real model.
+  interleavings of infer, stop, stop-with-target, echo and disconnect, OpenAI
+  requests on the same server (completions and chat, streamed and not, some
+  abandoned mid-answer by their client) and a drain, and checks the invariants
+  of protocol.md 3.4 and 3.5 on everything received (a stop's ``stopped`` is
+  exactly the number of requests it interrupted) and OpenAI's answer shapes.
+  It runs on the scripted engine (fast), and a shorter run on the real model.
 
 The server runs in its own trio loop in a thread (``server_in_thread``); the
 state machine's clients live in that loop too, driven with
@@ -32,10 +35,12 @@ from hypothesis.stateful import (
     consumes,
     initialize,
     invariant,
+    precondition,
     rule,
 )
 
 from .helpers import ScriptedEngine, raw_client, server_in_thread, wait_until
+from .http_helpers import RawClient, request
 from .strategies import json_values, valid_requests
 
 TERMINAL = ("full", "error")
@@ -115,8 +120,26 @@ class Conn:
     closed: bool = False
 
 
+@attrs.define(eq=False)
+class HttpCall:
+    """One OpenAI request of the machine, and what came back."""
+
+    name: str
+    chat: bool
+    stream: bool
+    max_tokens: int
+    #: The client closes its socket after the first bytes of the answer.
+    hang_up: bool
+    #: Sent after the drain began.
+    after_drain: bool
+    status: int | None = None
+    body: bytes = b""
+    done: bool = False
+
+
 class ServerMachine(RuleBasedStateMachine):
-    """Random interleavings over several connections of one server."""
+    """Random interleavings over several connections of one server, and
+    OpenAI requests on its HTTP door."""
 
     engine_factory: Callable[[], Any] = staticmethod(
         lambda: ScriptedEngine(step_delay=0.002, max_batch=3)
@@ -129,10 +152,13 @@ class ServerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self._ids = itertools.count()
-        self._server = server_in_thread(self.engine_factory)
+        # A short grace: a drain interrupts what still runs after it.
+        self._server = server_in_thread(self.engine_factory, shutdown_grace=0.3)
         self.listening, self.token, self.handle = self._server.__enter__()
         self.open: list[Conn] = []
         self.all: list[Conn] = []
+        self.calls: list[HttpCall] = []
+        self.drained = False
 
     def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return trio.from_thread.run(fn, *args, trio_token=self.token)
@@ -166,6 +192,7 @@ class ServerMachine(RuleBasedStateMachine):
     def first_connection(self) -> Conn:
         return self._open()
 
+    @precondition(lambda self: not self.drained)
     @rule(target=connections)
     def connect(self) -> Conn:
         return self._open()
@@ -178,7 +205,7 @@ class ServerMachine(RuleBasedStateMachine):
 
     @rule(conn=connections, n=st.integers(1, 40), stream=st.booleans(), full=st.booleans())
     def infer(self, conn: Conn, n: int, stream: bool, full: bool) -> None:
-        if conn.closed or conn not in self.open:
+        if conn.closed or conn not in self.open or self.drained:
             return
         n = min(n, self.token_cap)
         request_id = self._new_id("r")
@@ -208,7 +235,9 @@ class ServerMachine(RuleBasedStateMachine):
             infers = [rid for kind, rid, _ in conn.sent if kind == "infer"]
             target = infers[pick % len(infers)] if infers and pick % 3 else "nobody"
             frame["target"] = target
-        conn.sent.append(("stop", request_id, (targeted, target)))
+        # How many frames had arrived when the stop was sent: a request whose
+        # final frame was among them had ended before the stop.
+        conn.sent.append(("stop", request_id, (targeted, target, len(conn.frames), self.drained)))
         self._send(conn, frame)
 
     @rule(conn=connections)
@@ -225,17 +254,76 @@ class ServerMachine(RuleBasedStateMachine):
             self.open.remove(conn)
             self._run(conn.ws.aclose)
 
+    @rule(
+        n=st.integers(1, 40),
+        chat=st.booleans(),
+        stream=st.booleans(),
+        hang_up=st.booleans(),
+    )
+    def openai(self, n: int, chat: bool, stream: bool, hang_up: bool) -> None:
+        n = min(n, self.token_cap)
+        call = HttpCall(self._new_id("h"), chat, stream, n, hang_up, self.drained)
+        self.calls.append(call)
+        text = "go" if n > 20 else f"say:{call.name}"
+        fields: dict[str, Any] = {"max_tokens": n, "stream": stream, "temperature": 0}
+        body: dict[str, Any]
+        if chat:
+            path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}
+        else:
+            path, body = "/v1/completions", {"prompt": text}
+        data = json.dumps({**body, **fields}).encode()
+        port = self.listening.port
+        nursery = self.handle.nursery
+        assert nursery is not None
+
+        async def send() -> None:
+            try:
+                stream_ = await trio.open_tcp_stream("127.0.0.1", port)
+            except OSError:
+                call.done = True  # the listener is gone (after a drain)
+                return
+            async with stream_:
+                client = RawClient(stream_)
+                await client.send(request("POST", path, {"Content-Type": "application/json"}, data))
+                if call.hang_up:
+                    with trio.move_on_after(5):
+                        await stream_.receive_some(1)
+                    call.done = True
+                    return
+                reply = await client.response("POST", within=60)
+                if reply is not None:
+                    call.status, call.body = reply.status, reply.body
+                call.done = True
+
+        nursery.start_soon(send)
+
+    @precondition(lambda self: not self.drained)
+    @rule()
+    def drain(self) -> None:
+        """The graceful shutdown: running requests finish (or are interrupted
+        after the grace period), new ones are refused, connections close."""
+        self.drained = True
+        self._run(_cancel, self.handle.serve_scope)
+
     @invariant()
     def frames_follow_the_protocol(self) -> None:
         for conn in self.all:
             check_connection(conn, complete=False)
+        for call in self.calls:
+            check_call(call)
 
     def teardown(self) -> None:
         try:
-            # Every request of an open connection gets its terminal frame.
+            # Every request of an open connection gets its terminal frame
+            # (after a drain too: the server closes a connection only after
+            # its requests were answered).
             for conn in self.open:
                 self._run(wait_until, lambda conn=conn: answered_all(conn), 60)
                 check_connection(conn, complete=True)
+            # Every HTTP request is answered (or was abandoned by its client).
+            self._run(wait_until, lambda: all(c.done for c in self.calls), 60)
+            for call in self.calls:
+                check_call(call)
 
             async def idle() -> None:
                 with trio.fail_after(30):
@@ -247,6 +335,42 @@ class ServerMachine(RuleBasedStateMachine):
                 self._run(idle)
         finally:
             self._server.__exit__(None, None, None)
+
+
+async def _cancel(scope: trio.CancelScope) -> None:
+    scope.cancel()
+
+
+def check_call(call: HttpCall) -> None:
+    """An OpenAI answer: a whole one, a stream that ends with [DONE], or a
+    503 while the server drains; never another server error."""
+    if not call.done or call.hang_up or call.status is None:
+        return
+    if call.status == 503:
+        assert json.loads(call.body)["error"]["code"] == "overloaded"
+        return
+    assert call.status == 200, (call, call.body[:300])
+    if not call.stream:
+        answer = json.loads(call.body)
+        usage = answer["usage"]
+        assert usage["completion_tokens"] <= call.max_tokens
+        choice = answer["choices"][0]
+        text = choice["message"]["content"] if call.chat else choice["text"]
+        if choice["finish_reason"] == "length":
+            assert usage["completion_tokens"] == call.max_tokens
+        assert isinstance(text, str)
+        return
+    events = [e for e in call.body.decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]", events[-3:]
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    errors = [e for e in payloads if "error" in e]
+    if errors:
+        # Only the drain past its grace ends a stream with an error event.
+        assert errors == payloads[-1:], payloads
+        assert errors[0]["error"]["code"] == "overloaded"
+        return
+    reasons = [c["finish_reason"] for e in payloads for c in e["choices"] if c["finish_reason"]]
+    assert len(reasons) == 1, payloads
 
 
 def answered_all(conn: Conn) -> bool:
@@ -281,6 +405,10 @@ def check_connection(conn: Conn, *, complete: bool) -> None:
             assert own == [{"action": "echo", "request_id": rid}]
         if kind == "infer" and terminals:
             final = terminals[0]
+            if final["response_type"] == "error":
+                # Only a request that arrives while the server drains is refused.
+                assert final["error"]["type"] == "overloaded", final
+                continue
             assert final["response_type"] == "full", final
             max_new_tokens, stream = extra
             chunks = [f["chunk"] for f in own if f.get("response_type") == "chunk"]
@@ -294,7 +422,7 @@ def check_connection(conn: Conn, *, complete: bool) -> None:
                 assert final["usage"]["generated_tokens"] == max_new_tokens
         if kind == "stop" and terminals:
             reply_at = by_id[rid][0]
-            targeted, target = extra
+            targeted, target, _, drained = extra
             stop_sent_at = [r for _, r, _ in conn.sent].index(rid)
             for kind2, rid2, _ in conn.sent[:stop_sent_at]:
                 if kind2 != "infer" or (targeted and rid2 != target):
@@ -304,12 +432,42 @@ def check_connection(conn: Conn, *, complete: bool) -> None:
                 assert any(is_terminal(frames[i]) and i < reply_at for i in by_id.get(rid2, [])), (
                     f"{rid2} not finished before the reply to {rid}"
                 )
-            interrupted_since = [
-                rid2
-                for kind2, rid2, _ in conn.sent[:stop_sent_at]
-                if kind2 == "infer" and (not targeted or rid2 == target)
-            ]
-            assert frames[reply_at]["stopped"] <= len(interrupted_since)
+            interrupted = len(stopped_by(conn, rid, frames, by_id))
+            if drained:
+                # The drain interrupts requests too: a stop during it counts
+                # only what it found still running.
+                assert frames[reply_at]["stopped"] <= interrupted
+            else:
+                assert frames[reply_at]["stopped"] == interrupted
+
+
+def stopped_by(
+    conn: Conn, stop_id: str, frames: list[dict[str, Any]], by_id: dict[Any, list[int]]
+) -> list[str]:
+    """The infers that the stop ``stop_id`` interrupted.
+
+    An interrupted infer belongs to the first stop sent after it that matches
+    it, that was sent before the infer's final frame arrived, and whose reply
+    follows that final frame: the server answers a stop only after the final
+    frames of the requests it interrupted, and does not count one it found
+    already ended."""
+    owner: dict[str, str] = {}
+    for index, (kind, rid, _) in enumerate(conn.sent):
+        if kind != "infer":
+            continue
+        final_at = next((i for i in by_id.get(rid, []) if is_terminal(frames[i])), None)
+        if final_at is None or frames[final_at].get("stop_reason") != "interrupted":
+            continue
+        for kind2, sid, extra in conn.sent[index + 1 :]:
+            if kind2 != "stop":
+                continue
+            targeted, target, seen, _ = extra
+            replies = by_id.get(sid, [])
+            matches = not targeted or target == rid
+            if matches and seen <= final_at and replies and replies[0] > final_at:
+                owner[rid] = sid
+                break
+    return [rid for rid, sid in owner.items() if sid == stop_id]
 
 
 ServerMachine.TestCase.settings = settings(
