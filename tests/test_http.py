@@ -911,3 +911,34 @@ async def test_targets_in_absolute_and_odd_forms() -> None:
         assert (await get(port, "//health")).status == 401
         assert (await get(port, "//health", headers=AUTH)).status == 404
         assert (await get(port, "*", method="OPTIONS")).status == 404
+
+
+async def test_a_client_leaving_a_stream_written_from_a_nursery_is_no_handler_error() -> None:
+    """A stream that follows its work in a task of its own (as the OpenAI
+    routes follow their generation) sees the client's leaving as a group of
+    ClientGone; it was logged as a failed handler (found by the state
+    machine's abandoned OpenAI streams)."""
+    left = trio.Event()
+
+    async def nursery_stream(request: HTTPRequest) -> StreamingResponse:
+        async def write(out: BodyWriter) -> None:
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(trio.sleep_forever)
+                    while True:
+                        await out.send(b"data: " + b"x" * 8192 + b"\n\n")
+            finally:
+                left.set()
+
+        return event_stream(write)
+
+    router = Router()
+    router.add("GET", "/nursery", nursery_stream)
+    front = FrontDoor(router, limits=FAST)
+    async with running(front) as port, connect(port) as client:
+        await client.send(request(path="/nursery"))
+        # Never read: a write waits past the send timeout (ClientGone).
+        with trio.fail_after(20):
+            await left.wait()
+        await trio.sleep(0.1)
+    assert front.statistics().errors == 0

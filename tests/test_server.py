@@ -643,3 +643,17 @@ async def test_a_busy_port_is_one_clear_error() -> None:
         async with trio.open_nursery() as nursery:
             with pytest.raises(ListenError, match=f"cannot listen on 127.0.0.1:{port}"):
                 await nursery.start(serve, ScriptedEngine(), ServerConfig(port=port))
+
+
+async def test_the_port_is_closed_once_the_listener_stops() -> None:
+    """trio.serve_listeners does not close its listeners: a drained or
+    stopped server's port went on accepting connections that nobody served,
+    and a client hung instead of being refused."""
+    engine = ScriptedEngine()
+    async with trio.open_nursery() as nursery:
+        listening = await nursery.start(serve, engine, ServerConfig(port=0))
+        stream = await trio.open_tcp_stream("127.0.0.1", listening.port)
+        await stream.aclose()
+        nursery.cancel_scope.cancel()
+    with pytest.raises(OSError):
+        await trio.open_tcp_stream("127.0.0.1", listening.port)

@@ -295,7 +295,10 @@ class ServerMachine(RuleBasedStateMachine):
                     call.status, call.body = reply.status, reply.body
                 call.done = True
 
-        nursery.start_soon(send)
+        async def start() -> None:
+            nursery.start_soon(send)
+
+        self._run(start)
 
     @precondition(lambda self: not self.drained)
     @rule()
