@@ -49,6 +49,7 @@ from trioserve.engine.base import (
 )
 from trioserve.engine.exllamav2 import (
     CACHE_TYPES,
+    MAX_ATTENTION_SIZE,
     PAGE_SIZE,
     JobState,
     plan_load,
@@ -57,7 +58,9 @@ from trioserve.engine.exllamav2 import (
     sampled_token,
     sampler_fields,
     stop_conditions,
+    unpaged_chunk_size,
     updates_from_result,
+    wait_for_build_lock,
 )
 from trioserve.engine.models import default_model_dir
 from trioserve.engine.stops import earliest_stop
@@ -144,6 +147,37 @@ def test_load_without_cuda_raises_engine_error(tmp_path: Path) -> None:
 
     with pytest.raises(EngineError, match="CUDA"):
         ExLlamaV2Engine.load(tmp_path)
+
+
+def test_build_lock_that_stays_is_reported_after_the_wait(tmp_path: Path) -> None:
+    lock = tmp_path / "lock"
+    lock.touch()
+    started = time.monotonic()
+    reason = wait_for_build_lock(lock, 0.3, poll=0.05)
+    waited = time.monotonic() - started
+    assert reason is not None
+    assert str(lock) in reason
+    assert "delete it" in reason
+    assert 0.3 <= waited < 5
+    # Never deleted: a build in another process may hold it.
+    assert lock.exists()
+
+
+def test_build_lock_that_goes_is_waited_for(tmp_path: Path) -> None:
+    lock = tmp_path / "lock"
+    lock.touch()
+    timer = threading.Timer(0.2, lock.unlink)
+    timer.start()
+    try:
+        assert wait_for_build_lock(lock, 30, poll=0.05) is None
+    finally:
+        timer.join()
+
+
+def test_no_build_lock_means_no_wait(tmp_path: Path) -> None:
+    started = time.monotonic()
+    assert wait_for_build_lock(tmp_path / "lock", 30) is None
+    assert time.monotonic() - started < 1
 
 
 # -- planning the load ------------------------------------------------------------------
@@ -240,10 +274,52 @@ def test_plan_invariants(
     # What ExLlamaV2DynamicGenerator.__init__ asserts, and what a job needs.
     assert plan.cache_tokens % PAGE_SIZE == 0
     assert plan.cache_tokens >= plan.context_length
-    assert plan.max_chunk_size % PAGE_SIZE == 0
-    assert PAGE_SIZE <= plan.max_chunk_size <= min(2048, plan.context_length)
+    assert 1 <= plan.max_chunk_size <= min(2048, plan.context_length)
+    if paged:
+        assert plan.max_chunk_size % PAGE_SIZE == 0
+    else:
+        # The matmul attention's weights per head stay within ExLlamaV2's
+        # max_attention_size at any position of the context.
+        assert plan.max_chunk_size * plan.context_length <= MAX_ATTENTION_SIZE
     assert plan.max_batch * 8 <= min(2048, plan.context_length)
     assert plan.max_batch == 1 or paged
+
+
+def test_plan_unpaged_chunk_bounds_the_matmul_attention() -> None:
+    # Paged (flash-attn) keeps the full chunk; unpaged, chunk x context stays
+    # within 2048 ** 2 weights per head.
+    assert plan_load(8192, paged=True).max_chunk_size == 2048
+    assert plan_load(8192, paged=False).max_chunk_size == 512
+    assert plan_load(2048, paged=False).max_chunk_size == 2048
+    assert plan_load(8192, paged=False, context_length=4000).max_chunk_size == 1024
+    assert plan_load(32768, paged=False).max_chunk_size == 128
+    # A smaller asked-for chunk still wins.
+    assert plan_load(8192, paged=False, max_chunk_size=256).max_chunk_size == 256
+    # The config's own max_attention_size is the bound.
+    assert plan_load(8192, paged=False, max_attention_size=2**26).max_chunk_size == 2048
+
+
+@given(
+    context=st.integers(1, 1 << 20),
+    max_attention_size=st.integers(1, 1 << 28),
+)
+def test_unpaged_chunk_is_the_largest_that_fits(context: int, max_attention_size: int) -> None:
+    chunk = unpaged_chunk_size(context, max_attention_size)
+    assert chunk >= 1
+    if max_attention_size >= context:
+        assert chunk * context <= max_attention_size
+    # The next size up (a page more, or a token more below a page) would not fit.
+    step = PAGE_SIZE if chunk >= PAGE_SIZE else 1
+    assert (chunk + step) * context > max_attention_size
+
+
+def test_plan_refuses_tensor_parallel_without_flash_attn() -> None:
+    with pytest.raises(ConfigError, match="tensor_parallel needs flash-attn"):
+        plan_load(8192, paged=False, tensor_parallel=True)
+    # flash-attn older than 2.5.7: unpaged, but its causal attention is used.
+    plan = plan_load(8192, paged=False, tensor_parallel=True, flash_attn=True)
+    assert plan.tensor_parallel
+    assert plan_load(8192, paged=True, tensor_parallel=True).tensor_parallel
 
 
 # -- sampler settings --------------------------------------------------------------------
