@@ -1276,6 +1276,121 @@ def test_real_job_outcome_does_not_depend_on_the_hash_seed(real_jobs: RealJobs) 
     assert len({json.dumps(v) for v in alone.values()}) > 1, alone
 
 
+# -- attention without flash-attn, against ExLlamaV2's real config and attention (exl2-cpu) --
+
+
+@pytest.fixture(scope="module")
+def real_config() -> Any:
+    """A real ``ExLlamaV2Config`` of the embedded model (its ``prepare`` ran)."""
+    reason = exllamav2_unavailable()
+    if reason is not None:
+        if os.environ.get("TRIOSERVE_EXL2_CPU") == "1":
+            pytest.fail(f"nox -s exl2-cpu must run the real config tests: {reason}")
+        pytest.skip(reason)
+    from exllamav2 import ExLlamaV2Config
+
+    def load() -> Any:
+        config = ExLlamaV2Config(str(default_model_dir(offline=True)))
+        config.arch_compat_overrides(quiet=True)
+        return config
+
+    return load
+
+
+def test_real_config_unpaged_turns_sdpa_off(real_config: Any) -> None:
+    from exllamav2.attn import has_flash_attn_with_paged
+
+    from trioserve.engine.exllamav2 import configure_attention
+
+    config = real_config()
+    # SDPA is ExLlamaV2's default for Llama (unless the environment says no).
+    assert config.no_sdpa == ("EXLLAMA_NO_SDPA" in os.environ)
+    assert configure_attention(config, flash_attn_paged=False) is False
+    assert config.no_sdpa is True
+    # Paged: flash-attn's attention, SDPA left as it was.
+    config = real_config()
+    assert configure_attention(config, flash_attn_paged=True) is True
+    assert config.no_sdpa == ("EXLLAMA_NO_SDPA" in os.environ)
+    # flash-attn there but off for the architecture: unpaged again.
+    config = real_config()
+    config.no_flash_attn = True
+    assert configure_attention(config, flash_attn_paged=True) is False
+    assert config.no_sdpa is True
+    # What the engine's load does here (no flash-attn on these machines).
+    config = real_config()
+    paged = configure_attention(config, flash_attn_paged=bool(has_flash_attn_with_paged))
+    assert paged == bool(has_flash_attn_with_paged)
+    assert config.no_sdpa == (not paged or "EXLLAMA_NO_SDPA" in os.environ)
+    # The chunk the engine asks of an unpaged generator for this config.
+    plan = plan_load(
+        int(config.max_seq_len), paged=False, max_attention_size=int(config.max_attention_size)
+    )
+    assert (config.max_seq_len, config.max_attention_size) == (8192, 2048**2)
+    assert plan.max_chunk_size == 512
+
+
+def _reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, scale: float, *, causal: bool
+) -> torch.Tensor:
+    """Attention in float32: q [1, C, H, D] at the end of k, v [1, T, K, D];
+    returns [1, C, H * D]. Causal: position i of the chunk sees keys up to
+    T - C + i."""
+    q32 = q.float().transpose(1, 2)
+    k32 = k.float().repeat_interleave(groups, dim=2).transpose(1, 2)
+    v32 = v.float().repeat_interleave(groups, dim=2).transpose(1, 2)
+    weights = (q32 @ k32.transpose(-1, -2)) * scale  # [1, H, C, T]
+    c, t = q.shape[1], k.shape[1]
+    if causal:
+        allowed = torch.arange(t)[None, :] <= (t - c + torch.arange(c))[:, None]
+        weights = weights.masked_fill(~allowed, float("-inf"))
+    out = weights.softmax(-1) @ v32  # [1, H, C, D]
+    return out.transpose(1, 2).reshape(1, c, -1)
+
+
+def test_real_attention_is_causal_only_with_sdpa_off(real_config: Any) -> None:
+    """ExLlamaV2's own ``_attn_torch`` (the attention of an unpaged generator
+    without flash-attn), run on the CPU on a prefill chunk of 6 tokens after 3
+    cached ones, with the embedded model's real attention layer and config.
+
+    With ``no_sdpa`` (what :func:`configure_attention` sets) it is causal. With
+    SDPA, at ExLlamaV2 0.3.2, it is not: the chunk's tokens see their future
+    (attn.py, line 889). Should a release fix that, the second half fails and
+    the workaround can be revisited."""
+    from exllamav2 import ExLlamaV2
+    from exllamav2.attn import ExLlamaV2Attention, has_lower_right_sdpa
+
+    from trioserve.engine.exllamav2 import configure_attention
+
+    config = real_config()
+    model = ExLlamaV2(config)  # modules only: nothing is loaded
+    attn = next(m for m in model.modules if isinstance(m, ExLlamaV2Attention))
+    heads, kv_heads, dim = 9, 3, 64
+    assert (attn.num_key_value_groups, attn.sliding_window) == (heads // kv_heads, 0)
+    past, chunk = 3, 6
+    generator = torch.Generator().manual_seed(22)
+    q = torch.randn(1, chunk, heads, dim, generator=generator).half()
+    k = torch.randn(1, past + chunk, kv_heads, dim, generator=generator).half()
+    v = torch.randn(1, past + chunk, kv_heads, dim, generator=generator).half()
+
+    def run() -> torch.Tensor:
+        params = ExLlamaV2Attention.Params(1, chunk, past, None, None)
+        out: torch.Tensor = attn._attn_torch(1, chunk, q, k, v, params, config)
+        return out.float()
+
+    groups, scale = heads // kv_heads, float(attn.scaling)
+    causal = _reference_attention(q, k, v, groups, scale, causal=True)
+    unmasked = _reference_attention(q, k, v, groups, scale, causal=False)
+    assert (causal - unmasked).abs().max() > 0.1  # the two differ on this data
+
+    assert configure_attention(config, flash_attn_paged=False) is False
+    torch.testing.assert_close(run(), causal, atol=2e-2, rtol=2e-2)
+
+    # The upstream bug, as it is at 0.3.2: SDPA allowed, no mask at all.
+    assert has_lower_right_sdpa
+    config.no_sdpa = False
+    torch.testing.assert_close(run(), unmasked, atol=2e-2, rtol=2e-2)
+
+
 # -- on a GPU ----------------------------------------------------------------------------
 
 CHAT = (
