@@ -37,6 +37,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.gpu.greedy import NEAR_TIE, GreedyReference, check_greedy, divergences
 from trioserve.engine.base import (
     Engine,
     Failed,
@@ -855,6 +856,72 @@ def test_updates_follow_the_cpu_rule(tokenizer: Tokenizer, data: st.DataObject) 
     assert summary(updates) == cpu_rule(tokenizer, spec, script)
 
 
+# -- the float32 reference the GPU's greedy tokens are checked against (tests/gpu/greedy.py) --
+
+REFERENCE_CHAT = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    "<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+@pytest.fixture(scope="module")
+def reference() -> GreedyReference:
+    return GreedyReference.load(default_model_dir(offline=True))
+
+
+def test_divergences_and_near_ties() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0], [2.0, 2.3, 0.0], [9.0, 0.0, 0.0]])
+    assert divergences(logits, [1, 1, 0]) == []
+    (tie,) = divergences(logits, [1, 0, 0])
+    assert (tie.position, tie.token, tie.reference_token) == (1, 0, 1)
+    assert tie.gap == pytest.approx(0.3)
+    assert check_greedy(logits, [1, 0, 0]) is None
+    problem = check_greedy(logits, [1, 0, 1])
+    assert problem is not None
+    assert problem.startswith("generated token 2 is 1")
+    assert check_greedy(logits, [1, 0, 0], near_tie=0.1) is not None
+    with pytest.raises(ValueError, match="3 rows of logits for 2 tokens"):
+        divergences(logits, [1, 1])
+
+
+def test_reference_greedy_answer_passes_its_own_check(
+    reference: GreedyReference, tokenizer: Tokenizer
+) -> None:
+    prompt = tokenizer.encode(REFERENCE_CHAT.format(question="What is the capital of France?"))
+    tokens = reference.greedy(prompt, 8)
+    assert "Paris" in tokenizer.decode(tokens)
+    logits = reference.logits(prompt, tokens)
+    # Greedy with the cache, step by step, and one pass over the whole: the same choices.
+    assert [int(row.argmax()) for row in logits] == tokens
+    assert logits.shape == (8, 49152)
+    assert check_greedy(logits, tokens) is None
+    # A token the reference finds far less likely, where it is confident, is
+    # what a context seen wrongly produces: the check names it.
+    confident = next(i for i, row in enumerate(logits) if float(row.topk(2).values.diff()) < -2)
+    wrong = list(tokens)
+    wrong[confident] = int(logits[confident].argsort()[-20])
+    problem = check_greedy(reference.logits(prompt, wrong), wrong)
+    assert problem is not None
+    assert problem.startswith(f"generated token {confident} is {wrong[confident]}")
+
+
+def test_float16_rounding_stays_within_a_near_tie(
+    reference: GreedyReference, tokenizer: Tokenizer
+) -> None:
+    """The near-tie allowance against rounding alone: the same model code with
+    float16 weights and matmuls (a float32 residual stream, unlike ExLlamaV2's
+    float16 one, so a lower bound) moves SmolLM2's logits by a fraction of it."""
+    half = GreedyReference.load(default_model_dir(offline=True), dtype=torch.float16)
+    # An answer with many close candidates (gaps of 0.1 to 0.7 between the
+    # best two), where rounding matters most.
+    prompt = tokenizer.encode(REFERENCE_CHAT.format(question="Name three colours."))
+    tokens = reference.greedy(prompt, 12)
+    exact, rounded = reference.logits(prompt, tokens), half.logits(prompt, tokens)
+    assert float((exact - rounded).abs().max()) < NEAR_TIE / 4
+    # Where rounding picks another token, it is a near-tie of the exact logits.
+    assert check_greedy(exact, [int(row.argmax()) for row in rounded]) is None
+
+
 # -- the real ExLlamaV2 job code, on the CPU (nox -s exl2-cpu) --------------------------
 #
 # ExLlamaV2DynamicJob's receive_sample is where ExLlamaV2 decides what text to
@@ -1625,6 +1692,66 @@ def test_gpu_stop_string_held_behind_another_ends_the_job(xengine: Any) -> None:
         assert _released(updates[job_id]) == full[: match[0]]
     assert xengine.step([], []) == []
     assert xengine._generator.num_remaining_jobs() == 0
+
+
+def _greedy_tokens(engine: Any, spec: GenerationSpec) -> tuple[list[int], Finished]:
+    """Run ``spec`` alone to its end; the tokens ExLlamaV2 sampled (a stop
+    token included), read from its job's sequence, and the final update."""
+    updates = engine.step([spec], [])
+    running = engine._jobs.get(spec.job_id)
+    assert running is not None, updates
+    job = running.job
+    for _ in range(10_000):
+        for update in updates:
+            assert not isinstance(update, Failed), update
+            if isinstance(update, Finished):
+                tokens = job.sequences[0].sequence_ids.torch()[0, len(spec.prompt_ids) :]
+                return [int(t) for t in tokens], update
+        updates = engine.step([], [])
+    raise AssertionError("the job did not end")
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_tokens_match_the_cpu_engines_model(xengine: Any) -> None:
+    """ExLlamaV2's greedy tokens against the CPU engine's model code in float32
+    on the same converted directory (tests/gpu/greedy.py): each token the
+    reference's choice, or within a near-tie of it. Catches whatever makes
+    ExLlamaV2 see its context wrongly: ExLlamaV2 0.3.2's unmasked SDPA
+    prefill, which the engine avoids with no_sdpa (configure_attention), a
+    RoPE or cache-offset error, a wrong chunk boundary. The long prompt takes
+    several prefill chunks."""
+    from trioserve.engine.models import default_model_dir
+
+    reference = GreedyReference.load(default_model_dir(offline=True))
+    counting = "Counting: " + ", ".join(str(i) for i in range(1, 301)) + ","
+    prompts = {
+        "capital": CHAT.format(question="What is the capital of France?"),
+        "count": CHAT.format(question="Count from one to ten in words."),
+        "long": counting,
+    }
+    long_ids = xengine.encode(counting)
+    if not xengine.plan.paged:
+        assert len(long_ids) > 2 * xengine.plan.max_chunk_size, (len(long_ids), xengine.plan)
+    problems = []
+    for n, (name, text) in enumerate(prompts.items()):
+        prompt = tuple(xengine.encode(text))
+        spec = GenerationSpec(
+            job_id=60 + n,
+            prompt_ids=prompt,
+            max_new_tokens=16,
+            sampling=GREEDY,
+            stop_token_ids=xengine.info.eos_token_ids,
+        )
+        tokens, finished = _greedy_tokens(xengine, spec)
+        assert len(tokens) == finished.generated_tokens
+        problem = check_greedy(reference.logits(prompt, tokens), tokens)
+        if problem is not None:
+            expected = reference.greedy(prompt, len(tokens))
+            problems.append(
+                f"{name}: {problem}; exllamav2 {xengine.decode(tokens)!r}, "
+                f"reference {xengine.decode(expected)!r}"
+            )
+    assert not problems, problems
 
 
 @pytest.mark.gpu
