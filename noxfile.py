@@ -215,12 +215,16 @@ def _exl2_build_env(session: nox.Session) -> dict[str, str]:
         "MAX_JOBS": os.environ.get("MAX_JOBS", "2"),
         "TORCH_CUDA_ARCH_LIST": arch,
     }
-    # CUDA_HOME and the library headers a bare toolkit lacks, as the GPU
-    # check finds them too (tests/gpu/build_exllamav2.py, build_environment).
-    lines = session.run("python", "tests/gpu/build_exllamav2.py", "--env", silent=True)
+    # CUDA_HOME, the library headers a bare toolkit lacks and a linkable
+    # libcudart where CUDA_HOME has none, as the GPU check finds them too
+    # (tests/gpu/build_exllamav2.py, build_environment).
+    link_dir = os.path.join(env["TORCH_EXTENSIONS_DIR"], "cudart")
+    lines = session.run(
+        "python", "tests/gpu/build_exllamav2.py", "--env", "--link-dir", link_dir, silent=True
+    )
     for line in str(lines or "").splitlines():
         key, sep, value = line.partition("=")
-        if sep and key in ("CUDA_HOME", "CPLUS_INCLUDE_PATH"):
+        if sep and key in ("CUDA_HOME", "CPLUS_INCLUDE_PATH", "LIBRARY_PATH"):
             env[key] = value
     return env
 
