@@ -1396,6 +1396,20 @@ def test_real_config_unpaged_turns_sdpa_off(real_config: Any) -> None:
     assert plan.max_chunk_size == 512
 
 
+def test_real_build_lock_is_in_the_directory_torch_built_into(real_config: Any) -> None:
+    """The lock the probe waits on (at most BUILD_LOCK_WAIT) is the one
+    torch's build of exllamav2's extension takes: in the directory the
+    imported extension came from."""
+    from exllamav2.ext import exllamav2_ext
+
+    from trioserve.engine.exllamav2 import _build_lock
+
+    lock = _build_lock()
+    assert lock is not None
+    assert lock.name == "lock"
+    assert lock.parent.resolve() == Path(exllamav2_ext.__file__).resolve().parent
+
+
 def _reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, scale: float, *, causal: bool
 ) -> torch.Tensor:
