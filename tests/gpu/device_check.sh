@@ -46,14 +46,21 @@ LOCK="$TORCH_EXTENSIONS_DIR/exllamav2_ext/lock"
 # them up), and what lies outside the script: the machine's start before call 1, the pause
 # between the calls, the give-back after call 2.
 START_S=${START_S:-150} GAP_S=${GAP_S:-15} GIVE_BACK_S=${GIVE_BACK_S:-15}
-CAP_SETUP=${CAP_SETUP:-40}       # call 1: the machine's facts, the wheels, the environment, imports
-CAP_PREBUILT=${CAP_PREBUILT:-45} # call 1: unpack and test-import the carried prebuilt extension
-CAP_COMPILE=${CAP_COMPILE:-140}  # call 1: compile, only when the prebuilt one does not import
-CAP_PROBE=${CAP_PROBE:-30}       # call 1: what the engine will find (CUDA, exllamav2, flash-attn)
-CAP_MODEL=${CAP_MODEL:-30}       # call 2: join, verify and convert the model
-CAP_PYTEST=${CAP_PYTEST:-140}    # call 2: pytest -m gpu
-CAP_BENCH=${CAP_BENCH:-80}       # call 2: the benchmark
-RESERVE=10                       # each call: its results (call1.json, summary.json)
+CAP_FACTS=${CAP_FACTS:-15}       # call 1: the machine's facts (the first, cold, import of torch)
+CAP_WHEELS=${CAP_WHEELS:-10}     # call 1: pip install --target of the carried wheels
+CAP_ENV=${CAP_ENV:-10}           # call 1: the toolkit's environment (build_exllamav2.py --env)
+CAP_IMPORTS=${CAP_IMPORTS:-15}   # call 1: trioserve and its test helpers import
+CAP_PREBUILT=${CAP_PREBUILT:-30} # call 1: unpack and test-import the carried prebuilt extension
+# Compile, only when the prebuilt one does not import: 48 steps, 2594 s of compiler time on the
+# development machine's cores (exl2-cpu, 2026-12-01), the slowest step 166 s: on 16 cores at
+# least that, about 160-200 s.
+CAP_COMPILE=${CAP_COMPILE:-200}
+CAP_PROBE=${CAP_PROBE:-25}       # call 1: what the engine will find (CUDA, exllamav2, flash-attn)
+CAP_MODEL=${CAP_MODEL:-20}       # call 2: join, verify and convert the model
+CAP_PYTEST=${CAP_PYTEST:-130}    # call 2: pytest -m gpu
+CAP_BENCH=${CAP_BENCH:-60}       # call 2: the benchmark
+RESERVE=5                        # each call: its results (call1.json, summary.json)
+CAP_SETUP=$((CAP_FACTS + CAP_WHEELS + CAP_ENV + CAP_IMPORTS))
 CALL1_MAX=$((CAP_SETUP + CAP_PREBUILT + CAP_COMPILE + CAP_PROBE + RESERVE))
 CALL2_MAX=$((CAP_MODEL + CAP_PYTEST + CAP_BENCH + RESERVE))
 DEVICE_LEFT=${DEVICE_LEFT:-900}
@@ -70,7 +77,9 @@ left() { echo $((BUDGET - $(elapsed) - RESERVE)); }
 # A step under a deadline: its own cap, or what the call's budget has left after the reserve for
 # its results. SIGINT first: Python unwinds, and torch's build releases its lock
 # (cpp_extension's `finally`); SIGKILL 10 s later only if that did not end it. Each step's
-# seconds and status go to steps.tsv. In a dry run the step's DRY_<NAME> snippet runs instead.
+# seconds and status go to steps.tsv. In a dry run the step's DRY_<NAME> snippet runs instead,
+# except for the steps that need nothing of the GPU image (REAL_IN_DRY_RUN).
+REAL_IN_DRY_RUN=" facts env "
 step() {
     local name=$1 cap=$2 rest started rc
     shift 2
@@ -82,7 +91,7 @@ step() {
         return 124
     fi
     started=$(date +%s)
-    if [ "${DRY_RUN:-0}" = 1 ]; then
+    if [ "${DRY_RUN:-0}" = 1 ] && [[ $REAL_IN_DRY_RUN != *" $name "* ]]; then
         local var="DRY_${name^^}"
         if [ -z "${!var+x}" ]; then
             log "dry run: no DRY_${name^^} for step $name"
@@ -118,11 +127,14 @@ build() {
         cp "$STAGE/call1.json" "$OUT/call1.json"
         exit 4
     fi
-    log "GPU: $(timeout 10 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)"
-    timeout 20 python3 -c 'import sys, torch; print("python", sys.version.split()[0], sys.executable, "torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())' 2>&1 | tee -a "$OUT/log.txt"
-    log "nvcc on PATH: $(which -a nvcc 2>&1 | tr '\n' ' ')($(timeout 10 nvcc --version 2>&1 | tail -1)); ninja $(timeout 5 ninja --version 2>&1); cores $(nproc)"
-    log "g++: $(timeout 5 g++ --version 2>&1 | head -1)"
-    log "CUDA libraries known to ld.so: $(ldconfig -p 2>/dev/null | grep -oE '(libcudart|libcublas|libnvrtc)\.so[.0-9]*' | sort -u | tr '\n' ' ')"
+    # The machine's facts, all under one cap (their commands are quick, but a wedged driver is not).
+    step facts "$CAP_FACTS" bash -c '
+        echo "GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)"
+        python3 -c "import sys, torch; print(\"python\", sys.version.split()[0], sys.executable, \"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"gpu\", torch.cuda.is_available())" 2>&1
+        echo "nvcc on PATH: $(which -a nvcc 2>&1 | tr "\n" " ")($(nvcc --version 2>&1 | tail -1)); ninja $(ninja --version 2>&1); cores $(nproc)"
+        echo "g++: $(g++ --version 2>&1 | head -1)"
+        echo "CUDA libraries known to ld.so: $(ldconfig -p 2>/dev/null | grep -oE "(libcudart|libcublas|libnvrtc)\.so[.0-9]*" | sort -u | tr "\n" " ")"
+    ' 2>&1 | tee -a "$OUT/log.txt"
     local carried=$CALL1
     if [ ! -d "$carried/wheels" ] || [ ! -f "$carried/model.part1" ]; then
         log "FAILED: $carried is incomplete: run tests/gpu/stage.sh and carry it"
@@ -133,7 +145,7 @@ build() {
 
     # 1. Packages beside the image's torch: --target plus PYTHONPATH, because the image's python3 is
     # itself a virtual environment that a new one (--system-site-packages) would not see through.
-    if ! step wheels 20 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    if ! step wheels "$CAP_WHEELS" python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --target "$STAGE/site" "$carried"/wheels/*.whl >"$STAGE/pip.txt" 2>&1; then
         tee -a "$OUT/log.txt" <"$STAGE/pip.txt"
         log "FAILED: the wheels did not install"
@@ -147,7 +159,7 @@ build() {
     # image's nvidia-* packages, CPLUS_INCLUDE_PATH) and, when CUDA_HOME has no linkable
     # libcudart.so (a toolkit from pip's packages), links one into $STAGE/cudart (LIBRARY_PATH).
     local found
-    found=$(timeout 20 python3 tests/gpu/build_exllamav2.py --env --link-dir "$STAGE/cudart" 2>>"$OUT/log.txt")
+    found=$(step env "$CAP_ENV" python3 tests/gpu/build_exllamav2.py --env --link-dir "$STAGE/cudart" 2>>"$OUT/log.txt")
     {
         echo "export PYTHONPATH='$ROOT:$STAGE/site'"
         sed -n "s/^\(CUDA_HOME\|CPLUS_INCLUDE_PATH\|LIBRARY_PATH\)=\(.*\)$/export \1='\2'/p" <<<"$found"
@@ -156,7 +168,7 @@ build() {
     source "$STAGE/env.sh"
     log "environment: $(tr '\n' ' ' <"$STAGE/env.sh")"
     log "libcudart: $(sed -n 's/^LIBCUDART=//p' <<<"$found" | grep . || echo "linkable in \$CUDA_HOME/lib64 or lib"); in CUDA_HOME: $(ls "${CUDA_HOME:-/nonexistent}"/lib*/libcudart* 2>/dev/null | tr '\n' ' ')"
-    if ! step imports 15 python3 -c 'import trioserve.engine.exllamav2, trio_websocket, cattrs, gguf, pytest_trio, tests.helpers' >>"$OUT/log.txt" 2>&1; then
+    if ! step imports "$CAP_IMPORTS" python3 -c 'import trioserve.engine.exllamav2, trio_websocket, cattrs, gguf, pytest_trio, tests.helpers' >>"$OUT/log.txt" 2>&1; then
         log "FAILED: trioserve or its test helpers do not import (a wheel missing from tests/gpu/stage.sh?)"
         exit 2
     fi
@@ -309,7 +321,10 @@ run() {
 # script, in the order they come; the last line is the total.
 plan() {
     printf '%s\t%s\n' "machine start (before call 1)" "$START_S" \
-        "call 1: facts, wheels, environment, imports" "$CAP_SETUP" \
+        "call 1: the machine's facts" "$CAP_FACTS" \
+        "call 1: install the wheels" "$CAP_WHEELS" \
+        "call 1: the toolkit's environment" "$CAP_ENV" \
+        "call 1: import check" "$CAP_IMPORTS" \
         "call 1: test-import the carried prebuilt extension" "$CAP_PREBUILT" \
         "call 1: compile (only if the prebuilt one does not import)" "$CAP_COMPILE" \
         "call 1: probe" "$CAP_PROBE" \
