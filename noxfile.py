@@ -215,12 +215,16 @@ def _exl2_build_env(session: nox.Session) -> dict[str, str]:
         "MAX_JOBS": os.environ.get("MAX_JOBS", "2"),
         "TORCH_CUDA_ARCH_LIST": arch,
     }
-    # CUDA_HOME and the library headers a bare toolkit lacks, as the GPU
-    # check finds them too (tests/gpu/build_exllamav2.py, build_environment).
-    lines = session.run("python", "tests/gpu/build_exllamav2.py", "--env", silent=True)
+    # CUDA_HOME, the library headers a bare toolkit lacks and a linkable
+    # libcudart where CUDA_HOME has none, as the GPU check finds them too
+    # (tests/gpu/build_exllamav2.py, build_environment).
+    link_dir = os.path.join(env["TORCH_EXTENSIONS_DIR"], "cudart")
+    lines = session.run(
+        "python", "tests/gpu/build_exllamav2.py", "--env", "--link-dir", link_dir, silent=True
+    )
     for line in str(lines or "").splitlines():
         key, sep, value = line.partition("=")
-        if sep and key in ("CUDA_HOME", "CPLUS_INCLUDE_PATH"):
+        if sep and key in ("CUDA_HOME", "CPLUS_INCLUDE_PATH", "LIBRARY_PATH"):
             env[key] = value
     return env
 
@@ -231,11 +235,14 @@ def exl2_cpu(session: nox.Session) -> None:
 
     Installs torch 2.11.0 with CUDA 13.0 (a download of several GB, in this
     session's own environment only) and exllamav2 0.3.2, builds ExLlamaV2's
-    extension with the machine's nvcc (no GPU needed; about 18 CPU-minutes
-    the first time, then cached), and runs tests/test_exllamav2.py with the
-    tests that drive ``ExLlamaV2DynamicJob.receive_sample`` required to run.
-    CPython 3.12 (the GPU machines' Python, so that the build doubles as the
-    GPU check's fallback); with pyenv: ``PYENV_VERSION=3.11.7:3.12.1``.
+    extension with the machine's nvcc (no GPU needed; 48 compile steps, over
+    an hour on two busy cores the first time, then cached), and runs
+    tests/test_exllamav2.py with the tests that need exllamav2 required to
+    run: the ones that drive ``ExLlamaV2DynamicJob.receive_sample``, and
+    the engine's attention set-up against a real ``ExLlamaV2Config`` and
+    ExLlamaV2's own ``_attn_torch``. CPython 3.12 (the GPU machines' Python,
+    so that the build doubles as the GPU check's prebuilt extension); with
+    pyenv: ``PYENV_VERSION=3.11.7:3.12.1``.
     """
     session.install(EXL2_CPU_TORCH)
     session.install(

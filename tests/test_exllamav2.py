@@ -37,6 +37,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.gpu.greedy import NEAR_TIE, GreedyReference, check_greedy, divergences
 from trioserve.engine.base import (
     Engine,
     Failed,
@@ -49,6 +50,7 @@ from trioserve.engine.base import (
 )
 from trioserve.engine.exllamav2 import (
     CACHE_TYPES,
+    MAX_ATTENTION_SIZE,
     PAGE_SIZE,
     JobState,
     plan_load,
@@ -57,7 +59,9 @@ from trioserve.engine.exllamav2 import (
     sampled_token,
     sampler_fields,
     stop_conditions,
+    unpaged_chunk_size,
     updates_from_result,
+    wait_for_build_lock,
 )
 from trioserve.engine.models import default_model_dir
 from trioserve.engine.stops import earliest_stop
@@ -144,6 +148,37 @@ def test_load_without_cuda_raises_engine_error(tmp_path: Path) -> None:
 
     with pytest.raises(EngineError, match="CUDA"):
         ExLlamaV2Engine.load(tmp_path)
+
+
+def test_build_lock_that_stays_is_reported_after_the_wait(tmp_path: Path) -> None:
+    lock = tmp_path / "lock"
+    lock.touch()
+    started = time.monotonic()
+    reason = wait_for_build_lock(lock, 0.3, poll=0.05)
+    waited = time.monotonic() - started
+    assert reason is not None
+    assert str(lock) in reason
+    assert "delete it" in reason
+    assert 0.3 <= waited < 5
+    # Never deleted: a build in another process may hold it.
+    assert lock.exists()
+
+
+def test_build_lock_that_goes_is_waited_for(tmp_path: Path) -> None:
+    lock = tmp_path / "lock"
+    lock.touch()
+    timer = threading.Timer(0.2, lock.unlink)
+    timer.start()
+    try:
+        assert wait_for_build_lock(lock, 30, poll=0.05) is None
+    finally:
+        timer.join()
+
+
+def test_no_build_lock_means_no_wait(tmp_path: Path) -> None:
+    started = time.monotonic()
+    assert wait_for_build_lock(tmp_path / "lock", 30) is None
+    assert time.monotonic() - started < 1
 
 
 # -- planning the load ------------------------------------------------------------------
@@ -240,10 +275,52 @@ def test_plan_invariants(
     # What ExLlamaV2DynamicGenerator.__init__ asserts, and what a job needs.
     assert plan.cache_tokens % PAGE_SIZE == 0
     assert plan.cache_tokens >= plan.context_length
-    assert plan.max_chunk_size % PAGE_SIZE == 0
-    assert PAGE_SIZE <= plan.max_chunk_size <= min(2048, plan.context_length)
+    assert 1 <= plan.max_chunk_size <= min(2048, plan.context_length)
+    if paged:
+        assert plan.max_chunk_size % PAGE_SIZE == 0
+    else:
+        # The matmul attention's weights per head stay within ExLlamaV2's
+        # max_attention_size at any position of the context.
+        assert plan.max_chunk_size * plan.context_length <= MAX_ATTENTION_SIZE
     assert plan.max_batch * 8 <= min(2048, plan.context_length)
     assert plan.max_batch == 1 or paged
+
+
+def test_plan_unpaged_chunk_bounds_the_matmul_attention() -> None:
+    # Paged (flash-attn) keeps the full chunk; unpaged, chunk x context stays
+    # within 2048 ** 2 weights per head.
+    assert plan_load(8192, paged=True).max_chunk_size == 2048
+    assert plan_load(8192, paged=False).max_chunk_size == 512
+    assert plan_load(2048, paged=False).max_chunk_size == 2048
+    assert plan_load(8192, paged=False, context_length=4000).max_chunk_size == 1024
+    assert plan_load(32768, paged=False).max_chunk_size == 128
+    # A smaller asked-for chunk still wins.
+    assert plan_load(8192, paged=False, max_chunk_size=256).max_chunk_size == 256
+    # The config's own max_attention_size is the bound.
+    assert plan_load(8192, paged=False, max_attention_size=2**26).max_chunk_size == 2048
+
+
+@given(
+    context=st.integers(1, 1 << 20),
+    max_attention_size=st.integers(1, 1 << 28),
+)
+def test_unpaged_chunk_is_the_largest_that_fits(context: int, max_attention_size: int) -> None:
+    chunk = unpaged_chunk_size(context, max_attention_size)
+    assert chunk >= 1
+    if max_attention_size >= context:
+        assert chunk * context <= max_attention_size
+    # The next size up (a page more, or a token more below a page) would not fit.
+    step = PAGE_SIZE if chunk >= PAGE_SIZE else 1
+    assert (chunk + step) * context > max_attention_size
+
+
+def test_plan_refuses_tensor_parallel_without_flash_attn() -> None:
+    with pytest.raises(ConfigError, match="tensor_parallel needs flash-attn"):
+        plan_load(8192, paged=False, tensor_parallel=True)
+    # flash-attn older than 2.5.7: unpaged, but its causal attention is used.
+    plan = plan_load(8192, paged=False, tensor_parallel=True, flash_attn=True)
+    assert plan.tensor_parallel
+    assert plan_load(8192, paged=True, tensor_parallel=True).tensor_parallel
 
 
 # -- sampler settings --------------------------------------------------------------------
@@ -779,6 +856,72 @@ def test_updates_follow_the_cpu_rule(tokenizer: Tokenizer, data: st.DataObject) 
     assert summary(updates) == cpu_rule(tokenizer, spec, script)
 
 
+# -- the float32 reference the GPU's greedy tokens are checked against (tests/gpu/greedy.py) --
+
+REFERENCE_CHAT = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    "<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+@pytest.fixture(scope="module")
+def reference() -> GreedyReference:
+    return GreedyReference.load(default_model_dir(offline=True))
+
+
+def test_divergences_and_near_ties() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0], [2.0, 2.3, 0.0], [9.0, 0.0, 0.0]])
+    assert divergences(logits, [1, 1, 0]) == []
+    (tie,) = divergences(logits, [1, 0, 0])
+    assert (tie.position, tie.token, tie.reference_token) == (1, 0, 1)
+    assert tie.gap == pytest.approx(0.3)
+    assert check_greedy(logits, [1, 0, 0]) is None
+    problem = check_greedy(logits, [1, 0, 1])
+    assert problem is not None
+    assert problem.startswith("generated token 2 is 1")
+    assert check_greedy(logits, [1, 0, 0], near_tie=0.1) is not None
+    with pytest.raises(ValueError, match="3 rows of logits for 2 tokens"):
+        divergences(logits, [1, 1])
+
+
+def test_reference_greedy_answer_passes_its_own_check(
+    reference: GreedyReference, tokenizer: Tokenizer
+) -> None:
+    prompt = tokenizer.encode(REFERENCE_CHAT.format(question="What is the capital of France?"))
+    tokens = reference.greedy(prompt, 8)
+    assert "Paris" in tokenizer.decode(tokens)
+    logits = reference.logits(prompt, tokens)
+    # Greedy with the cache, step by step, and one pass over the whole: the same choices.
+    assert [int(row.argmax()) for row in logits] == tokens
+    assert logits.shape == (8, 49152)
+    assert check_greedy(logits, tokens) is None
+    # A token the reference finds far less likely, where it is confident, is
+    # what a context seen wrongly produces: the check names it.
+    confident = next(i for i, row in enumerate(logits) if float(row.topk(2).values.diff()) < -2)
+    wrong = list(tokens)
+    wrong[confident] = int(logits[confident].argsort()[-20])
+    problem = check_greedy(reference.logits(prompt, wrong), wrong)
+    assert problem is not None
+    assert problem.startswith(f"generated token {confident} is {wrong[confident]}")
+
+
+def test_float16_rounding_stays_within_a_near_tie(
+    reference: GreedyReference, tokenizer: Tokenizer
+) -> None:
+    """The near-tie allowance against rounding alone: the same model code with
+    float16 weights and matmuls (a float32 residual stream, unlike ExLlamaV2's
+    float16 one, so a lower bound) moves SmolLM2's logits by a fraction of it."""
+    half = GreedyReference.load(default_model_dir(offline=True), dtype=torch.float16)
+    # An answer with many close candidates (gaps of 0.1 to 0.7 between the
+    # best two), where rounding matters most.
+    prompt = tokenizer.encode(REFERENCE_CHAT.format(question="Name three colours."))
+    tokens = reference.greedy(prompt, 12)
+    exact, rounded = reference.logits(prompt, tokens), half.logits(prompt, tokens)
+    assert float((exact - rounded).abs().max()) < NEAR_TIE / 4
+    # Where rounding picks another token, it is a near-tie of the exact logits.
+    assert check_greedy(exact, [int(row.argmax()) for row in rounded]) is None
+
+
 # -- the real ExLlamaV2 job code, on the CPU (nox -s exl2-cpu) --------------------------
 #
 # ExLlamaV2DynamicJob's receive_sample is where ExLlamaV2 decides what text to
@@ -1200,6 +1343,135 @@ def test_real_job_outcome_does_not_depend_on_the_hash_seed(real_jobs: RealJobs) 
     assert len({json.dumps(v) for v in alone.values()}) > 1, alone
 
 
+# -- attention without flash-attn, against ExLlamaV2's real config and attention (exl2-cpu) --
+
+
+@pytest.fixture(scope="module")
+def real_config() -> Any:
+    """A real ``ExLlamaV2Config`` of the embedded model (its ``prepare`` ran)."""
+    reason = exllamav2_unavailable()
+    if reason is not None:
+        if os.environ.get("TRIOSERVE_EXL2_CPU") == "1":
+            pytest.fail(f"nox -s exl2-cpu must run the real config tests: {reason}")
+        pytest.skip(reason)
+    from exllamav2 import ExLlamaV2Config
+
+    def load() -> Any:
+        config = ExLlamaV2Config(str(default_model_dir(offline=True)))
+        config.arch_compat_overrides(quiet=True)
+        return config
+
+    return load
+
+
+def test_real_config_unpaged_turns_sdpa_off(real_config: Any) -> None:
+    from exllamav2.attn import has_flash_attn_with_paged
+
+    from trioserve.engine.exllamav2 import configure_attention
+
+    config = real_config()
+    # SDPA is ExLlamaV2's default for Llama (unless the environment says no).
+    assert config.no_sdpa == ("EXLLAMA_NO_SDPA" in os.environ)
+    assert configure_attention(config, flash_attn_paged=False) is False
+    assert config.no_sdpa is True
+    # Paged: flash-attn's attention, SDPA left as it was.
+    config = real_config()
+    assert configure_attention(config, flash_attn_paged=True) is True
+    assert config.no_sdpa == ("EXLLAMA_NO_SDPA" in os.environ)
+    # flash-attn there but off for the architecture: unpaged again.
+    config = real_config()
+    config.no_flash_attn = True
+    assert configure_attention(config, flash_attn_paged=True) is False
+    assert config.no_sdpa is True
+    # What the engine's load does here (no flash-attn on these machines).
+    config = real_config()
+    paged = configure_attention(config, flash_attn_paged=bool(has_flash_attn_with_paged))
+    assert paged == bool(has_flash_attn_with_paged)
+    assert config.no_sdpa == (not paged or "EXLLAMA_NO_SDPA" in os.environ)
+    # The chunk the engine asks of an unpaged generator for this config.
+    plan = plan_load(
+        int(config.max_seq_len), paged=False, max_attention_size=int(config.max_attention_size)
+    )
+    assert (config.max_seq_len, config.max_attention_size) == (8192, 2048**2)
+    assert plan.max_chunk_size == 512
+
+
+def test_real_build_lock_is_in_the_directory_torch_built_into(real_config: Any) -> None:
+    """The lock the probe waits on (at most BUILD_LOCK_WAIT) is the one
+    torch's build of exllamav2's extension takes: in the directory the
+    imported extension came from."""
+    from exllamav2.ext import exllamav2_ext
+
+    from trioserve.engine.exllamav2 import _build_lock
+
+    lock = _build_lock()
+    assert lock is not None
+    assert lock.name == "lock"
+    assert lock.parent.resolve() == Path(exllamav2_ext.__file__).resolve().parent
+
+
+def _reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, scale: float, *, causal: bool
+) -> torch.Tensor:
+    """Attention in float32: q [1, C, H, D] at the end of k, v [1, T, K, D];
+    returns [1, C, H * D]. Causal: position i of the chunk sees keys up to
+    T - C + i."""
+    q32 = q.float().transpose(1, 2)
+    k32 = k.float().repeat_interleave(groups, dim=2).transpose(1, 2)
+    v32 = v.float().repeat_interleave(groups, dim=2).transpose(1, 2)
+    weights = (q32 @ k32.transpose(-1, -2)) * scale  # [1, H, C, T]
+    c, t = q.shape[1], k.shape[1]
+    if causal:
+        allowed = torch.arange(t)[None, :] <= (t - c + torch.arange(c))[:, None]
+        weights = weights.masked_fill(~allowed, float("-inf"))
+    out = weights.softmax(-1) @ v32  # [1, H, C, D]
+    return out.transpose(1, 2).reshape(1, c, -1)
+
+
+def test_real_attention_is_causal_only_with_sdpa_off(real_config: Any) -> None:
+    """ExLlamaV2's own ``_attn_torch`` (the attention of an unpaged generator
+    without flash-attn), run on the CPU on a prefill chunk of 6 tokens after 3
+    cached ones, with the embedded model's real attention layer and config.
+
+    With ``no_sdpa`` (what :func:`configure_attention` sets) it is causal. With
+    SDPA, at ExLlamaV2 0.3.2, it is not: the chunk's tokens see their future
+    (attn.py, line 889). Should a release fix that, the second half fails and
+    the workaround can be revisited."""
+    from exllamav2 import ExLlamaV2
+    from exllamav2.attn import ExLlamaV2Attention, has_lower_right_sdpa
+
+    from trioserve.engine.exllamav2 import configure_attention
+
+    config = real_config()
+    model = ExLlamaV2(config)  # modules only: nothing is loaded
+    attn = next(m for m in model.modules if isinstance(m, ExLlamaV2Attention))
+    heads, kv_heads, dim = 9, 3, 64
+    assert (attn.num_key_value_groups, attn.sliding_window) == (heads // kv_heads, 0)
+    past, chunk = 3, 6
+    generator = torch.Generator().manual_seed(22)
+    q = torch.randn(1, chunk, heads, dim, generator=generator).half()
+    k = torch.randn(1, past + chunk, kv_heads, dim, generator=generator).half()
+    v = torch.randn(1, past + chunk, kv_heads, dim, generator=generator).half()
+
+    def run() -> torch.Tensor:
+        params = ExLlamaV2Attention.Params(1, chunk, past, None, None)
+        out: torch.Tensor = attn._attn_torch(1, chunk, q, k, v, params, config)
+        return out.float()
+
+    groups, scale = heads // kv_heads, float(attn.scaling)
+    causal = _reference_attention(q, k, v, groups, scale, causal=True)
+    unmasked = _reference_attention(q, k, v, groups, scale, causal=False)
+    assert (causal - unmasked).abs().max() > 0.1  # the two differ on this data
+
+    assert configure_attention(config, flash_attn_paged=False) is False
+    torch.testing.assert_close(run(), causal, atol=2e-2, rtol=2e-2)
+
+    # The upstream bug, as it is at 0.3.2: SDPA allowed, no mask at all.
+    assert has_lower_right_sdpa
+    config.no_sdpa = False
+    torch.testing.assert_close(run(), unmasked, atol=2e-2, rtol=2e-2)
+
+
 # -- on a GPU ----------------------------------------------------------------------------
 
 CHAT = (
@@ -1434,6 +1706,66 @@ def test_gpu_stop_string_held_behind_another_ends_the_job(xengine: Any) -> None:
         assert _released(updates[job_id]) == full[: match[0]]
     assert xengine.step([], []) == []
     assert xengine._generator.num_remaining_jobs() == 0
+
+
+def _greedy_tokens(engine: Any, spec: GenerationSpec) -> tuple[list[int], Finished]:
+    """Run ``spec`` alone to its end; the tokens ExLlamaV2 sampled (a stop
+    token included), read from its job's sequence, and the final update."""
+    updates = engine.step([spec], [])
+    running = engine._jobs.get(spec.job_id)
+    assert running is not None, updates
+    job = running.job
+    for _ in range(10_000):
+        for update in updates:
+            assert not isinstance(update, Failed), update
+            if isinstance(update, Finished):
+                tokens = job.sequences[0].sequence_ids.torch()[0, len(spec.prompt_ids) :]
+                return [int(t) for t in tokens], update
+        updates = engine.step([], [])
+    raise AssertionError("the job did not end")
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_tokens_match_the_cpu_engines_model(xengine: Any) -> None:
+    """ExLlamaV2's greedy tokens against the CPU engine's model code in float32
+    on the same converted directory (tests/gpu/greedy.py): each token the
+    reference's choice, or within a near-tie of it. Catches whatever makes
+    ExLlamaV2 see its context wrongly: ExLlamaV2 0.3.2's unmasked SDPA
+    prefill, which the engine avoids with no_sdpa (configure_attention), a
+    RoPE or cache-offset error, a wrong chunk boundary. The long prompt takes
+    several prefill chunks."""
+    from trioserve.engine.models import default_model_dir
+
+    reference = GreedyReference.load(default_model_dir(offline=True))
+    counting = "Counting: " + ", ".join(str(i) for i in range(1, 301)) + ","
+    prompts = {
+        "capital": CHAT.format(question="What is the capital of France?"),
+        "count": CHAT.format(question="Count from one to ten in words."),
+        "long": counting,
+    }
+    long_ids = xengine.encode(counting)
+    if not xengine.plan.paged:
+        assert len(long_ids) > 2 * xengine.plan.max_chunk_size, (len(long_ids), xengine.plan)
+    problems = []
+    for n, (name, text) in enumerate(prompts.items()):
+        prompt = tuple(xengine.encode(text))
+        spec = GenerationSpec(
+            job_id=60 + n,
+            prompt_ids=prompt,
+            max_new_tokens=16,
+            sampling=GREEDY,
+            stop_token_ids=xengine.info.eos_token_ids,
+        )
+        tokens, finished = _greedy_tokens(xengine, spec)
+        assert len(tokens) == finished.generated_tokens
+        problem = check_greedy(reference.logits(prompt, tokens), tokens)
+        if problem is not None:
+            expected = reference.greedy(prompt, len(tokens))
+            problems.append(
+                f"{name}: {problem}; exllamav2 {xengine.decode(tokens)!r}, "
+                f"reference {xengine.decode(expected)!r}"
+            )
+    assert not problems, problems
 
 
 @pytest.mark.gpu

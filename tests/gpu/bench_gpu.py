@@ -18,7 +18,12 @@ work is identical.
 
 Without flash-attn >= 2.5.7 ExLlamaV2 has no paged attention: its generator
 then runs one job at a time, and the aggregate figures show trioserve staying
-correct under concurrency, not batching gains. The report says which.
+correct under concurrency, not batching gains. The report says which, and the
+rows are 1 and 8 streams only (32 streams of 256 tokens one after the other
+would take most of the GPU check's time to show nothing new). Both sides then
+set up ExLlamaV2 as the engine does (``configure_attention``: torch's matmul
+attention, since 0.3.2's SDPA branch prefills without a causal mask; the
+prefill chunk from ``unpaged_chunk_size``).
 
 Usage (on a machine with CUDA and exllamav2)::
 
@@ -42,7 +47,13 @@ import trio
 import trio_websocket
 
 from trioserve.engine.base import EngineInfo
-from trioserve.engine.exllamav2 import PAGE_SIZE, ExLlamaV2Engine, probe_exllamav2
+from trioserve.engine.exllamav2 import (
+    PAGE_SIZE,
+    ExLlamaV2Engine,
+    configure_attention,
+    probe_exllamav2,
+    unpaged_chunk_size,
+)
 from trioserve.engine.models import default_model_dir
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.generation.engine_thread import EngineThread, open_engine_thread
@@ -54,7 +65,9 @@ PROMPT = (
     "<|im_end|>\n<|im_start|>assistant\n"
 )
 PAIRS = 5
+#: Concurrent streams measured: with paged attention (batching), and without.
 CONCURRENCY = (1, 8, 32)
+CONCURRENCY_UNPAGED = (1, 8)
 
 
 class RawLoop:
@@ -72,17 +85,24 @@ class RawLoop:
 
         config = ExLlamaV2Config(str(model_dir))
         config.arch_compat_overrides(quiet=True)
+        # As the engine does, before the model is built: unpaged, matmul attention.
+        self.paged = configure_attention(config, flash_attn_paged=bool(has_flash_attn_with_paged))
         self.model = ExLlamaV2(config)
         cache_tokens = -(-int(config.max_seq_len) // PAGE_SIZE) * PAGE_SIZE
         cache = ExLlamaV2Cache(self.model, max_seq_len=cache_tokens, lazy=True)
         self.model.load_autosplit(cache)
         self.tokenizer = ExLlamaV2Tokenizer(config)
-        self.paged = bool(has_flash_attn_with_paged) and not config.no_flash_attn
+        chunk = int(config.max_input_len)
+        if not self.paged:
+            chunk = min(
+                chunk, unpaged_chunk_size(int(config.max_seq_len), int(config.max_attention_size))
+            )
         self.generator = ExLlamaV2DynamicGenerator(
             model=self.model,
             cache=cache,
             tokenizer=self.tokenizer,
             max_batch_size=32 if self.paged else 1,
+            max_chunk_size=chunk,
             paged=self.paged,
         )
         self._torch = torch
@@ -181,7 +201,7 @@ async def bench(
         results["ratios"] = ratios
         results["ratio"] = statistics.median(ratios)
         aggregate: dict[str, float] = {}
-        for streams in CONCURRENCY:
+        for streams in CONCURRENCY if engine.info.batching else CONCURRENCY_UNPAGED:
             counts: list[int] = []
 
             async def stream(counts: list[int] = counts) -> None:

@@ -22,7 +22,7 @@ It needs a CUDA build of torch and nvcc, not a GPU. ``--env`` prints the
 environment the build needs (:func:`build_environment`), to be set for the
 build and for every later import. Usage::
 
-    python tests/gpu/build_exllamav2.py --env
+    python tests/gpu/build_exllamav2.py --env [--link-dir DIR]
     env $(python tests/gpu/build_exllamav2.py --env) python tests/gpu/build_exllamav2.py
 """
 
@@ -66,8 +66,36 @@ def _ninja_times(build_dir: Path) -> list[tuple[float, str]]:
 _LIBRARY_HEADERS = ("cublas_v2.h", "cusparse.h", "cusolverDn.h", "curand.h")
 
 
-def build_environment() -> dict[str, str]:
-    """``CUDA_HOME`` and ``CPLUS_INCLUDE_PATH`` for building the extension here.
+def _torch_cuda_lib_dir(home: str) -> str:
+    """The directory torch's extension link searches for ``-lcudart``:
+    ``$CUDA_HOME/lib64``, or ``lib`` when only that exists
+    (``torch.utils.cpp_extension._prepare_ldflags``)."""
+    lib64, lib = os.path.join(home, "lib64"), os.path.join(home, "lib")
+    return lib if not os.path.exists(lib64) and os.path.exists(lib) else lib64
+
+
+def find_cudart(home: str) -> str | None:
+    """A CUDA runtime library to link against, versioned names too: the
+    toolkit's own first, then the nvidia-* packages' (torch's)."""
+    import glob
+    import site
+
+    import torch
+
+    dirs = [os.path.join(home, "lib64"), os.path.join(home, "lib")]
+    dirs += sorted(glob.glob(os.path.join(home, "targets", "*", "lib")))
+    for packages in site.getsitepackages():
+        dirs += sorted(glob.glob(os.path.join(packages, "nvidia", "**", "lib"), recursive=True))
+    major = (torch.version.cuda or "").split(".")[0]
+    found = [f for d in dirs for f in sorted(glob.glob(os.path.join(d, "libcudart.so*")))]
+    # The runtime torch was built for (libcudart.so.13 for CUDA 13) first.
+    found.sort(key=lambda f: not (major and f.endswith(f".so.{major}")))
+    return found[0] if found else None
+
+
+def build_environment(link_dir: Path | None = None) -> dict[str, str]:
+    """``CUDA_HOME``, ``CPLUS_INCLUDE_PATH`` and ``LIBRARY_PATH`` for building
+    the extension here.
 
     torch takes ``CUDA_HOME`` from the environment, else two directories above
     ``nvcc``, which is wrong when ``nvcc`` is a wrapper script (this project's
@@ -84,6 +112,16 @@ def build_environment() -> dict[str, str]:
     ``PATH``: the pip-installed one of a virtual environment (1.13, log v7)
     and an older system one (1.11) cannot read each other's log, and either
     then compiles everything again.
+
+    The link takes ``-lcudart`` from ``$CUDA_HOME/lib64`` (or ``lib``), which
+    needs an unversioned ``libcudart.so`` there. A toolkit from pip's CUDA
+    packages may have none (no ``lib64``, only ``libcudart.so.13``), and the
+    link then fails after every compile finished. In that case, with
+    ``link_dir``, a ``libcudart.so`` link to the runtime :func:`find_cudart`
+    finds is made in ``link_dir``, and ``LIBRARY_PATH`` (which gcc searches
+    after every ``-L``) names it; ``LIBCUDART`` says which file it is.
+    ``LIBRARY_PATH`` is not part of the build's commands, so setting it does
+    not make torch compile again.
     """
     import glob
     import site
@@ -122,6 +160,23 @@ def build_environment() -> dict[str, str]:
         env["CPLUS_INCLUDE_PATH"] = ":".join(
             [*dirs, *filter(None, [os.environ.get("CPLUS_INCLUDE_PATH")])]
         )
+    if not os.path.isfile(os.path.join(_torch_cuda_lib_dir(home), "libcudart.so")):
+        cudart = find_cudart(home)
+        env["LIBCUDART"] = cudart or ""
+        if cudart is None:
+            print(
+                f"build_exllamav2: no libcudart under {home} or the nvidia packages: "
+                "the extension's link will fail",
+                file=sys.stderr,
+            )
+        elif link_dir is not None:
+            link_dir.mkdir(parents=True, exist_ok=True)
+            link = link_dir / "libcudart.so"
+            link.unlink(missing_ok=True)
+            link.symlink_to(cudart)
+            env["LIBRARY_PATH"] = ":".join(
+                [str(link_dir), *filter(None, [os.environ.get("LIBRARY_PATH")])]
+            )
     return env
 
 
@@ -133,9 +188,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="print the build environment (KEY=VALUE lines) and build nothing",
     )
+    parser.add_argument(
+        "--link-dir",
+        type=Path,
+        default=None,
+        help="with --env: where to link a libcudart.so when CUDA_HOME has none",
+    )
     args = parser.parse_args(argv)
     if args.env:
-        for key, value in build_environment().items():
+        for key, value in build_environment(args.link_dir).items():
             print(f"{key}={value}")
         return 0
 

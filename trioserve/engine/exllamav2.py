@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -78,19 +79,24 @@ from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError, ModelError
 
 __all__ = [
+    "BUILD_LOCK_WAIT",
     "CACHE_TYPES",
+    "MAX_ATTENTION_SIZE",
     "PAGE_SIZE",
     "CacheType",
     "ExLlamaV2Engine",
     "JobState",
     "LoadPlan",
+    "configure_attention",
     "plan_load",
     "probe_exllamav2",
     "refusal",
     "sampled_token",
     "sampler_fields",
     "stop_conditions",
+    "unpaged_chunk_size",
     "updates_from_result",
+    "wait_for_build_lock",
 ]
 
 log = logging.getLogger("trioserve.engine")
@@ -113,7 +119,7 @@ _MIN_VERSION: Final = (0, 3, 2)
 # -- probing -------------------------------------------------------------------------
 
 
-def probe_exllamav2() -> tuple[bool, str]:
+def probe_exllamav2(*, lock_wait: float | None = None) -> tuple[bool, str]:
     """Whether the ExLlamaV2 engine can run here, and why (or why not).
 
     True only when torch sees a CUDA device and ``import exllamav2`` works. The
@@ -121,6 +127,16 @@ def probe_exllamav2() -> tuple[bool, str]:
     extension and fail (an OSError on CPU-only torch). Whatever the import
     raises is caught and reported, since a broken optional backend must not
     stop the server from starting on the CPU engine.
+
+    Nor is it tried while torch's build lock of the extension stays in place
+    for ``lock_wait`` seconds (default :data:`BUILD_LOCK_WAIT`): torch's JIT
+    build (``torch.utils.cpp_extension``, ``FileBaton.wait``) waits on that
+    file with no timeout, and a build killed half-way leaves it behind, so
+    the import would hang the server's start for ever. The probe says so
+    (and logs a warning), and ``--engine auto`` falls back to the CPU engine.
+    A lock that goes within the wait (another process finishing its build) is
+    waited for. What it cannot see: a lock another process takes after the
+    wait and then abandons while this import waits on it.
 
     ExLlamaV2's model module calls ``torch.set_num_threads(1)`` when imported;
     the thread count is put back, because the CPU engine and tokenization in
@@ -132,6 +148,13 @@ def probe_exllamav2() -> tuple[bool, str]:
         return False, f"torch cannot be imported ({type(exc).__name__}: {exc})"
     if not torch.cuda.is_available():
         return False, f"torch {torch.__version__} sees no CUDA device"
+    if "exllamav2.generator" not in sys.modules:
+        lock = _build_lock()
+        if lock is not None:
+            held = wait_for_build_lock(lock, BUILD_LOCK_WAIT if lock_wait is None else lock_wait)
+            if held is not None:
+                log.warning("exllamav2 is not imported: %s", held)
+                return False, held
     threads = torch.get_num_threads()
     try:
         import exllamav2
@@ -147,6 +170,55 @@ def probe_exllamav2() -> tuple[bool, str]:
         wanted = ".".join(map(str, _MIN_VERSION))
         return False, f"exllamav2 {version} is too old: trioserve needs >= {wanted}"
     return True, f"exllamav2 {version} on {torch.cuda.get_device_name(0)}"
+
+
+#: Seconds :func:`probe_exllamav2` waits for torch's build lock of ExLlamaV2's
+#: extension to go before it gives up on ExLlamaV2 (a build in another process
+#: may be finishing; a killed build's lock never goes).
+BUILD_LOCK_WAIT: Final = 30.0
+
+
+def _build_lock() -> Path | None:
+    """The lock file torch's JIT build of ``exllamav2_ext`` would wait on, or
+    None when the import builds nothing (exllamav2 is not installed, or a
+    prebuilt ``exllamav2_ext`` module is importable: exllamav2/ext.py then
+    imports it and never calls torch's ``load``)."""
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("exllamav2") is None:
+            return None
+        if importlib.util.find_spec("exllamav2_ext") is not None:
+            return None
+        # Where torch.utils.cpp_extension.load builds exllamav2/ext.py's
+        # extension (``name="exllamav2_ext"``, no build_directory): the same
+        # function and arguments. Private, hence the broad except: a torch
+        # that moved it makes the probe import without waiting, as before.
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return Path(_get_build_directory("exllamav2_ext", False)) / "lock"
+    except Exception:
+        log.debug("could not find torch's build directory for exllamav2_ext", exc_info=True)
+        return None
+
+
+def wait_for_build_lock(lock: Path, wait: float, *, poll: float = 0.25) -> str | None:
+    """Wait up to ``wait`` seconds for the build lock ``lock`` to go.
+
+    Returns None when it is not there (or went), else why the import is not
+    tried. Never deletes it: a build in another process may still hold it.
+    """
+    deadline = time.monotonic() + wait
+    while lock.exists():
+        if time.monotonic() >= deadline:
+            return (
+                f"torch's build lock {str(lock)!r} has been held for {wait:.0f} s: "
+                "another process is building exllamav2's extension, or a build "
+                "killed half-way left it (torch would wait on it for ever); "
+                "delete it if no build is running"
+            )
+        time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+    return None
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -171,7 +243,9 @@ class LoadPlan:
     cache_tokens: int
     #: Tokens one job may hold (prompt plus generated).
     context_length: int
-    #: Prompt tokens prefilled per job and step; a multiple of PAGE_SIZE.
+    #: Prompt tokens prefilled per job and step: a multiple of PAGE_SIZE in
+    #: paged mode; unpaged, bounded by the matmul attention's size
+    #: (:func:`unpaged_chunk_size`).
     max_chunk_size: int
     #: Jobs running at once: 1 without paged attention.
     max_batch: int
@@ -182,6 +256,71 @@ class LoadPlan:
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+#: ExLlamaV2's default ``config.max_attention_size`` (exllamav2/config.py):
+#: the attention-weight elements per head that its own ``model.forward``
+#: keeps each chunk's ``(past + chunk) x chunk`` under when attention is not
+#: flash-attn's or xformers'.
+MAX_ATTENTION_SIZE: Final = 2048**2
+
+
+def unpaged_chunk_size(context_length: int, max_attention_size: int = MAX_ATTENTION_SIZE) -> int:
+    """The largest prefill chunk whose matmul attention stays within
+    ``max_attention_size`` weights per head at any position of the context.
+
+    Unpaged, attention runs as ``softmax(q @ k.T + mask) @ v`` in torch
+    (``ExLlamaV2Attention._attn_torch``, matmul branch: see
+    :func:`configure_attention`): a chunk of C tokens at the end of a
+    context of T makes ``C x T x heads`` float16 weights, twice over at the
+    mask's addition and the softmax. The dynamic generator calls
+    ``forward_chunk``, which unlike ``model.forward`` does not shrink a chunk
+    for that, so the chunk is sized here: ``C x T <= max_attention_size``, the
+    bound ExLlamaV2's ``model.forward`` keeps, and no more than the
+    ``max_input_len ** 2`` per head its ``load_autosplit`` measured with a
+    real forward pass when it placed the model. That is
+    ``max_attention_size x heads x 2`` bytes per copy (72 MiB for
+    SmolLM2-135M's 9 heads, 256 MiB for Llama-3-8B's 32), and C is 512 at
+    T = 8192, 2048 up to T = 2048.
+
+    A multiple of PAGE_SIZE when it is at least that; smaller only for
+    contexts past 16384 tokens (unpaged, the generator asks nothing of the
+    chunk but ``<= max_input_len``, dynamic.py).
+    """
+    chunk = max(1, max_attention_size // max(1, context_length))
+    return chunk - chunk % PAGE_SIZE if chunk >= PAGE_SIZE else chunk
+
+
+def configure_attention(config: Any, *, flash_attn_paged: bool) -> bool:
+    """Choose the generator's mode for the ``ExLlamaV2Config`` ``config`` and
+    set its attention switches; returns whether the generator is paged.
+
+    Call it after ``config.arch_compat_overrides()`` and before the model is
+    built and loaded. ``flash_attn_paged`` is ``exllamav2.attn``'s
+    ``has_flash_attn_with_paged`` (flash-attn >= 2.5.7 imported).
+
+    Paged (batched) when flash-attn >= 2.5.7 is importable and the
+    architecture allows flash-attn: the generator's paged attention is
+    flash-attn's, always causal. Otherwise unpaged, and ``config.no_sdpa`` is
+    set: unpaged attention without flash-attn or xformers is
+    ``ExLlamaV2Attention._attn_torch``, whose SDPA branch in ExLlamaV2 0.3.2
+    (exllamav2/attn.py, line 889 at tag v0.3.2, unchanged on master) reads
+    ``if self.layer_idx in attn_params.block_diag_layers or causal:
+    attn_mask_lr = attn_params.get_block_diag_mask(...)``. For a text model
+    ``cu_seqlens`` is None, so that mask is None, and
+    ``F.scaled_dot_product_attention`` runs unmasked (``is_causal`` False):
+    every prefill chunk of more than one token attends to its future tokens,
+    and the keys and values of every later layer go wrong in the cache
+    (decoding one token at a time is unaffected). The matmul branch, which
+    ``no_sdpa`` selects, adds ``Params.get_attn_mask``, the causal mask. Set
+    before loading, so that ``load_autosplit``'s trial forward pass measures
+    the matmul branch's memory. Harmless where flash-attn (< 2.5.7) or
+    xformers is there: ExLlamaV2 takes those first for causal attention.
+    """
+    paged = bool(flash_attn_paged) and not config.no_flash_attn
+    if not paged:
+        config.no_sdpa = True
+    return paged
 
 
 def plan_load(
@@ -195,6 +334,8 @@ def plan_load(
     gpu_split: Sequence[float] | None = None,
     tensor_parallel: bool = False,
     max_chunk_size: int = 2048,
+    flash_attn: bool | None = None,
+    max_attention_size: int = MAX_ATTENTION_SIZE,
 ) -> LoadPlan:
     """Check the engine options against the model's context length
     ``model_context`` (its config.json) and settle the derived numbers.
@@ -202,6 +343,11 @@ def plan_load(
     The dynamic generator asserts rather than explains (dynamic.py checks the
     cache size and chunk size with ``assert``), so every option it would
     reject is rejected here first, with a message that says what is allowed.
+
+    ``flash_attn`` says whether ExLlamaV2 can use flash-attn at all (any
+    version it accepts; default: as ``paged``). Unpaged, the prefill chunk is
+    also bounded by the matmul attention's size (:func:`unpaged_chunk_size`,
+    with the config's ``max_attention_size``).
 
     Raises:
         ConfigError: an option is out of range or options conflict.
@@ -243,6 +389,8 @@ def plan_load(
     # The model's forward pass takes at most config.max_input_len (2048, capped
     # at max_seq_len) tokens; the chunk must fit in it and stay page-aligned.
     chunk = min(max_chunk_size, (min(2048, context) // PAGE_SIZE) * PAGE_SIZE)
+    if not paged:
+        chunk = min(chunk, unpaged_chunk_size(context, max_attention_size))
     # The generator's batch times max_q_size (8) must fit in max_input_len
     # (dynamic.py, ExLlamaV2DynamicGenerator.__init__).
     batch_limit = min(2048, context) // 8
@@ -250,6 +398,16 @@ def plan_load(
         raise ConfigError(
             f"max_batch must be at most {batch_limit} for a context length of {context}, "
             f"not {max_batch!r}"
+        )
+    if tensor_parallel and not (paged if flash_attn is None else flash_attn):
+        # Without flash-attn, ExLlamaV2's tensor-parallel attention
+        # (attn.py, forward_tp_old) asserts that torch SDPA is allowed and
+        # then runs _attn_torch's SDPA branch, which at 0.3.2 prefills
+        # without a causal mask (see configure_attention); no_sdpa, the cure
+        # elsewhere, fails that assertion.
+        raise ConfigError(
+            "tensor_parallel needs flash-attn here: without it ExLlamaV2 0.3.2's "
+            "tensor-parallel attention prefills without a causal mask"
         )
     split: tuple[float, ...] | None = None
     if gpu_split is not None:
@@ -637,7 +795,7 @@ class ExLlamaV2Engine:
             ExLlamaV2Config,
             ExLlamaV2Tokenizer,
         )
-        from exllamav2.attn import has_flash_attn_with_paged
+        from exllamav2.attn import has_flash_attn, has_flash_attn_with_paged
         from exllamav2.generator import (
             ExLlamaV2DynamicGenerator,
             ExLlamaV2DynamicJob,
@@ -663,10 +821,14 @@ class ExLlamaV2Engine:
                 "off" if config.no_xformers else "allowed",
                 "off" if config.no_sdpa else "allowed",
             )
-        paged = bool(has_flash_attn_with_paged) and not config.no_flash_attn
+        # Before the model is built: the attention switches decide what
+        # load_autosplit's trial forward pass measures.
+        paged = configure_attention(config, flash_attn_paged=bool(has_flash_attn_with_paged))
         plan = plan_load(
             int(config.max_seq_len),
             paged=paged,
+            flash_attn=bool(has_flash_attn) and not config.no_flash_attn,
+            max_attention_size=int(config.max_attention_size),
             cache_type=cache_type,
             cache_size=cache_size,
             max_batch=max_batch,
@@ -777,7 +939,10 @@ class ExLlamaV2Engine:
             plan.cache_tokens,
             "paged attention"
             if plan.paged
-            else "no paged attention (flash-attn >= 2.5.7 missing): one job at a time",
+            else (
+                "no paged attention (flash-attn >= 2.5.7 missing): one job at a time, "
+                f"torch matmul attention, prefill chunks of {plan.max_chunk_size} tokens"
+            ),
             plan.max_batch,
             "tensor parallel"
             if plan.tensor_parallel
