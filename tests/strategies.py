@@ -149,9 +149,9 @@ def _breakers() -> Any:
 
 
 #: Decoded ``logit_bias`` values: ascending ids, each once.
-_bias_pairs = st.dictionaries(
-    st.integers(0, 200_000), st.floats(-100.0, 100.0), max_size=4
-).map(lambda d: tuple(sorted(d.items())))
+_bias_pairs = st.dictionaries(st.integers(0, 200_000), st.floats(-100.0, 100.0), max_size=4).map(
+    lambda d: tuple(sorted(d.items()))
+)
 
 
 def _logit_bias() -> Any:

@@ -104,9 +104,11 @@ def checker(kind: str) -> tuple[Checker, list[Any]]:
         edges = [[], ["x"], [""], ["x" * chars], ["x" * (chars + 1)], ["a"] * most]
         edges += [["a"] * (most + 1), "x", [1], [None]]
         return (
-            lambda v: isinstance(v, list)
-            and len(v) <= most
-            and all(isinstance(s, str) and 1 <= len(s) <= chars for s in v)
+            lambda v: (
+                isinstance(v, list)
+                and len(v) <= most
+                and all(isinstance(s, str) and 1 <= len(s) <= chars for s in v)
+            )
         ), edges
     if found := re.fullmatch(
         r"object of at most (\d+) entries from a token id from 0 to (\S+) \(a key of decimal "
@@ -135,9 +137,11 @@ def checker(kind: str) -> tuple[Checker, list[Any]]:
             [],
         ]
         return (
-            lambda v: isinstance(v, dict)
-            and len(v) <= most
-            and all(key_ok(k) and is_number(b) and low <= b <= high for k, b in v.items())
+            lambda v: (
+                isinstance(v, dict)
+                and len(v) <= most
+                and all(key_ok(k) and is_number(b) and low <= b <= high for k, b in v.items())
+            )
         ), edges
     if found := re.fullmatch(r"number in \[(\S+), (\S+)\]", kind):
         lo, hi = number(found[1]), number(found[2])
