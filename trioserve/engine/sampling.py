@@ -731,15 +731,15 @@ def _late_temperature(probs: torch.Tensor, settings: Sequence[SamplingSettings])
     entropy of the kept tokens and n their number. Rows with neither keep
     their probabilities."""
     device = probs.device
-    rows = []
+    rows: list[float] = []
     kept = probs > 0
-    need_entropy = any(s.dynamic_temperature for s in settings)
-    if need_entropy:
+    normalised: list[float] = []
+    if any(s.dynamic_temperature for s in settings):
         entropy = -torch.special.xlogy(probs, probs).sum(dim=1)
         count = kept.sum(dim=1).to(torch.float64)
         # One kept token: nothing to spread (ExLlamaV2 skips the step there).
-        normalised = torch.where(count > 1, entropy / count.log().clamp(min=1e-300), 0.0)
-        normalised = normalised.clamp(0.0, 1.0).tolist()
+        ratio = torch.where(count > 1, entropy / count.log().clamp(min=1e-300), 0.0)
+        normalised = ratio.clamp(0.0, 1.0).tolist()
     for i, s in enumerate(settings):
         if s.dynamic_temperature:
             h = normalised[i]
