@@ -143,6 +143,23 @@ def _in_range(allowed: Range) -> Any:
     return _float_wire(allowed.lo, allowed.hi)
 
 
+def _breakers() -> Any:
+    """(wire value, decoded value) of ``dry_sequence_breakers``."""
+    return st.lists(st.text(min_size=1, max_size=4), max_size=4).map(lambda xs: (xs, tuple(xs)))
+
+
+#: Decoded ``logit_bias`` values: ascending ids, each once.
+_bias_pairs = st.dictionaries(st.integers(0, 200_000), st.floats(-100.0, 100.0), max_size=4).map(
+    lambda d: tuple(sorted(d.items()))
+)
+
+
+def _logit_bias() -> Any:
+    """(wire value, decoded value) of ``logit_bias``: an object keyed by
+    the ids' decimal digits."""
+    return _bias_pairs.map(lambda pairs: ({str(i): b for i, b in pairs}, pairs))
+
+
 _messages = st.lists(
     st.builds(p.ChatMessage, role=st.text(min_size=1, max_size=10), content=st.text(max_size=20)),
     min_size=1,
@@ -164,6 +181,10 @@ _INFER_FIELDS: dict[str, tuple[str, Any]] = {
     "token_healing": ("token_healing", _same(st.booleans())),
     "compact_chunks": ("compact_chunks", _same(st.booleans())),
     **{name: (name, _in_range(allowed)) for name, allowed in setting_ranges().items()},
+    "mirostat": ("mirostat", _same(st.booleans())),
+    "temperature_last": ("temperature_last", _same(st.booleans())),
+    "dry_sequence_breakers": ("dry_sequence_breakers", _breakers()),
+    "logit_bias": ("logit_bias", _logit_bias()),
 }
 
 
@@ -241,6 +262,9 @@ def requests_objects() -> st.SearchStrategy[p.Request]:
         for name, allowed in setting_ranges().items()
     }
     sampler["seed"] = st.none() | sampler["seed"]
+    sampler["mirostat"] = sampler["temperature_last"] = st.booleans()
+    sampler["dry_sequence_breakers"] = _breakers().map(lambda pair: pair[1])
+    sampler["logit_bias"] = _bias_pairs
     prompt = st.fixed_dictionaries({"text": st.text(max_size=30)}) | st.fixed_dictionaries(
         {"messages": _messages}
     )

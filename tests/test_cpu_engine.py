@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -683,3 +684,199 @@ def _short_beside_long(
                 # Its other chunks, one step each, the last one with its first token.
                 assert steps == chunks - 1
     return [(long, outcomes[long.job_id]), (short, outcomes[short.job_id])]
+
+
+# -- the samplers of ExLlamaV2's front ends, on the real model ---------------------------
+
+WARM = SamplingSettings(temperature=1.0, top_k=0, top_p=1.0, rep_pen=1.0)
+
+
+def longest_repeat(ids: Sequence[int]) -> int:
+    """The length of the longest run of ids that occurs twice (or overlaps itself)."""
+    longest = 0
+    for length in range(1, len(ids)):
+        grams = [tuple(ids[i : i + length]) for i in range(len(ids) - length + 1)]
+        if len(set(grams)) == len(grams):
+            break
+        longest = length
+    return longest
+
+
+def test_dry_stops_a_greedy_loop(cpu_engine: CpuEngine) -> None:
+    prompt = "I like cats. I like dogs. I like"
+    loop = run_one(cpu_engine, make_spec(cpu_engine, prompt, 48)).text
+    # Greedy falls into a loop: the same sentence again and again.
+    assert loop.count(" I'm a cat.") >= 5, loop
+    assert longest_repeat(cpu_engine.encode(loop)) >= 20
+    dry = attrs.evolve(GREEDY, dry_multiplier=0.8, dry_sequence_breakers=("\n",))
+    free = run_one(cpu_engine, make_spec(cpu_engine, prompt, 48, sampling=dry)).text
+    assert free.count(" I'm a cat.") <= 1, free
+    assert longest_repeat(cpu_engine.encode(free)) <= 6, free
+    # Off by default: the same greedy text.
+    assert run_one(cpu_engine, make_spec(cpu_engine, prompt, 48)).text == loop
+
+
+@pytest.fixture(scope="module")
+def model(model_dir: Path) -> tuple[llama.LlamaConfig, llama.LlamaWeights]:
+    config = llama.LlamaConfig.from_dir(model_dir)
+    weights = llama.LlamaWeights.load(
+        model_dir, config, dtype=torch.bfloat16, device=torch.device("cpu")
+    )
+    return config, weights
+
+
+def sampled_surprises(
+    model: tuple[llama.LlamaConfig, llama.LlamaWeights],
+    prompt: Sequence[int],
+    n: int,
+    settings: SamplingSettings,
+    seed: int,
+) -> list[float]:
+    """Sample n tokens from the model functions and the real sampler, one at a
+    time with the job's RowState, as the engine does; the surprise (-log2 p)
+    of each drawn token in the distribution it was drawn from."""
+    from trioserve.engine.sampling import RowState, distribution, make_generator, sample
+
+    config, weights = model
+    cpu = torch.device("cpu")
+    cache = llama.KVCache(config.n_layers, config.n_kv_heads, config.head_dim, torch.bfloat16, cpu)
+    cache.fit(1, len(prompt) + n)
+    rope = llama.rope_tables(config, len(prompt) + n, cpu)
+    slot = torch.tensor([0])
+    state = RowState()
+    generator = make_generator(seed)
+    surprises = []
+    with torch.inference_mode():
+        hidden = llama.forward(
+            weights,
+            config,
+            cache,
+            rope,
+            torch.tensor([list(prompt)]),
+            torch.arange(len(prompt))[None],
+            slot,
+        )
+        logits = llama.logits(weights, hidden)
+        for position in range(len(prompt), len(prompt) + n):
+            probs = distribution(logits, [settings], states=[state])
+            token = int(sample(logits, [settings], [generator], states=[state])[0])
+            surprises.append(-math.log2(float(probs[0, token])))
+            logits = llama.decode_logits(
+                weights,
+                config,
+                cache,
+                rope,
+                torch.tensor([token]),
+                torch.tensor([position]),
+                slot,
+            )
+    return surprises
+
+
+def test_mirostat_keeps_the_surprise_near_tau(
+    cpu_engine: CpuEngine, model: tuple[llama.LlamaConfig, llama.LlamaWeights]
+) -> None:
+    prompt = cpu_engine.encode(chat("Write a short story about a robot."))
+    free = sampled_surprises(model, prompt, 96, WARM, seed=1)
+    # The model's own surprise is far from the target...
+    assert sum(free) / len(free) > 2.8
+    for tau, seed in ((2.0, 1), (3.0, 2)):
+        miro = attrs.evolve(WARM, mirostat=True, mirostat_tau=tau, mirostat_eta=0.3)
+        surprises = sampled_surprises(model, prompt, 96, miro, seed=seed)
+        # ...mirostat brings it there (about 0.1 bit below tau over 96 tokens,
+        # while mu settles).
+        assert abs(sum(surprises) / len(surprises) - tau) < 0.3, (tau, seed)
+
+
+def test_xtc_removes_the_top_choice_when_it_fires(
+    cpu_engine: CpuEngine, model: tuple[llama.LlamaConfig, llama.LlamaWeights]
+) -> None:
+    prompt = chat("Tell me a joke.")
+    probs = torch.softmax(greedy_logits(model, cpu_engine.encode(prompt)), dim=0)
+    top, second = torch.topk(probs, 2).values.tolist()
+    # Two first tokens over a 0.1 threshold: "What" (the top choice) and "A".
+    assert top > 0.2 and second > 0.12, (top, second)
+    greedy_first = run_one(cpu_engine, make_spec(cpu_engine, prompt, 1)).text
+    xtc = attrs.evolve(WARM, xtc_probability=1.0, xtc_threshold=0.1)
+    plain = [
+        run_one(cpu_engine, make_spec(cpu_engine, prompt, 1, sampling=attrs.evolve(WARM, seed=s)))
+        for s in range(12)
+    ]
+    excluded = [
+        run_one(cpu_engine, make_spec(cpu_engine, prompt, 1, sampling=attrs.evolve(xtc, seed=s)))
+        for s in range(12)
+    ]
+    assert greedy_first in [o.text for o in plain]
+    assert greedy_first not in [o.text for o in excluded]
+
+
+def greedy_logits(
+    model: tuple[llama.LlamaConfig, llama.LlamaWeights], prompt: Sequence[int]
+) -> torch.Tensor:
+    """The model's float32 logits for the token after ``prompt``."""
+    config, weights = model
+    cpu = torch.device("cpu")
+    cache = llama.KVCache(config.n_layers, config.n_kv_heads, config.head_dim, torch.bfloat16, cpu)
+    cache.fit(1, len(prompt))
+    rope = llama.rope_tables(config, len(prompt), cpu)
+    with torch.inference_mode():
+        hidden = llama.forward(
+            weights,
+            config,
+            cache,
+            rope,
+            torch.tensor([list(prompt)]),
+            torch.arange(len(prompt))[None],
+            torch.tensor([0]),
+        )
+        return llama.logits(weights, hidden)[0].float()
+
+
+def test_logit_bias_bans_and_forces(cpu_engine: CpuEngine) -> None:
+    prompt = chat("What is the capital of France?")
+    answer = run_one(cpu_engine, make_spec(cpu_engine, prompt, 12)).text
+    assert "Paris" in answer
+    (paris,) = cpu_engine.encode(" Paris")
+    banned = attrs.evolve(GREEDY, logit_bias=((paris, -100.0),))
+    assert (
+        "Paris" not in run_one(cpu_engine, make_spec(cpu_engine, prompt, 12, sampling=banned)).text
+    )
+    (london,) = cpu_engine.encode(" London")
+    forced = attrs.evolve(WARM, logit_bias=((london, 100.0),), seed=3)
+    assert run_one(cpu_engine, make_spec(cpu_engine, prompt, 4, sampling=forced)).text == (
+        " London" * 4
+    )
+
+
+def test_rows_with_different_samplers_match_their_runs_alone(cpu_engine: CpuEngine) -> None:
+    prompts = [chat("Tell me a joke."), "I like cats. I like dogs. I like", chat("Name a fruit.")]
+    mixes = [
+        attrs.evolve(GREEDY, dry_multiplier=0.8, dry_sequence_breakers=("\n",)),
+        attrs.evolve(WARM, xtc_probability=0.5, xtc_threshold=0.1, seed=1),
+        attrs.evolve(WARM, mirostat=True, mirostat_tau=2.0, seed=2),
+        attrs.evolve(WARM, min_temp=0.5, max_temp=1.5, smoothing_factor=0.3, seed=3),
+        attrs.evolve(GREEDY, logit_bias=((cpu_engine.encode(" I")[0], -100.0),)),
+        GREEDY,
+    ]
+
+    def specs() -> list[GenerationSpec]:
+        return [
+            make_spec(cpu_engine, prompts[i % len(prompts)], 12, sampling=s)
+            for i, s in enumerate(mixes)
+        ]
+
+    together = run_all(cpu_engine, specs())
+    alone = [run_one(cpu_engine, spec) for spec in specs()]
+    assert [o.text for o in together.values()] == [o.text for o in alone]
+
+
+def test_a_job_with_a_bias_outside_the_vocabulary_fails_alone(cpu_engine: CpuEngine) -> None:
+    good = make_spec(cpu_engine, chat("Hi"), 4)
+    bad = make_spec(
+        cpu_engine, chat("Hi"), 4, sampling=attrs.evolve(GREEDY, logit_bias=((10**9, 1.0),))
+    )
+    outcomes = run_all(cpu_engine, [good, bad])
+    failed = outcomes[bad.job_id].end
+    assert isinstance(failed, Failed)
+    assert failed.message == "logit_bias ids must be in [0, 49152), got 1000000000"
+    assert isinstance(outcomes[good.job_id].end, Finished)

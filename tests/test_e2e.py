@@ -153,6 +153,55 @@ async def test_seed_makes_sampling_reproducible(cpu_engine: CpuEngine) -> None:
     assert runs[0]["response"] != runs[2]["response"]
 
 
+async def test_new_samplers_over_the_socket(cpu_engine: CpuEngine) -> None:
+    """DRY, logit_bias and mirostat through ``infer``; a bad value of each
+    is an ``invalid_request`` naming the field, and the connection goes on."""
+    prompt = "I like cats. I like dogs. I like"
+    (paris,) = cpu_engine.encode(" Paris")
+    async with serving(cpu_engine) as (_, listening), raw_client(listening.url) as ws:
+        loop = await ws.request(infer(prompt, 40, temperature=0, rep_pen=1))
+        assert loop["response"].count(" I'm a cat.") >= 4
+        dry = await ws.request(
+            infer(
+                prompt,
+                40,
+                temperature=0,
+                rep_pen=1,
+                dry_multiplier=0.8,
+                dry_sequence_breakers=["\n"],
+            )
+        )
+        assert dry["response"].count(" I'm a cat.") <= 1, dry["response"]
+        plain = await ws.request(infer(PARIS, 12, temperature=0))
+        assert "Paris" in plain["response"]
+        banned = await ws.request(infer(PARIS, 12, temperature=0, logit_bias={str(paris): -100}))
+        assert "Paris" not in banned["response"]
+        forced = await ws.request(
+            infer(PARIS, 3, temperature=1, seed=5, logit_bias={str(paris): 100})
+        )
+        assert forced["response"] == " Paris" * 3
+        miro = [
+            await ws.request(
+                infer(STORY, 16, temperature=1, top_k=0, top_p=1, mirostat=True, seed=9)
+            )
+            for _ in range(2)
+        ]
+        assert miro[0]["response"] == miro[1]["response"] != ""
+        for field, bad in [
+            ("logit_bias", {"1000000000": 5}),
+            ("logit_bias", {"abc": 5}),
+            # (100,000 would exceed the frame limit; the codec tests have them.)
+            ("dry_sequence_breakers", ["x"] * 20_000),
+            ("mirostat_tau", -1),
+            ("dry_range", 5),
+        ]:
+            reply = await ws.request(infer(PARIS, 4, **{field: bad}, request_id=field))
+            assert reply["error"]["type"] == "invalid_request", reply
+            assert reply["error"]["field"].startswith(f"$.{field}"), reply
+            assert reply["error"]["message"].startswith(field), reply
+        assert (await ws.request(infer(PARIS, 2, temperature=0)))["response"]
+
+
 async def test_trimming_with_and_without_custom_bos(small_engine: CpuEngine) -> None:
     text = " ".join(f"word{i}" for i in range(60))
     ids = small_engine.encode(text)

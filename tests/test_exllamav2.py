@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -326,46 +327,212 @@ def test_plan_refuses_tensor_parallel_without_flash_attn() -> None:
 # -- sampler settings --------------------------------------------------------------------
 
 
-def test_sampler_fields_are_settings_fields() -> None:
-    assert set(sampler_fields(SamplingSettings())) <= SETTINGS_FIELDS
+#: How each trioserve sampler setting maps onto ``ExLlamaV2Sampler.Settings``
+#: (0.3.2): one attribute each, the same name but for the penalties (the
+#: ExLlamaV2 server's names) and logit_bias (ExLlamaV2's token_bias row).
+#: ``seed`` belongs to the job, not to the settings.
+ONE_TO_ONE = {
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "top_a": "top_a",
+    "min_p": "min_p",
+    "typical": "typical",
+    "skew": "skew",
+    "rep_pen": "token_repetition_penalty",
+    "freq_pen": "token_frequency_penalty",
+    "pres_pen": "token_presence_penalty",
+    "dry_multiplier": "dry_multiplier",
+    "dry_base": "dry_base",
+    "dry_allowed_length": "dry_allowed_length",
+    "dry_range": "dry_range",
+    "dry_sequence_breakers": "dry_sequence_breakers",
+    "xtc_probability": "xtc_probability",
+    "xtc_threshold": "xtc_threshold",
+    "mirostat": "mirostat",
+    "mirostat_tau": "mirostat_tau",
+    "mirostat_eta": "mirostat_eta",
+    "min_temp": "min_temp",
+    "max_temp": "max_temp",
+    "temp_exponent": "temp_exponent",
+    "smoothing_factor": "smoothing_factor",
+    "temperature_last": "temperature_last",
+    "logit_bias": "token_bias",
+}
+
+#: The annotations and defaults of those attributes in exllamav2/generator/
+#: sampler.py at v0.3.2 (``from __future__ import annotations``: the
+#: annotations are strings), written out because ExLlamaV2 cannot be imported
+#: here; the exl2-cpu test below checks them against the real class.
+SETTINGS_REFERENCE: dict[str, tuple[str, Any]] = {
+    "token_repetition_penalty": ("float", 1.025),
+    "token_frequency_penalty": ("float", 0.0),
+    "token_presence_penalty": ("float", 0.0),
+    "temperature": ("float", 0.8),
+    "smoothing_factor": ("float", 0.0),
+    "min_temp": ("float", 0),
+    "max_temp": ("float", 0.0),
+    "temp_exponent": ("float", 1.0),
+    "top_k": ("int", 50),
+    "top_p": ("float", 0.8),
+    "top_a": ("float", 0.0),
+    "min_p": ("float", 0),
+    "typical": ("float", 0),
+    "skew": ("float", 0),
+    "temperature_last": ("bool", False),
+    "mirostat": ("bool", False),
+    "mirostat_tau": ("float", 1.5),
+    "mirostat_eta": ("float", 0.1),
+    "token_bias": ("torch.Tensor | None", None),
+    "dry_allowed_length": ("int", 2),
+    "dry_base": ("float", 1.75),
+    "dry_multiplier": ("float", 0.0),
+    "dry_sequence_breakers": ("set[int] | None", None),
+    "dry_range": ("int", 0),
+    "xtc_probability": ("float", 0.0),
+    "xtc_threshold": ("float", 0.1),
+}
+
+#: A value of each setting that differs from its default.
+CHANGED: dict[str, Any] = {
+    "temperature": 0.7,
+    "top_k": 40,
+    "top_p": 0.9,
+    "top_a": 0.2,
+    "min_p": 0.05,
+    "typical": 0.95,
+    "skew": 0.5,
+    "rep_pen": 1.1,
+    "freq_pen": 0.3,
+    "pres_pen": 0.4,
+    "dry_multiplier": 0.8,
+    "dry_base": 2.0,
+    "dry_allowed_length": 3,
+    "dry_range": 512,
+    "dry_sequence_breakers": ("\n", ":"),
+    "xtc_probability": 0.5,
+    "xtc_threshold": 0.2,
+    "mirostat": True,
+    "mirostat_tau": 3.0,
+    "mirostat_eta": 0.2,
+    "min_temp": 0.5,
+    "max_temp": 1.5,
+    "temp_exponent": 2.0,
+    "smoothing_factor": 0.3,
+    "temperature_last": True,
+    "logit_bias": ((5, -100.0), (198, 2.5)),
+}
+
+VOCAB = 49152
 
 
-def test_sampler_fields_map_the_protocol_fields() -> None:
-    settings = SamplingSettings(
-        temperature=0.7,
-        top_k=40,
-        top_p=0.9,
-        top_a=0.2,
-        min_p=0.05,
-        typical=0.95,
-        skew=0.5,
-        rep_pen=1.1,
-        freq_pen=0.3,
-        pres_pen=0.4,
-        seed=7,
-    )
-    fields = sampler_fields(settings)
-    assert fields["temperature"] == 0.7
-    assert fields["top_k"] == 40
-    assert fields["top_p"] == 0.9
-    assert fields["top_a"] == 0.2
-    assert fields["min_p"] == 0.05
-    assert fields["typical"] == 0.95
-    assert fields["skew"] == 0.5
-    assert fields["token_repetition_penalty"] == 1.1
-    assert fields["token_frequency_penalty"] == 0.3
-    assert fields["token_presence_penalty"] == 0.4
+def _fields(settings: SamplingSettings, tokenizer: Tokenizer) -> dict[str, Any]:
+    return sampler_fields(settings, tokenizer, VOCAB)
+
+
+def test_sampler_fields_are_settings_fields(tokenizer: Tokenizer) -> None:
+    assert set(_fields(SamplingSettings(), tokenizer)) <= SETTINGS_FIELDS
+    assert set(SETTINGS_REFERENCE) <= SETTINGS_FIELDS
+
+
+def test_every_setting_maps_onto_one_exllamav2_attribute(tokenizer: Tokenizer) -> None:
+    """Each trioserve setting changes its one ExLlamaV2 attribute and no
+    other: the mapping is one to one."""
+    names = {a.name for a in attrs.fields(SamplingSettings)} - {"seed"}
+    assert set(ONE_TO_ONE) == names == set(CHANGED)
+    assert set(ONE_TO_ONE.values()) <= set(SETTINGS_REFERENCE)
+    base = _fields(SamplingSettings(), tokenizer)
+    for name, value in CHANGED.items():
+        fields = _fields(attrs.evolve(SamplingSettings(), **{name: value}), tokenizer)
+        changed = {k for k in fields if not _same_value(fields[k], base[k])}
+        assert changed == {ONE_TO_ONE[name]}, name
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.equal(b)
+    return bool(a == b)
+
+
+def test_mapped_values_have_the_reference_types(tokenizer: Tokenizer) -> None:
+    for sampling in (SamplingSettings(), SamplingSettings(**CHANGED)):
+        fields = _fields(sampling, tokenizer)
+        for attribute, (annotation, _) in SETTINGS_REFERENCE.items():
+            value = fields[attribute]
+            if annotation == "float":
+                assert isinstance(value, float | int) and not isinstance(value, bool), attribute
+            elif annotation == "int":
+                assert isinstance(value, int) and not isinstance(value, bool), attribute
+            elif annotation == "bool":
+                assert isinstance(value, bool), attribute
+            elif annotation == "torch.Tensor | None":
+                assert value is None or isinstance(value, torch.Tensor), attribute
+            else:
+                assert annotation == "set[int] | None"
+                assert isinstance(value, set) and all(isinstance(i, int) for i in value)
+
+
+def test_new_settings_default_to_exllamav2s_defaults() -> None:
+    """The samplers the ExLlamaV2 server never had take the library's
+    defaults, and every one of them is off by default."""
+    defaults = SamplingSettings()
+    for name, attribute in ONE_TO_ONE.items():
+        if name in ("dry_sequence_breakers", "logit_bias") or name in SERVER_DEFAULTS:
+            continue
+        assert getattr(defaults, name) == SETTINGS_REFERENCE[attribute][1], name
+    assert not defaults.dry and not defaults.mirostat and defaults.xtc_probability == 0
+    assert not defaults.dynamic_temperature and not defaults.temperature_last
+    assert defaults.smoothing_factor == 0 and defaults.logit_bias == ()
+
+
+#: Settings whose defaults are the ExLlamaV2 server's, not the library's.
+SERVER_DEFAULTS = {"temperature", "top_k", "top_p", "rep_pen"}
+
+
+def test_sampler_fields_map_the_protocol_fields(tokenizer: Tokenizer) -> None:
+    settings = SamplingSettings(**CHANGED, seed=7)
+    fields = _fields(settings, tokenizer)
+    for name, attribute in ONE_TO_ONE.items():
+        if name not in ("dry_sequence_breakers", "logit_bias"):
+            assert fields[attribute] == CHANGED[name], name
     # The whole context is penalised, and nothing the protocol cannot set is on.
     assert fields["token_repetition_range"] == -1
-    assert fields["temperature_last"] is False
-    assert fields["mirostat"] is False
-    assert fields["dry_multiplier"] == 0.0
-    assert fields["xtc_probability"] == 0.0
     assert fields["cfg_scale"] is None
+    assert fields["tfs"] == 0.0
+    assert fields["dry_max_ngram"] == 20
+    # Each job starts mirostat afresh.
+    assert fields["mirostat_mu"] is None
 
 
-def test_greedy_is_top_k_one() -> None:
-    fields = sampler_fields(SamplingSettings(temperature=0.0, top_k=100, rep_pen=1.2))
+def test_logit_bias_is_a_token_bias_row(tokenizer: Tokenizer) -> None:
+    fields = _fields(SamplingSettings(logit_bias=((5, -100.0), (198, 2.5))), tokenizer)
+    bias = fields["token_bias"]
+    # The size Settings.disallow_tokens gives it (the vocabulary padded to a
+    # multiple of 32), so that the banned ids can be added to the same row.
+    assert bias.shape == (VOCAB + -VOCAB % 32,)
+    assert bias.dtype == torch.float32
+    assert (bias[5].item(), bias[198].item()) == (-100.0, 2.5)
+    assert int(torch.count_nonzero(bias)) == 2
+    assert _fields(SamplingSettings(), tokenizer)["token_bias"] is None
+    odd = sampler_fields(SamplingSettings(logit_bias=((3, 1.0),)), tokenizer, 49153)
+    assert odd["token_bias"].shape == (49184,)
+
+
+def test_breakers_and_xtc_ids_are_the_cpu_engines(tokenizer: Tokenizer) -> None:
+    fields = _fields(SamplingSettings(dry_sequence_breakers=("\n", ":")), tokenizer)
+    breakers = fields["dry_sequence_breakers"]
+    newline, colon = tokenizer.encode("\n"), tokenizer.encode(":")
+    assert set(newline) | set(colon) <= breakers
+    assert tokenizer.special_ids <= breakers
+    assert not set(tokenizer.encode(" apple")) & breakers
+    protected = fields["xtc_ignore_tokens"]
+    assert isinstance(protected, frozenset)
+    assert set(newline) <= protected and tokenizer.special_ids <= protected
+    assert not set(colon) & protected
+
+
+def test_greedy_is_top_k_one(tokenizer: Tokenizer) -> None:
+    fields = _fields(SamplingSettings(temperature=0.0, top_k=100, rep_pen=1.2), tokenizer)
     assert fields["top_k"] == 1
     assert fields["temperature"] == 1.0
     # Penalties come before the draw, so they still shape the greedy choice.
@@ -379,16 +546,30 @@ def test_greedy_is_top_k_one() -> None:
     rep_pen=st.floats(0.1, 3.0),
 )
 def test_sampler_fields_keep_non_greedy_values(
-    temperature: float, top_k: int, top_p: float, rep_pen: float
+    tokenizer: Tokenizer, temperature: float, top_k: int, top_p: float, rep_pen: float
 ) -> None:
     settings = SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p, rep_pen=rep_pen)
-    fields = sampler_fields(settings)
+    fields = _fields(settings, tokenizer)
     assert fields["top_p"] == top_p
     assert fields["token_repetition_penalty"] == rep_pen
     if temperature == 0.0:
         assert (fields["temperature"], fields["top_k"]) == (1.0, 1)
     else:
         assert (fields["temperature"], fields["top_k"]) == (temperature, top_k)
+
+
+def test_refusal_names_bad_sampler_settings() -> None:
+    def refused(**sampling: Any) -> str | None:
+        spec = _spec(sampling=attrs.evolve(SamplingSettings(), **sampling))
+        return refusal(spec, context_length=64, vocab_size=100, page_size=256, max_pages=4)
+
+    assert refused(dry_range=20) == "dry_range must be 0 or an integer from 21 to 2^31-1, got 20"
+    message = refused(dry_sequence_breakers=("x",) * 100_000)
+    assert message is not None and message.startswith("dry_sequence_breakers must be a list")
+    assert len(message) < 400
+    assert refused(logit_bias=((100, 1.0),)) == ("logit_bias ids must be between 0 and 99, not 100")
+    assert refused(mirostat_tau=math.nan) is not None
+    assert refused(logit_bias=((99, 1.0),), dry_multiplier=1.0) is None
 
 
 # -- stop conditions and refusals --------------------------------------------------------
@@ -988,6 +1169,8 @@ class RealJobs:
     #: trioserve's tokenizer over the same tokenizer.json (the adapter's decode).
     tokenizer: Tokenizer
     eos_token_ids: frozenset[int]
+    #: The model's vocabulary (config.json), which the logits cover.
+    vocab_size: int = 49152
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         # Hypothesis prints a failing example's arguments; the tokenizers'
@@ -1009,6 +1192,7 @@ class RealJobs:
             host=JobHost(tokenizer=xtokenizer, padded_vocab_size=-(-vocab // 32) * 32),
             tokenizer=tokenizer,
             eos_token_ids=frozenset(tokenizer.eos_token_ids),
+            vocab_size=vocab,
         )
 
     def run(
@@ -1164,6 +1348,132 @@ def test_real_job_matches_the_cpu_rule(real_jobs: RealJobs, data: st.DataObject)
     spec = _real_spec(real_jobs, stop_strings=stops, max_new_tokens=limit)
     updates, _ = real_jobs.run(spec, script)
     assert summary(updates) == cpu_rule(real_jobs.tokenizer, spec, script)
+
+
+# -- the real ExLlamaV2 sampler settings (nox -s exl2-cpu) -------------------------------
+#
+# ExLlamaV2Sampler.sample and apply_dry run on CPU tensors (the C++ sampler is
+# the extension's CPU code); with exllamav2 importable they check the mapping
+# against what 0.3.2 does with it.
+
+
+def _real_settings(real: RealJobs, settings: SamplingSettings) -> Any:
+    from exllamav2.generator import ExLlamaV2Sampler
+
+    out = ExLlamaV2Sampler.Settings()
+    for name, value in sampler_fields(settings, real.tokenizer, real.vocab_size).items():
+        setattr(out, name, value)
+    return out
+
+
+def test_real_settings_have_the_reference_fields(real_jobs: RealJobs) -> None:
+    import dataclasses
+
+    from exllamav2.generator import ExLlamaV2Sampler
+
+    fields = {f.name: f for f in dataclasses.fields(ExLlamaV2Sampler.Settings)}
+    assert set(fields) == SETTINGS_FIELDS
+    for name, (annotation, default) in SETTINGS_REFERENCE.items():
+        assert (str(fields[name].type), fields[name].default) == (annotation, default), name
+
+
+def test_real_token_bias_takes_the_banned_ids_too(real_jobs: RealJobs) -> None:
+    settings = _real_settings(real_jobs, SamplingSettings(logit_bias=((5, -100.0), (198, 2.5))))
+    settings.disallow_tokens(real_jobs.host.tokenizer, [7])
+    bias = settings.token_bias
+    assert bias[5].item() == -100.0 and bias[198].item() == 2.5
+    assert bias[7].item() == -math.inf
+
+
+def _words(real: RealJobs, text: str) -> list[int]:
+    return real.tokenizer.encode(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # A phrase said twice, then its start again: the next word is penalised.
+        " apple banana cherry dates elder fig grape apple banana cherry",
+        # Two earlier occurrences with different followers.
+        " red green blue red green yellow red green",
+        # A two-word loop.
+        " alpha beta alpha beta alpha beta alpha",
+    ],
+)
+def test_real_dry_penalties_match_the_cpu_engines(real_jobs: RealJobs, text: str) -> None:
+    """ExLlamaV2's apply_dry and the CPU engine's DryHistory penalise the
+    same tokens by the same amounts, where their definitions agree (repeats
+    shorter than 20 tokens whose suffix has a follower before the last
+    token; docs/sampling.md)."""
+    from exllamav2.generator import ExLlamaV2Sampler
+
+    from trioserve.engine.samplers import DryHistory, sequence_breaker_ids
+
+    ids = _words(real_jobs, text)
+    sampling = SamplingSettings(dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2)
+    settings = _real_settings(real_jobs, sampling)
+    logits = torch.zeros((1, 1, real_jobs.vocab_size), dtype=torch.float32)
+    ExLlamaV2Sampler.apply_dry(
+        settings, real_jobs.host.tokenizer, torch.tensor([ids], dtype=torch.long), logits
+    )
+    theirs = {int(i): -float(logits[0, 0, i]) for i in torch.nonzero(logits[0, 0]).flatten()}
+    breakers = sequence_breaker_ids(real_jobs.tokenizer, sampling.dry_sequence_breakers)
+    history = DryHistory.start(ids, len(ids), breakers, real_jobs.vocab_size)
+    found = history.penalties(sampling)
+    ours = {} if found is None else dict(zip(found[0].tolist(), found[1].tolist(), strict=True))
+    assert theirs
+    assert ours.keys() == theirs.keys()
+    for token, value in theirs.items():
+        assert ours[token] == pytest.approx(value, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature_last": True, "temperature": 0.7, "min_p": 0.05},
+        {"min_temp": 0.5, "max_temp": 1.5, "temp_exponent": 1.5},
+        {"smoothing_factor": 0.3},
+        {"smoothing_factor": 0.3, "temperature_last": True, "temperature": 2.0},
+        {"mirostat": True, "mirostat_tau": 2.0},
+        {"logit_bias": ((11, 100.0), (12, -100.0), (13, 3.0))},
+    ],
+)
+def test_real_sampler_draws_from_the_cpu_engines_distribution(
+    real_jobs: RealJobs, fields: dict[str, Any]
+) -> None:
+    """ExLlamaV2's sampler (its C++ CPU code) and the CPU engine's
+    distribution() agree on the final probabilities of the likeliest tokens,
+    for each new setting (XTC aside: docs/sampling.md says why)."""
+    from exllamav2.generator import ExLlamaV2Sampler
+
+    from trioserve.engine.sampling import distribution
+
+    vocab = real_jobs.vocab_size
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn((1, vocab), generator=generator) * 3
+    sampling = attrs.evolve(
+        SamplingSettings(temperature=1.0, top_k=0, top_p=0.0, rep_pen=1.0), **fields
+    )
+    settings = _real_settings(real_jobs, sampling)
+    k = 32
+    _, tokens, probs, _, _ = ExLlamaV2Sampler.sample(
+        logits.clone().view(1, 1, vocab),
+        settings,
+        torch.tensor([[1, 2, 3]], dtype=torch.long),
+        0.5,
+        real_jobs.host.tokenizer,
+        return_top_tokens=k,
+    )
+    ours = distribution(logits, [sampling], bias=_bias(sampling, vocab))[0]
+    for token, prob in zip(tokens[0, 0].tolist(), probs[0, 0].tolist(), strict=True):
+        if prob > 0:
+            assert float(ours[token]) == pytest.approx(prob, abs=2e-5), token
+
+
+def _bias(sampling: SamplingSettings, vocab: int) -> torch.Tensor | None:
+    from trioserve.engine.samplers import bias_row
+
+    return bias_row(sampling.logit_bias, vocab).unsqueeze(0) if sampling.logit_bias else None
 
 
 @attrs.define(eq=False, repr=False)

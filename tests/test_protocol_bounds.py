@@ -255,7 +255,8 @@ def test_other_actions_list_the_envelope_as_allowed() -> None:
 def test_huge_unknown_keys_are_not_echoed_in_the_path() -> None:
     error = decode_error(infer(**{"k" * 100_000: 1}))
     assert error.field is None
-    assert len(error.message) < 600
+    # The key cut short, then the allowed fields (about 600 characters).
+    assert len(error.message) < 1000
 
 
 # --------------------------------------------------------------------------
@@ -286,6 +287,7 @@ def test_messages_replace_text() -> None:
             for k, v in p.INFER_DEFAULTS.items()
             if k not in ("stream", "stream_full")
         },
+        "logit_bias": {},  # an object on the wire, () in the request
         "messages": CHAT,
     }
     assert p.decode_request(p.encode_request(request)) == request
@@ -463,3 +465,123 @@ def test_bad_values_of_any_size_are_shown_short() -> None:
         failure = info.value
         assert failure.field == "$.top_k"
         assert len(failure.message) < 200
+
+
+# --------------------------------------------------------------------------
+# The samplers of ExLlamaV2's front ends
+
+
+def structure_error(**fields: Any) -> p.ProtocolError:
+    """The error of an infer built as Python objects (NaN cannot be JSON)."""
+    with pytest.raises(p.ProtocolError) as info:
+        p.structure_request(infer(**fields))
+    return info.value
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "dry_multiplier",
+        "dry_base",
+        "xtc_probability",
+        "xtc_threshold",
+        "mirostat_tau",
+        "mirostat_eta",
+        "min_temp",
+        "max_temp",
+        "temp_exponent",
+        "smoothing_factor",
+    ],
+)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1e-9, 1e300])
+def test_new_numbers_refuse_nan_and_out_of_range(field: str, bad: float) -> None:
+    error = structure_error(**{field: bad})
+    assert (error.error_type, error.field) == ("invalid_request", f"$.{field}")
+    assert error.message.startswith(f"{field} must be a number in [")
+    assert error.message.endswith(f"got {bad!r}")
+
+
+def test_a_hundred_thousand_breakers_are_refused_by_their_count() -> None:
+    error = decode_error(infer(dry_sequence_breakers=["x"] * 100_000))
+    assert error.field == "$.dry_sequence_breakers"
+    assert error.message == "dry_sequence_breakers must hold at most 64 strings, got 100000"
+
+
+@pytest.mark.parametrize(
+    ("breakers", "path", "got"),
+    [
+        (["\n", ""], "$.dry_sequence_breakers[1]", "got ''"),
+        ([5], "$.dry_sequence_breakers[0]", "got 5"),
+        (["x" * 65], "$.dry_sequence_breakers[0]", "got 65 characters"),
+        ([["x"]], "$.dry_sequence_breakers[0]", "got ['x']"),
+    ],
+)
+def test_each_bad_breaker_is_named(breakers: list[Any], path: str, got: str) -> None:
+    error = decode_error(infer(dry_sequence_breakers=breakers))
+    assert error.field == path
+    assert error.message.startswith(f"{path[2:]} must be a string of 1 to 64 characters")
+    assert error.message.endswith(got)
+
+
+def test_logit_bias_reads_an_object_of_digit_keys() -> None:
+    request = p.decode_request(json.dumps(infer(logit_bias={"198": 2, "0": -100, "5": 1.5})))
+    assert isinstance(request, p.InferRequest)
+    assert request.logit_bias == ((0, -100.0), (5, 1.5), (198, 2.0))
+    assert request.sampling_settings().logit_bias == request.logit_bias
+    assert p.unstructure_request(request)["logit_bias"] == {"0": -100.0, "5": 1.5, "198": 2.0}
+    assert p.decode_request(p.encode_request(request)) == request
+
+
+@pytest.mark.parametrize(
+    "key", ["abc", "-1", "01", "1.5", " 1", "", "1e3", "２", "2147483648", "99999999999"]
+)
+def test_logit_bias_keys_must_be_token_ids(key: str) -> None:
+    error = decode_error(infer(logit_bias={"5": 1, key: 1}))
+    assert error.field == "$.logit_bias"
+    assert error.message == (
+        "logit_bias keys must be token ids from 0 to 2^31-1 in decimal digits without "
+        f"leading zeros, got {key!r}"
+    )
+
+
+@pytest.mark.parametrize("bias", [101, -100.5, True, "5", None, [1], 1e308])
+def test_logit_bias_values_are_named_by_their_key(bias: Any) -> None:
+    error = decode_error(infer(logit_bias={"7": 0, "42": bias}))
+    assert error.field == '$.logit_bias["42"]'
+    assert error.message == f'logit_bias["42"] must be a number in [-100, 100], got {bias!r}'
+
+
+def test_logit_bias_nan_and_size() -> None:
+    error = structure_error(logit_bias={"3": float("nan")})
+    assert error.field == '$.logit_bias["3"]'
+    error = decode_error(infer(logit_bias={str(i): 0 for i in range(100_000)}))
+    assert error.field == "$.logit_bias"
+    assert error.message == "logit_bias must hold at most 1024 entries, got 100000"
+    assert p.FIELD_LIMITS["max_logit_bias"] == 1024
+
+
+def test_logit_bias_ids_are_checked_against_the_vocabulary() -> None:
+    request = p.decode_request(json.dumps(infer(logit_bias={"99": 1, "1000000000": -5})))
+    assert isinstance(request, p.InferRequest)
+    with pytest.raises(p.ProtocolError) as info:
+        p.validate_against_model(request, vocab_size=100, max_new_tokens=255)
+    assert (info.value.error_type, info.value.field) == (
+        "invalid_request",
+        '$.logit_bias["1000000000"]',
+    )
+    assert info.value.message == "logit_bias keys must be token ids in 0..99, got '1000000000'"
+    fine = attrs.evolve(request, logit_bias=((99, 1.0),))
+    p.validate_against_model(fine, vocab_size=100, max_new_tokens=255)
+
+
+@pytest.mark.parametrize(("value", "ok"), [(0, True), (20, False), (21, True), (1, False)])
+def test_dry_range_is_off_or_longer_than_exllamav2s_ngrams(value: int, ok: bool) -> None:
+    frame = infer(dry_range=value)
+    if ok:
+        request = p.decode_request(json.dumps(frame))
+        assert isinstance(request, p.InferRequest) and request.dry_range == value
+    else:
+        error = decode_error(frame)
+        assert error.message == (
+            f"dry_range must be 0 or an integer from 21 to 2^31-1, got {value!r}"
+        )

@@ -95,6 +95,54 @@ def checker(kind: str) -> tuple[Checker, list[Any]]:
     if found := re.fullmatch(r"integer from (\S+) to (\S+)", kind):
         lo, hi = number(found[1]), number(found[2])
         return (lambda v: is_int(v) and lo <= v <= hi), [lo, hi, lo - 1, hi + 1, 1e30, 1.5]
+    if found := re.fullmatch(r"(\S+) or an integer from (\S+) to (\S+)", kind):
+        off, lo, hi = number(found[1]), number(found[2]), number(found[3])
+        edges = [off, lo, hi, lo - 1, off - 1, hi + 1, float(off), 1.5]
+        return (lambda v: is_int(v) and (v == off or lo <= v <= hi)), edges
+    if found := re.fullmatch(r"list of at most (\d+) strings of 1 to (\d+) characters", kind):
+        most, chars = int(found[1]), int(found[2])
+        edges = [[], ["x"], [""], ["x" * chars], ["x" * (chars + 1)], ["a"] * most]
+        edges += [["a"] * (most + 1), "x", [1], [None]]
+        return (
+            lambda v: (
+                isinstance(v, list)
+                and len(v) <= most
+                and all(isinstance(s, str) and 1 <= len(s) <= chars for s in v)
+            )
+        ), edges
+    if found := re.fullmatch(
+        r"object of at most (\d+) entries from a token id from 0 to (\S+) \(a key of decimal "
+        r"digits without leading zeros\) to a number in \[(\S+), (\S+)\]",
+        kind,
+    ):
+        most, top = int(found[1]), number(found[2])
+        low, high = number(found[3]), number(found[4])
+
+        def key_ok(k: str) -> bool:
+            digits = k.isascii() and k.isdigit() and (k == "0" or not k.startswith("0"))
+            return digits and int(k) <= top
+
+        edges = [
+            {},
+            {"0": low, str(top): high},
+            {str(top + 1): 0},
+            {"-1": 0},
+            {"01": 0},
+            {" 1": 0},
+            {"1": high + 1},
+            {"1": True},
+            {"1": "1"},
+            {str(i): 0 for i in range(most)},
+            {str(i): 0 for i in range(most + 1)},
+            [],
+        ]
+        return (
+            lambda v: (
+                isinstance(v, dict)
+                and len(v) <= most
+                and all(key_ok(k) and is_number(b) and low <= b <= high for k, b in v.items())
+            )
+        ), edges
     if found := re.fullmatch(r"number in \[(\S+), (\S+)\]", kind):
         lo, hi = number(found[1]), number(found[2])
         edges = [

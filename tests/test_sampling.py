@@ -19,6 +19,7 @@ from numpy.typing import NDArray
 
 from trioserve.engine.base import SamplingSettings
 from trioserve.engine.sampling import (
+    RowState,
     SamplingError,
     distribution,
     make_generator,
@@ -545,3 +546,177 @@ def test_large_vocabulary_paths_agree_with_the_reference() -> None:
         want = ref_distribution(logits, s)
         assert np.all(got[want == 0] == 0)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-8)
+
+
+# -- the samplers of ExLlamaV2's front ends ------------------------------------------
+
+#: Drawn over the whole vocabulary (plain), over top_k candidates, and in
+#: descending order (top_p): the three ways a row's candidates are built.
+KINDS = [
+    SamplingSettings(temperature=1.0, top_k=0, top_p=1.0, rep_pen=1.0),
+    SamplingSettings(temperature=1.0, top_k=4, top_p=1.0, rep_pen=1.0),
+    SamplingSettings(temperature=1.0, top_k=0, top_p=0.999999, rep_pen=1.0),
+]
+
+
+def logits_of(probs: list[float]) -> torch.Tensor:
+    return torch.tensor([probs], dtype=torch.float64).log().to(torch.float32)
+
+
+def dist(s: SamplingSettings, probs: list[float], **kwargs: object) -> list[float]:
+    out = distribution(logits_of(probs), [s], **kwargs)  # type: ignore[arg-type]
+    return [float(v) for v in out[0]]
+
+
+@pytest.mark.parametrize("base", KINDS)
+def test_xtc_removes_all_top_choices_but_the_least(base: SamplingSettings) -> None:
+    probs = [0.5, 0.3, 0.15, 0.05]
+    fired = attrs.evolve(base, xtc_probability=1.0, xtc_threshold=0.1)
+    # 0.5 and 0.3 go; 0.15, the least likely over the threshold, stays.
+    assert dist(fired, probs) == pytest.approx([0.0, 0.0, 0.75, 0.25])
+    half = attrs.evolve(fired, xtc_probability=0.5)
+    assert dist(half, probs) == pytest.approx([0.25, 0.15, 0.45, 0.15])
+    # A protected token is neither removed nor counted.
+    guard = torch.tensor([True, False, False, False])
+    assert dist(fired, probs, xtc_protected=guard) == pytest.approx(
+        [0.5 / 0.7, 0, 0.15 / 0.7, 0.05 / 0.7]
+    )
+    # One token over the threshold: nothing happens.
+    assert dist(attrs.evolve(fired, xtc_threshold=0.4), probs) == pytest.approx(probs)
+
+
+@pytest.mark.parametrize("base", KINDS)
+def test_mirostat_cuts_tokens_more_surprising_than_mu(base: SamplingSettings) -> None:
+    probs = [0.5, 0.25, 0.125, 0.125]  # surprises of 1, 2, 3 and 3 bits
+    s = attrs.evolve(base, mirostat=True, mirostat_tau=1.1, mirostat_eta=0.1)
+    # The first step starts at mu = 2 tau = 2.2 bits: p >= 0.22 stays.
+    assert dist(s, probs) == pytest.approx([2 / 3, 1 / 3, 0, 0])
+    assert dist(s, probs, states=[RowState(mu=3.2)]) == pytest.approx(probs)
+    assert dist(s, probs, states=[RowState(mu=0.5)]) == pytest.approx([1, 0, 0, 0])
+
+
+def test_mirostat_mu_follows_the_surprise_of_each_draw() -> None:
+    probs = [0.5, 0.25, 0.125, 0.125]
+    s = attrs.evolve(KINDS[0], mirostat=True, mirostat_tau=1.1, mirostat_eta=0.1)
+    state = RowState()
+    generator = make_generator(5)
+    mu = 2.2
+    for _ in range(20):
+        before = dist(s, probs, states=[state])
+        token = int(sample(logits_of(probs), [s], [generator], states=[state])[0])
+        assert before[token] > 0
+        mu += 0.1 * (1.1 - -math.log2(before[token]))
+        assert state.mu == pytest.approx(mu)
+
+
+@pytest.mark.parametrize("base", KINDS)
+def test_temperature_last_applies_it_after_the_filters(base: SamplingSettings) -> None:
+    probs = [0.5, 0.3, 0.15, 0.05]
+    s = attrs.evolve(base, min_p=0.2, temperature=2.0, temperature_last=True)
+    # min_p sees the probabilities at temperature 1 (0.05 < 0.1 goes), then
+    # the temperature bends the three that are left.
+    kept = np.array([0.5, 0.3, 0.15]) ** 0.5
+    assert dist(s, probs) == pytest.approx([*(kept / kept.sum()), 0.0])
+    # Before the filters, temperature 2 would have kept 0.05 (sqrt: 0.22 >= 0.2 * 0.71).
+    first = dist(attrs.evolve(s, temperature_last=False), probs)
+    assert first[3] > 0
+
+
+@pytest.mark.parametrize("base", KINDS)
+def test_dynamic_temperature_follows_the_entropy(base: SamplingSettings) -> None:
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    s = attrs.evolve(base, min_temp=0.5, max_temp=1.5, temp_exponent=2.0)
+    h = -(probs * np.log(probs)).sum() / math.log(4)
+    temperature = 0.5 + 1.0 * h**2.0
+    bent = probs ** (1 / temperature)
+    assert dist(s, list(probs)) == pytest.approx(list(bent / bent.sum()))
+    # Uniform probabilities have the most entropy: max_temp, which changes nothing there.
+    assert dist(s, [0.25] * 4) == pytest.approx([0.25] * 4)
+
+
+@pytest.mark.parametrize("base", KINDS)
+def test_smoothing_factor_makes_the_logits_quadratic(base: SamplingSettings) -> None:
+    logits = torch.tensor([[3.0, 2.0, 0.0, -1.0]])
+    s = attrs.evolve(base, smoothing_factor=0.5, temperature=0.8)
+    d = logits[0].double() - 3.0
+    expected = torch.softmax(-0.5 * d * d / 0.8, dim=0)
+    got = distribution(logits, [s])[0]
+    assert got.tolist() == pytest.approx(expected.tolist())
+
+
+def test_bias_is_added_to_the_logits_greedy_included() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    greedy = SamplingSettings(temperature=0.0, rep_pen=1.0)
+    ban = torch.tensor([[-100.0, 0.0, 0.0, 0.0]])
+    force = torch.tensor([[0.0, 0.0, 0.0, 100.0]])
+    assert sample(logits, [greedy], [make_generator(1)], bias=ban).tolist() == [1]
+    assert sample(logits, [greedy], [make_generator(1)], bias=force).tolist() == [3]
+    warm = SamplingSettings(temperature=1.0, top_k=0, top_p=1.0, rep_pen=1.0)
+    forced = distribution(logits, [warm], bias=force)[0]
+    assert float(forced[3]) == pytest.approx(1.0) and float(forced[:3].max()) < 1e-40
+    # A banned id stays banned whatever its bias.
+    banned = torch.tensor([[False, False, False, True]])
+    assert sample(logits, [greedy], [make_generator(1)], bias=force, banned=banned).tolist() == [0]
+
+
+NEW = [
+    SamplingSettings(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.05),
+    SamplingSettings(temperature=0.7, top_k=0, mirostat=True, mirostat_tau=3.0),
+    SamplingSettings(temperature=1.0, top_k=0, top_p=0.95, min_temp=0.3, max_temp=2.0),
+    SamplingSettings(temperature=1.3, smoothing_factor=0.2, temperature_last=True, min_p=0.02),
+    SamplingSettings(temperature=0.0, rep_pen=1.0),
+    SamplingSettings(),
+]
+
+
+def test_rows_with_different_new_samplers_draw_as_alone() -> None:
+    """One batch of rows with different samplers draws, and moves each
+    row's mirostat mu, exactly as each row alone."""
+    logits = torch.from_numpy(make_logits(3, 300, 4.0, ties=True)).repeat(len(NEW), 1)
+    logits += torch.randn(logits.shape, generator=torch.Generator().manual_seed(1))
+    guard = torch.zeros(300, dtype=torch.bool)
+    guard[:5] = True
+    together_states = [RowState() for _ in NEW]
+    alone_states = [RowState() for _ in NEW]
+    gens_together = [make_generator(i) for i in range(len(NEW))]
+    gens_alone = [make_generator(i) for i in range(len(NEW))]
+    for _ in range(10):
+        together = sample(
+            logits, NEW, gens_together, states=together_states, xtc_protected=guard
+        ).tolist()
+        alone = [
+            int(
+                sample(
+                    logits[i : i + 1],
+                    [s],
+                    [gens_alone[i]],
+                    states=[alone_states[i]],
+                    xtc_protected=guard,
+                )[0]
+            )
+            for i, s in enumerate(NEW)
+        ]
+        assert together == alone
+        assert [s.mu for s in together_states] == [s.mu for s in alone_states]
+    assert together_states[1].mu is not None and together_states[0].mu is None
+
+
+def test_a_row_with_bad_new_settings_fails_alone() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
+    bad = [
+        SamplingSettings(mirostat_tau=math.nan),
+        SamplingSettings(dry_sequence_breakers=("x",) * 100_000),
+        # (logit_bias ids are checked against the vocabulary by the engines.)
+        SamplingSettings(logit_bias=((5, 1.0), (5, 2.0))),
+        SamplingSettings(logit_bias=((5, math.inf),)),
+        SamplingSettings(xtc_probability=2.0),
+        SamplingSettings(dry_range=5),
+        SamplingSettings(mirostat=1),  # type: ignore[arg-type]
+    ]
+    for b in bad:
+        with pytest.raises(SamplingError) as info:
+            sample(logits, [NEW[0], b, NEW[2]], [make_generator(i) for i in range(3)])
+        assert info.value.rows == (1,)
+        assert info.value.ids is not None and info.value.ids[1] == -1
+        assert (info.value.ids[[0, 2]] >= 0).all()
+        assert len(info.value.reasons[1]) < 300, info.value.reasons[1]

@@ -74,6 +74,16 @@ INFER_FIELDS = (
     "seed",
     "request_id",
     "response_id",
+    "logit_bias",
+    "dry_multiplier",
+    "dry_range",
+    "dry_sequence_breakers",
+    "xtc_probability",
+    "mirostat",
+    "mirostat_tau",
+    "max_temp",
+    "smoothing_factor",
+    "temperature_last",
 )
 
 _WORDS = (

@@ -45,7 +45,19 @@ from trioserve.engine.base import (
 )
 from trioserve.engine.models import DEFAULT_MODEL_NAME, default_model_dir
 from trioserve.engine.prefix import PrefixCache, PrefixCacheStatistics
-from trioserve.engine.sampling import SamplingError, make_generator, sample, settings_problem
+from trioserve.engine.samplers import (
+    DryHistory,
+    bias_row,
+    sequence_breaker_ids,
+    xtc_protected_ids,
+)
+from trioserve.engine.sampling import (
+    RowState,
+    SamplingError,
+    make_generator,
+    sample,
+    settings_problem,
+)
 from trioserve.engine.text import TextStream
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError
@@ -114,6 +126,12 @@ class _Job:
     banned: Tensor | None  # [V] bool
     #: Token healing's constraint on the first sample. [V] bool
     allowed: Tensor | None
+    #: ``logit_bias`` as a row to add to the logits. [V] float32
+    bias: Tensor | None = None
+    #: The context as DRY reads it, when the job uses DRY.
+    dry: DryHistory | None = None
+    #: What the sampler keeps between steps (mirostat's mu).
+    state: RowState = attrs.field(factory=RowState)
     #: Positions written to the KV cache so far.
     cached: int = 0
     #: The last sampled id, to be fed at the next decode step.
@@ -185,6 +203,8 @@ class CpuEngine:
     #: The weights' bytes, counted once at load (statistics() is read after
     #: every step; walking the weights costs about 0.1 ms).
     _weight_bytes: int = 0
+    #: The ids XTC never removes, built when a job first uses XTC. [V] bool
+    _xtc_protected: Tensor | None = None
 
     @classmethod
     def load(
@@ -512,7 +532,13 @@ class CpuEngine:
             return f"banned_ids must be in [0, {vocab}), got {bad[0]!r}"
         if any(not s for s in spec.stop_strings):
             return "stop_strings must not contain an empty string"
-        return settings_problem(spec.sampling)
+        problem = settings_problem(spec.sampling)
+        if problem is not None:
+            return problem
+        bad = [i for i, _ in spec.sampling.logit_bias if i >= vocab]
+        if bad:
+            return f"logit_bias ids must be in [0, {vocab}), got {bad[0]!r}"
+        return None
 
     def _admit(self, spec: GenerationSpec) -> None:
         prompt = spec.prompt_ids
@@ -547,16 +573,28 @@ class CpuEngine:
             context_ids=prompt,
             skip_prefix=skip_prefix,
         )
+        sampling = spec.sampling
+        bias = (
+            bias_row(sampling.logit_bias, vocab).to(self._device) if sampling.logit_bias else None
+        )
+        dry = None
+        if sampling.dry:
+            # Breakers are token ids, computed from the strings once per job
+            # (and cached across jobs that send the same strings).
+            breakers = sequence_breaker_ids(self._tokenizer, sampling.dry_sequence_breakers)
+            dry = DryHistory.start(prompt, len(prompt) + spec.max_new_tokens, breakers, vocab)
         self._slots.append(
             _Job(
                 spec=spec,
                 prompt=prompt,
                 slot=len(self._slots),
                 stream=stream,
-                generator=make_generator(spec.sampling.seed, self._device),
+                generator=make_generator(sampling.seed, self._device),
                 counts=counts,
                 banned=banned,
                 allowed=allowed,
+                bias=bias,
+                dry=dry,
                 cached=reused,
                 tokens=list(prompt),
                 reused=reused,
@@ -564,7 +602,58 @@ class CpuEngine:
             )
         )
 
+    def _biases(self, rows: list[_Job]) -> tuple[Tensor | None, dict[int, str]]:
+        """The step's additive ``[B, V]`` bias (``logit_bias`` and DRY), or
+        None when no row has one; and the rows whose DRY could not be
+        computed, each with why (they fail alone)."""
+        if all(job.bias is None and job.dry is None for job in rows):
+            return None, {}
+        vocab = self._config.vocab_size
+        bias = torch.zeros((len(rows), vocab), dtype=torch.float32, device=self._device)
+        failed: dict[int, str] = {}
+        for row, job in enumerate(rows):
+            if job.bias is not None:
+                bias[row] += job.bias
+            if job.dry is None:
+                continue
+            try:
+                found = job.dry.penalties(job.spec.sampling)
+            except Exception as exc:
+                log.exception("dry penalties of job %s failed", job.spec.job_id)
+                failed[row] = f"dry failed: {type(exc).__name__}: {exc}"[:200]
+                continue
+            if found is not None:
+                ids, values = found
+                bias[row].index_add_(0, ids.to(self._device), -values.to(self._device))
+        return bias, failed
+
+    def _xtc_mask(self, rows: list[_Job]) -> Tensor | None:
+        if all(job.spec.sampling.xtc_probability == 0 for job in rows):
+            return None
+        if self._xtc_protected is None:
+            mask = torch.zeros(self._config.vocab_size, dtype=torch.bool)
+            ids = [i for i in xtc_protected_ids(self._tokenizer) if i < mask.numel()]
+            mask[ids] = True
+            self._xtc_protected = mask.to(self._device)
+        return self._xtc_protected
+
     def _sample_and_emit(self, rows: list[_Job], logits: Tensor) -> list[Update]:
+        updates: list[Update] = []
+        bias, dry_failed = self._biases(rows)
+        if dry_failed:
+            for row in sorted(dry_failed):
+                updates.append(self._fail(rows[row], f"sampling failed: {dry_failed[row]}"))
+            keep = [row for row in range(len(rows)) if row not in dry_failed]
+            rows = [rows[row] for row in keep]
+            if not rows:
+                return updates
+            index = torch.tensor(keep, device=logits.device)
+            logits = logits.index_select(0, index)
+            assert bias is not None
+            bias = bias.index_select(0, index.to(bias.device))
+        return updates + self._sample_rows(rows, logits, bias)
+
+    def _sample_rows(self, rows: list[_Job], logits: Tensor, bias: Tensor | None) -> list[Update]:
         vocab = self._config.vocab_size
         banned = allowed = None
         if any(job.banned is not None for job in rows):
@@ -582,6 +671,9 @@ class CpuEngine:
                 counts=torch.stack([job.counts for job in rows]),
                 banned=banned,
                 allowed=allowed,
+                bias=bias,
+                states=[job.state for job in rows],
+                xtc_protected=self._xtc_mask(rows),
             )
         except SamplingError as exc:
             failed = exc.reasons
@@ -603,6 +695,8 @@ class CpuEngine:
             job.tokens.append(token)
             job.generated += 1
             job.counts[token] += 1
+            if job.dry is not None:
+                job.dry.append(token)
             updates.append(self._emit(job, token))
         return updates
 

@@ -74,6 +74,13 @@ from trioserve.engine.base import (
     TextUpdate,
     Update,
 )
+from trioserve.engine.samplers import (
+    DRY_MAX_NGRAM,
+    bias_row,
+    sequence_breaker_ids,
+    xtc_protected_ids,
+)
+from trioserve.engine.sampling import settings_problem
 from trioserve.engine.text import TextStream
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError, ModelError
@@ -429,7 +436,9 @@ def plan_load(
 # -- per-job translation -------------------------------------------------------------
 
 
-def sampler_fields(settings: SamplingSettings) -> dict[str, Any]:
+def sampler_fields(
+    settings: SamplingSettings, tokenizer: Tokenizer, vocab_size: int
+) -> dict[str, Any]:
     """The ``ExLlamaV2Sampler.Settings`` attributes for ``settings``.
 
     Every field the sampler reads is set, also those the protocol cannot
@@ -437,10 +446,21 @@ def sampler_fields(settings: SamplingSettings) -> dict[str, Any]:
     change what trioserve computes. Greedy (temperature 0) is asked for
     explicitly as top_k 1 at temperature 1: the C++ sampler would also treat
     a temperature below 0.01 as greedy, but only as a side rule.
-    The token bias (banned ids) and the seed are set elsewhere: the bias needs
-    the tokenizer, the seed belongs to the job.
+
+    Each trioserve field maps onto the attribute of the same name, but two:
+    ``logit_bias`` becomes ``token_bias``, a float32 row of the vocabulary
+    padded to a multiple of 32 as ``Settings.disallow_tokens`` makes it (the
+    banned ids are added to it afterwards, as -inf, by that method), and the
+    strings of ``dry_sequence_breakers`` become the token ids the CPU engine
+    uses (:func:`~trioserve.engine.samplers.sequence_breaker_ids`). XTC's
+    protected ids are given explicitly too, computed as the CPU engine
+    computes them from ``tokenizer`` (trioserve's, over the model's
+    tokenizer.json). The seed is set elsewhere: it belongs to the job.
     """
     greedy = settings.greedy
+    token_bias = None
+    if settings.logit_bias:
+        token_bias = bias_row(settings.logit_bias, vocab_size + -vocab_size % 32)
     return {
         "token_repetition_penalty": settings.rep_pen,
         # -1: the penalties look at the whole context, prompt included, as the
@@ -457,14 +477,28 @@ def sampler_fields(settings: SamplingSettings) -> dict[str, Any]:
         "typical": settings.typical,
         "skew": settings.skew,
         "tfs": 0.0,
-        "smoothing_factor": 0.0,
-        "min_temp": 0.0,
-        "max_temp": 0.0,
-        "temp_exponent": 1.0,
-        "temperature_last": False,
-        "mirostat": False,
-        "dry_multiplier": 0.0,
-        "xtc_probability": 0.0,
+        "smoothing_factor": settings.smoothing_factor,
+        "min_temp": settings.min_temp,
+        "max_temp": settings.max_temp,
+        "temp_exponent": settings.temp_exponent,
+        "temperature_last": settings.temperature_last,
+        "mirostat": settings.mirostat,
+        "mirostat_tau": settings.mirostat_tau,
+        "mirostat_eta": settings.mirostat_eta,
+        # None: the job's first draw starts mu at 2 * tau (sampling.cpp).
+        "mirostat_mu": None,
+        "token_bias": token_bias,
+        "dry_multiplier": settings.dry_multiplier,
+        "dry_base": settings.dry_base,
+        "dry_allowed_length": settings.dry_allowed_length,
+        "dry_range": settings.dry_range,
+        "dry_sequence_breakers": set(
+            sequence_breaker_ids(tokenizer, settings.dry_sequence_breakers)
+        ),
+        "dry_max_ngram": DRY_MAX_NGRAM,
+        "xtc_probability": settings.xtc_probability,
+        "xtc_threshold": settings.xtc_threshold,
+        "xtc_ignore_tokens": xtc_protected_ids(tokenizer),
         "cfg_scale": None,
     }
 
@@ -524,6 +558,14 @@ def refusal(
         return "stop strings must not be empty"
     if any(not 0 <= i < vocab_size for i in spec.prompt_ids):
         return f"prompt ids must be between 0 and {vocab_size - 1}"
+    # The sampler's own guard, as the CPU engine has it: a bad value fails
+    # this job here, never a step of ExLlamaV2's batch.
+    problem = settings_problem(spec.sampling)
+    if problem is not None:
+        return problem
+    bad = [i for i, _ in spec.sampling.logit_bias if i >= vocab_size]
+    if bad:
+        return f"logit_bias ids must be between 0 and {vocab_size - 1}, not {bad[0]!r}"
     return None
 
 
@@ -1054,7 +1096,9 @@ class ExLlamaV2Engine:
         import torch
 
         settings = self._settings_class()
-        for name, value in sampler_fields(spec.sampling).items():
+        for name, value in sampler_fields(
+            spec.sampling, self._tokenizer, self._info.vocab_size
+        ).items():
             setattr(settings, name, value)
         if spec.banned_ids:
             settings.disallow_tokens(self._xtokenizer, sorted(spec.banned_ids))

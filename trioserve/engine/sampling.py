@@ -5,13 +5,18 @@ applied in ExLlamaV2's order, with the standard definition of each filter
 (``docs/sampling.md`` lists every difference from ExLlamaV2):
 
 1. repetition, frequency and presence penalties over the job's whole context;
-2. banned ids, then the ``allowed`` mask (token healing's constraint);
+2. the caller's additive ``bias`` (``logit_bias`` and DRY, from
+   :mod:`trioserve.engine.samplers`), banned ids, then the ``allowed`` mask
+   (token healing's constraint);
 3. ``temperature == 0``: the argmax, with no randomness and no filters;
-   otherwise temperature, softmax, then top_k, top_p, top_a, min_p and
-   typical, renormalising after each;
+   otherwise temperature (1 with ``temperature_last``; quadratic with
+   ``smoothing_factor``), softmax, then top_k, top_p, top_a, min_p, typical
+   and mirostat, renormalising after each, then the temperature after the
+   filters (``temperature_last`` or the dynamic one) and XTC;
 4. one uniform number per job from the job's own generator, skewed as
    ExLlamaV2 skews it, and an inverse-CDF draw over the filtered candidates in
-   descending order of probability.
+   descending order of probability; mirostat's mu then follows the surprise
+   of the drawn token (kept in the job's :class:`RowState`).
 
 Ties between equal logits (common with bf16 logits) are broken towards the
 lower token id everywhere -- in the argmax, at the top_k boundary and in the
@@ -33,12 +38,14 @@ import secrets
 from collections.abc import Callable, Sequence
 from typing import Literal, TypeAlias
 
+import attrs
 import torch
 
-from trioserve.engine.base import SamplingSettings, setting_ranges
+from trioserve.engine.base import SamplingSettings, setting_bounds
 from trioserve.errors import EngineError, TrioserveError
 
 __all__ = [
+    "RowState",
     "SamplingError",
     "distribution",
     "make_generator",
@@ -60,12 +67,21 @@ _KINDS: tuple[_Kind, ...] = ("greedy", "top_k", "ordered", "plain")
 logger = logging.getLogger("trioserve.engine")
 
 _NEG_INF = float("-inf")
-_RANGES = setting_ranges()
+_BOUNDS = setting_bounds()
 #: The smallest positive float32: a temperature below it would round to 0
 #: in float32 and turn the row's maximum into 0/0.
 _TINY32 = torch.finfo(torch.float32).tiny
 _FLOAT32_EXP_FLOOR = -100.0
 _NEUTRAL = SamplingSettings(temperature=0.0, rep_pen=1.0)
+
+
+@attrs.define(eq=False)
+class RowState:
+    """What the sampler carries for one job from one step to the next."""
+
+    #: Mirostat's cut-off, in bits: None until the job's first mirostat draw,
+    #: which starts from ``2 * mirostat_tau`` as ExLlamaV2 does.
+    mu: float | None = None
 
 
 class SamplingError(TrioserveError):
@@ -106,12 +122,17 @@ def settings_problem(settings: SamplingSettings) -> str | None:
     that a bad value fails one job instead of producing NaNs or overflowing
     a tensor of the whole batch.
     """
-    for name, allowed in _RANGES.items():
+    for name, allowed in _BOUNDS.items():
         value = getattr(settings, name)
         if name == "seed" and value is None:
             continue
         if not allowed.contains(value):
-            return f"{name} must be {allowed.describe()}, got {value!r}"
+            shown = repr(value)
+            if len(shown) > 100:  # a list of 100,000 breakers is not shown whole
+                shown = (
+                    f"{shown[:80]}... ({len(value) if hasattr(value, '__len__') else '?'} items)"
+                )
+            return f"{name} must be {allowed.describe()}, got {shown}"
     return None
 
 
@@ -123,16 +144,23 @@ def sample(
     counts: torch.Tensor | None = None,
     banned: torch.Tensor | None = None,
     allowed: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    states: Sequence[RowState] | None = None,
+    xtc_protected: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sample one token id per row.
 
     ``logits`` is ``[B, V]`` of any float dtype (computed in float32);
     ``settings`` and ``generators`` have one entry per row. ``counts`` (``[B,
     V]`` int) says how often each id occurs in the row's context so far, for
-    the penalties; ``banned`` (``[B, V]`` bool) ids are never sampled; where
-    ``allowed`` (``[B, V]`` bool) is given, only its ids may be sampled (a row
-    of all True is no constraint). Returns ``[B]`` int64 ids on the logits'
-    device.
+    the penalties; ``bias`` (``[B, V]`` float32) is added to the penalised
+    logits (``logit_bias``, DRY); ``banned`` (``[B, V]`` bool) ids are never
+    sampled; where ``allowed`` (``[B, V]`` bool) is given, only its ids may be
+    sampled (a row of all True is no constraint). ``states`` (one per row)
+    carry mirostat's mu from step to step and are updated by the draw;
+    without them each call starts mirostat afresh. ``xtc_protected`` (``[V]``
+    bool) ids are never removed by XTC. Returns ``[B]`` int64 ids on the
+    logits' device.
 
     Every non-greedy row draws exactly one float64 uniform from its
     generator; greedy rows draw nothing.
@@ -145,7 +173,12 @@ def sample(
         raise EngineError(
             f"generators must have one entry per row ({len(settings)}), got {len(generators)!r}"
         )
-    x, usable, reasons = _prepare(logits, settings, counts, banned, allowed)
+    if states is not None and len(states) != len(settings):
+        raise EngineError(
+            f"states must have one entry per row ({len(settings)}), got {len(states)!r}"
+        )
+    x, usable, reasons = _prepare(logits, settings, counts, banned, allowed, bias)
+    protected = _protected(xtc_protected, x.shape[1], x.device)
     batch = x.shape[0]
     device = x.device
 
@@ -168,10 +201,12 @@ def sample(
             kind: _Kind = kind,
         ) -> None:
             row_settings = [usable[r] for r in part_rows]
-            probs, ids = _candidates(part, row_settings, kind)
-            out[torch.tensor(part_rows, dtype=torch.int64, device=device)] = _draw(
-                probs, ids, row_settings, part_uniforms
-            )
+            mus = _mus(row_settings, states, part_rows)
+            probs, ids = _candidates(part, row_settings, kind, mus, protected)
+            picked, chosen = _draw(probs, ids, row_settings, part_uniforms)
+            out[torch.tensor(part_rows, dtype=torch.int64, device=device)] = picked
+            if states is not None and any(s.mirostat for s in row_settings):
+                _follow_surprise(probs, chosen, row_settings, mus, [states[r] for r in part_rows])
 
         _rows_apart(sub, rows, uniforms, draw, reasons)
 
@@ -211,15 +246,20 @@ def distribution(
     counts: torch.Tensor | None = None,
     banned: torch.Tensor | None = None,
     allowed: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    states: Sequence[RowState] | None = None,
+    xtc_protected: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The ``[B, V]`` float64 probabilities that :func:`sample` draws from
     (before ``skew`` bends the draw): one-hot at the argmax for greedy rows.
 
     The same code path as :func:`sample`, for tests, and for callers that
-    want log-probabilities. Raises :class:`SamplingError` (with ``ids`` None)
-    when some rows cannot be sampled.
+    want log-probabilities; ``states`` are read, not updated. Raises
+    :class:`SamplingError` (with ``ids`` None) when some rows cannot be
+    sampled.
     """
-    x, usable, reasons = _prepare(logits, settings, counts, banned, allowed)
+    x, usable, reasons = _prepare(logits, settings, counts, banned, allowed, bias)
+    protected = _protected(xtc_protected, x.shape[1], x.device)
     batch, vocab = x.shape
     out = torch.zeros((batch, vocab), dtype=torch.float64, device=x.device)
     for kind, index in _groups(usable, reasons, x.device):
@@ -233,7 +273,9 @@ def distribution(
             if kind == "greedy":
                 rows_out.scatter_(1, part.argmax(dim=1, keepdim=True), 1.0)
             else:
-                probs, ids = _candidates(part, [usable[r] for r in part_rows], kind)
+                row_settings = [usable[r] for r in part_rows]
+                mus = _mus(row_settings, states, part_rows)
+                probs, ids = _candidates(part, row_settings, kind, mus, protected)
                 rows_out.scatter_(1, ids, probs)
             out[torch.tensor(part_rows, dtype=torch.int64, device=x.device)] = rows_out
 
@@ -241,6 +283,44 @@ def distribution(
     if reasons:
         raise SamplingError(reasons, None)
     return out
+
+
+def _protected(mask: torch.Tensor | None, vocab: int, device: torch.device) -> torch.Tensor | None:
+    if mask is not None and (mask.shape != (vocab,) or mask.dtype != torch.bool):
+        raise EngineError(
+            f"xtc_protected must be a [{vocab}] bool tensor, got {tuple(mask.shape)!r} "
+            f"of {mask.dtype}"
+        )
+    return None if mask is None else mask.to(device)
+
+
+def _mus(
+    settings: Sequence[SamplingSettings], states: Sequence[RowState] | None, rows: Sequence[int]
+) -> list[float]:
+    """Each row's mirostat mu (0 for rows without mirostat)."""
+    mus = []
+    for s, row in zip(settings, rows, strict=True):
+        mu = None if states is None else states[row].mu
+        mus.append(0.0 if not s.mirostat else 2.0 * s.mirostat_tau if mu is None else mu)
+    return mus
+
+
+def _follow_surprise(
+    probs: torch.Tensor,
+    chosen: torch.Tensor,
+    settings: Sequence[SamplingSettings],
+    mus: Sequence[float],
+    states: Sequence[RowState],
+) -> None:
+    """Mirostat's update after the draw: ``mu += eta * (tau - surprise)``,
+    the surprise being ``-log2 p`` of the drawn token in the distribution it
+    was drawn from."""
+    total = probs.sum(dim=1)
+    picked = probs.gather(1, chosen.unsqueeze(1)).squeeze(1) / total
+    surprise = (-torch.log2(picked)).tolist()
+    for s, mu, state, bits in zip(settings, mus, states, surprise, strict=True):
+        if s.mirostat:
+            state.mu = mu + s.mirostat_eta * (s.mirostat_tau - bits)
 
 
 def penalise(
@@ -267,10 +347,11 @@ def _prepare(
     counts: torch.Tensor | None,
     banned: torch.Tensor | None,
     allowed: torch.Tensor | None,
+    bias: torch.Tensor | None,
 ) -> tuple[torch.Tensor, list[SamplingSettings], dict[int, str]]:
-    """Penalties and masks on a float32 copy of the logits; the rows that
-    cannot be sampled, each with its reason."""
-    _check_shapes(logits, settings, counts, banned, allowed)
+    """Penalties, biases and masks on a float32 copy of the logits; the rows
+    that cannot be sampled, each with its reason."""
+    _check_shapes(logits, settings, counts, banned, allowed, bias)
     # A copy, always: the caller's logits stay untouched.
     x = logits.to(torch.float32, copy=True)
 
@@ -287,6 +368,10 @@ def _prepare(
         s.rep_pen != 1 or s.freq_pen != 0 or s.pres_pen != 0 for s in usable
     ):
         x = _apply_penalties(x, counts, usable)
+    if bias is not None:
+        # ExLlamaV2 adds its token_bias, then DRY's penalties, after the
+        # repetition penalties; a bad row's bias is as harmless as its logits.
+        x += bias.to(torch.float32)
     if banned is not None:
         x.masked_fill_(banned, _NEG_INF)
     if allowed is not None:
@@ -336,6 +421,7 @@ def _check_shapes(
     counts: torch.Tensor | None,
     banned: torch.Tensor | None,
     allowed: torch.Tensor | None,
+    bias: torch.Tensor | None,
 ) -> None:
     if logits.dim() != 2 or not logits.dtype.is_floating_point:
         raise EngineError(
@@ -345,7 +431,12 @@ def _check_shapes(
     batch = logits.shape[0]
     if len(settings) != batch:
         raise EngineError(f"settings must have one entry per row ({batch}), got {len(settings)!r}")
-    for name, mask in (("counts", counts), ("banned", banned), ("allowed", allowed)):
+    for name, mask in (
+        ("counts", counts),
+        ("banned", banned),
+        ("allowed", allowed),
+        ("bias", bias),
+    ):
         if mask is not None and mask.shape != logits.shape:
             raise EngineError(
                 f"{name} must have the logits' shape {tuple(logits.shape)!r}, "
@@ -354,6 +445,8 @@ def _check_shapes(
     for name, mask in (("banned", banned), ("allowed", allowed)):
         if mask is not None and mask.dtype != torch.bool:
             raise EngineError(f"{name} must be a bool tensor, got {mask.dtype}")
+    if bias is not None and not bias.dtype.is_floating_point:
+        raise EngineError(f"bias must be a float tensor, got {bias.dtype}")
 
 
 def _apply_penalties(
@@ -424,19 +517,32 @@ def _top_candidates(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _candidates(
-    x: torch.Tensor, settings: Sequence[SamplingSettings], kind: _Kind
+    x: torch.Tensor,
+    settings: Sequence[SamplingSettings],
+    kind: _Kind,
+    mus: Sequence[float],
+    protected: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Temperature and filters for rows of one (non-greedy) kind, each with
     temperature > 0 and a finite maximum: ``[b, C]`` float64 probabilities and
     the ``[b, C]`` ids they belong to, in the order the draw walks them."""
     device = x.device
     vocab = x.shape[1]
-    temperature = _row_param(settings, "temperature", device)
+    # temperature_last moves the temperature after the filters (ExLlamaV2
+    # passes 1.0 to its softmax then); smoothing_factor divides it.
+    temperature = torch.tensor(
+        [1.0 if s.temperature_last else s.temperature for s in settings],
+        dtype=torch.float64,
+        device=device,
+    ).unsqueeze(1)
+    smoothing = any(s.smoothing_factor > 0 for s in settings)
+    factor = _row_param(settings, "smoothing_factor", device) if smoothing else None
 
     if kind == "top_k":
         k_max = min(max(s.top_k for s in settings), vocab)
         values, ids = _top_candidates(x, k_max)
-        scaled = (values.to(torch.float64) - values[:, :1].to(torch.float64)) / temperature
+        scaled = _scale(values.to(torch.float64) - values[:, :1].to(torch.float64), factor)
+        scaled = scaled / temperature
         # The other kinds take probabilities from a float32 softmax, where
         # exp() of less than about -103 is 0. Dropping such candidates here
         # too (e^-100 is 4e-44: never drawn) keeps top_k a filter that only
@@ -447,17 +553,30 @@ def _candidates(
             position = torch.arange(k_max, device=device).unsqueeze(0)
             scaled = scaled.masked_fill(position >= top_k, _NEG_INF)
         probs = torch.softmax(scaled, dim=1)
-        return _filter(probs, settings), ids
+        return _after(_filter(probs, settings), ids, settings, mus, protected), ids
 
-    scaled32 = (x - x.amax(dim=1, keepdim=True)) / temperature.to(torch.float32).clamp(min=_TINY32)
+    shifted = _scale(x - x.amax(dim=1, keepdim=True), factor)
+    scaled32 = shifted / temperature.to(torch.float32).clamp(min=_TINY32)
     probs_full = torch.softmax(scaled32, dim=1)
     if kind == "plain":
         # Nothing to filter and no skew: the order of the draw does not change
-        # the distribution, so id order saves a full sort.
+        # the distribution, so id order saves a full sort (the filters after
+        # the others need no order either).
         ids = torch.arange(vocab, device=device).expand(x.shape[0], vocab)
-        return probs_full.to(torch.float64), ids
+        return _after(probs_full.to(torch.float64), ids, settings, mus, protected), ids
     probs, ids = _ordered_candidates(x, probs_full, settings)
-    return _filter(probs, settings), ids
+    return _after(_filter(probs, settings), ids, settings, mus, protected), ids
+
+
+def _scale(shifted: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
+    """Logits less the row's maximum, made quadratic where a row has a
+    smoothing factor: ``-factor * (logit - max)**2`` (ExLlamaV2 squares them
+    in its softmax and divides the temperature by the factor). Multiplied in
+    this order so that the maximum stays 0 and never becomes 0 * inf."""
+    if factor is None:
+        return shifted
+    quadratic = -(shifted * shifted) * factor.to(shifted.dtype)
+    return torch.where(factor.to(shifted.dtype) > 0, quadratic, shifted)
 
 
 def _ordered_candidates(
@@ -570,6 +689,105 @@ def _filter(probs: torch.Tensor, settings: Sequence[SamplingSettings]) -> torch.
     return probs
 
 
+def _after(
+    probs: torch.Tensor,
+    ids: torch.Tensor,
+    settings: Sequence[SamplingSettings],
+    mus: Sequence[float],
+    protected: torch.Tensor | None,
+) -> torch.Tensor:
+    """The steps after the filters, in ExLlamaV2's order: mirostat, the
+    temperature after the filters (``temperature_last`` or dynamic), then
+    XTC. None of them needs the candidates in order: each works on values
+    (a threshold, the row's maximum, its least likely token over a
+    threshold), so rows drawn in id order need no sort for them. Rows that
+    use none of them cost one look at their settings."""
+    if any(s.mirostat for s in settings):
+        probs = _mirostat(probs, settings, mus)
+    if any(s.temperature_last or s.dynamic_temperature for s in settings):
+        probs = _late_temperature(probs, settings)
+    if any(s.xtc_probability > 0 for s in settings):
+        guarded = None if protected is None else protected[ids]
+        probs = _xtc(probs, settings, guarded)
+    return probs
+
+
+def _mirostat(
+    probs: torch.Tensor, settings: Sequence[SamplingSettings], mus: Sequence[float]
+) -> torch.Tensor:
+    """Mirostat v2's cut: keep the tokens whose surprise ``-log2 p`` is at
+    most mu (p >= 2**-mu), and the likeliest token always."""
+    device = probs.device
+    on = torch.tensor([s.mirostat for s in settings], device=device).unsqueeze(1)
+    target = torch.exp2(-torch.tensor(mus, dtype=torch.float64, device=device)).unsqueeze(1)
+    keep = (probs >= target) | (probs == probs.amax(dim=1, keepdim=True)) | ~on
+    return _renormalise(probs, keep)
+
+
+def _late_temperature(probs: torch.Tensor, settings: Sequence[SamplingSettings]) -> torch.Tensor:
+    """``p ** (1 / T)``, renormalised, with T the row's temperature
+    (``temperature_last``) or, when ``max_temp > min_temp``, the dynamic one:
+    ``min_temp + (max_temp - min_temp) * (H / ln n) ** temp_exponent``, H the
+    entropy of the kept tokens and n their number. Rows with neither keep
+    their probabilities."""
+    device = probs.device
+    rows: list[float] = []
+    kept = probs > 0
+    normalised: list[float] = []
+    if any(s.dynamic_temperature for s in settings):
+        entropy = -torch.special.xlogy(probs, probs).sum(dim=1)
+        count = kept.sum(dim=1).to(torch.float64)
+        # One kept token: nothing to spread (ExLlamaV2 skips the step there).
+        ratio = torch.where(count > 1, entropy / count.log().clamp(min=1e-300), 0.0)
+        normalised = ratio.clamp(0.0, 1.0).tolist()
+    for i, s in enumerate(settings):
+        if s.dynamic_temperature:
+            h = normalised[i]
+            rows.append(s.min_temp + (s.max_temp - s.min_temp) * h**s.temp_exponent)
+        elif s.temperature_last:
+            rows.append(s.temperature)
+        else:
+            rows.append(1.0)
+    temperature = torch.tensor(rows, dtype=torch.float64, device=device).unsqueeze(1)
+    # In log space against the row's maximum: a tiny temperature sends every
+    # smaller probability to 0 and keeps the maximum, instead of 0/0.
+    log_probs = torch.log(probs)
+    top = log_probs.amax(dim=1, keepdim=True)
+    bent = torch.exp((log_probs - top) / temperature.clamp(min=1e-300))
+    bent = torch.where(kept, bent, 0.0)
+    same = temperature == 1.0
+    return torch.where(same, probs, bent / bent.sum(dim=1, keepdim=True))
+
+
+def _xtc(
+    probs: torch.Tensor, settings: Sequence[SamplingSettings], protected: torch.Tensor | None
+) -> torch.Tensor:
+    """Exclude Top Choices: where at least two tokens (not protected) have
+    ``p >= xtc_threshold``, all of them but the least likely are removed with
+    probability ``xtc_probability``.
+
+    Applied as ExLlamaV2 applies it, to the distribution rather than by a
+    second random number: the row draws from ``(1 - q) * p + q * p'``, p'
+    being p without those tokens, renormalised -- the same distribution as
+    removing them when a coin of probability q says so, and the row still
+    takes one uniform per step."""
+    device = probs.device
+    chance = _row_param(settings, "xtc_probability", device)
+    threshold = _row_param(settings, "xtc_threshold", device)
+    over = (probs >= threshold) & (probs > 0) & (chance > 0)
+    if protected is not None:
+        over &= ~protected
+    least = torch.where(over, probs, float("inf")).amin(dim=1, keepdim=True)
+    # Every token tied for the least likely over the threshold stays.
+    removed = over & (probs > least)
+    fires = removed.any(dim=1, keepdim=True)
+    if not bool(fires.any()):
+        return probs
+    without = _renormalise(probs, ~removed)
+    mixed = (1.0 - chance) * probs + chance * without
+    return torch.where(fires, mixed, probs)
+
+
 def _uniform(generator: torch.Generator) -> float:
     return float(torch.rand((), generator=generator, dtype=torch.float64, device=generator.device))
 
@@ -579,10 +797,11 @@ def _draw(
     ids: torch.Tensor,
     settings: Sequence[SamplingSettings],
     uniforms: Sequence[float],
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse-CDF draw, one uniform per row, over candidates in descending
     order of probability; ``skew`` bends the uniform as ExLlamaV2 does
-    (``u ** exp(-skew)``: skew > 0 leans to less likely tokens)."""
+    (``u ** exp(-skew)``: skew > 0 leans to less likely tokens). Returns the
+    ids drawn and their columns in ``probs``."""
     device = probs.device
     u = torch.tensor(list(uniforms), dtype=torch.float64, device=device).unsqueeze(1)
     if any(s.skew != 0 for s in settings):
@@ -595,4 +814,4 @@ def _draw(
     # then the right answer, never a zero-probability one, which may be banned.
     last = torch.searchsorted(cdf, total, right=False)
     index = torch.minimum(index, last)
-    return ids.gather(1, index).squeeze(1)
+    return ids.gather(1, index).squeeze(1), index.squeeze(1)

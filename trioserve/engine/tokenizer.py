@@ -117,6 +117,9 @@ class Tokenizer:
     # Ids sorted by their bytes, for prefix lookups by bisection.
     _sorted_bytes: list[bytes]
     _sorted_ids: list[int]
+    #: Byte value -> the ids whose bytes contain it; built at the first
+    #: :meth:`ids_containing` (a fraction of a second, once).
+    _ids_by_byte: list[frozenset[int]] | None = attrs.field(default=None, init=False)
 
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer:
@@ -214,3 +217,30 @@ class Tokenizer:
             if self._sorted_ids[i] not in self.special_ids:
                 found.append(self._sorted_ids[i])
         return found
+
+    def ids_containing(self, needles: Iterable[str]) -> frozenset[int]:
+        """Ids whose bytes (their text, for special tokens) contain one of
+        ``needles`` as UTF-8: DRY's sequence breakers and the tokens XTC
+        leaves alone are chosen this way.
+
+        A needle is looked for only among the ids that hold its rarest byte,
+        so a handful of short needles costs milliseconds.
+        """
+        by_byte = self._ids_by_byte
+        if by_byte is None:
+            sets: list[set[int]] = [set() for _ in range(256)]
+            for token_id, piece in enumerate(self._token_bytes):
+                for byte in set(piece):
+                    sets[byte].add(token_id)
+            by_byte = self._ids_by_byte = [frozenset(ids) for ids in sets]
+        found: set[int] = set()
+        for needle in needles:
+            data = needle.encode("utf-8")
+            if not data:
+                continue
+            holders = min((by_byte[byte] for byte in set(data)), key=len)
+            if len(data) == 1:
+                found |= holders
+            else:
+                found.update(i for i in holders if data in self._token_bytes[i])
+        return frozenset(found)

@@ -509,7 +509,7 @@ def unstructure_request(request: Request) -> dict[str, Any]:
         value = getattr(request, field.attribute)
         if value is None and field.default is None:
             continue
-        out[name] = _converter.unstructure(value)
+        out[name] = field.wire.rule.write(value, _converter.unstructure)
     return out
 
 
@@ -532,7 +532,8 @@ def validate_against_model(
 ) -> None:
     """The checks of an ``infer`` that depend on the model, as the server
     makes them (protocol section 3.4): ``max_new_tokens`` within the server's
-    limit, token ids (stop ids, banned ids) within the vocabulary, and
+    limit, token ids (stop ids, banned ids, ``logit_bias`` keys) within the
+    vocabulary, and
     ``messages`` only where the model has a chat template. Raises
     :class:`ProtocolError` (``invalid_request`` naming the field). Pure: no
     tokenizer, no I/O.
@@ -561,6 +562,12 @@ def validate_against_model(
                 f"banned token ids must be in 0..{vocab_size - 1}, got {banned!r}",
                 f"$.bann_bann[{index}]",
             )
+    for token, _ in request.logit_bias:
+        if token >= vocab_size:
+            raise invalid(
+                f"logit_bias keys must be token ids in 0..{vocab_size - 1}, got {str(token)!r}",
+                f"$.logit_bias[{json.dumps(str(token))}]",
+            )
     if request.messages is not None and not renders_messages:
         raise invalid(
             "this model has no chat template to render messages with: send the prompt as text",
@@ -582,7 +589,7 @@ def _default_doc(field: _Field) -> str:
     default = field.default
     if isinstance(default, float) and default.is_integer():
         default = int(default)  # 0, not 0.0
-    return f"`{json.dumps(_converter.unstructure(default))}`"
+    return f"`{json.dumps(field.wire.rule.write(default, _converter.unstructure))}`"
 
 
 def infer_field_table() -> str:

@@ -28,7 +28,7 @@ from cattrs.errors import (
     IterableValidationNote,
 )
 
-from trioserve.engine.base import RANGE, Range, SamplingSettings
+from trioserve.engine.base import RANGE, Flag, Range, SamplingSettings, Strings, TokenBias
 
 from ._json import json_size_exceeds, show
 
@@ -39,10 +39,12 @@ __all__ = [
     "Bool",
     "Float",
     "Int",
+    "LogitBias",
     "Messages",
     "Rule",
     "StopConditions",
     "Str",
+    "StrList",
     "TokenIds",
     "Wire",
     "as_float",
@@ -120,6 +122,11 @@ class Rule:
         """The cattrs structure hook of the field."""
         return self.read(value)
 
+    def write(self, value: Any, default: Callable[[Any], Any]) -> Any:
+        """The wire form of a value ``read`` returned; ``default`` is the
+        converter's own (a tuple becomes a list)."""
+        return default(value)
+
     def bad(self, value: Any) -> BadValue:
         return BadValue(f"must be {self.allowed}, got {show(value)}")
 
@@ -161,11 +168,15 @@ class Bool(Rule):
 
 
 class Int(Rule):
-    def __init__(self, lo: int | None = None, hi: int | None = None) -> None:
+    def __init__(
+        self, lo: int | None = None, hi: int | None = None, *, off: int | None = None
+    ) -> None:
         self.lo = lo
         self.hi = hi
+        #: A value outside [lo, hi] that is also allowed (``dry_range`` 0).
+        self.off = off
         if lo is not None and hi is not None:
-            self.allowed = Range(lo, hi, integer=True).describe()
+            self.allowed = Range(lo, hi, integer=True, off=off).describe()
         elif lo is not None:
             self.allowed = f"an integer >= {lo}"
         else:
@@ -173,6 +184,8 @@ class Int(Rule):
 
     def read(self, value: Any) -> int:
         number = as_int(value)
+        if number is not None and number == self.off:
+            return number
         if (
             number is None
             or (self.lo is not None and number < self.lo)
@@ -194,10 +207,16 @@ class Float(Rule):
         return number
 
 
-def _rule_of(allowed_range: Range) -> Rule:
-    if allowed_range.integer:
-        return Int(int(allowed_range.lo), int(allowed_range.hi))
-    return Float(allowed_range)
+def _rule_of(bound: Range | Flag | Strings | TokenBias) -> Rule:
+    if isinstance(bound, Flag):
+        return Bool()
+    if isinstance(bound, Strings):
+        return StrList(bound)
+    if isinstance(bound, TokenBias):
+        return LogitBias(bound)
+    if bound.integer:
+        return Int(int(bound.lo), int(bound.hi), off=bound.off)
+    return Float(bound)
 
 
 def _element_error(index: int, error: Exception) -> IterableValidationError:
@@ -285,6 +304,99 @@ class TokenIds(Rule):
         ):
             return tuple(value)
         return _elements(value, self, self.item, self.max_count)
+
+
+class StrList(Rule):
+    """A list of strings, bounded in count and in characters (``dry_sequence_breakers``)."""
+
+    def __init__(self, bound: Strings) -> None:
+        self.bound = bound
+        self.item_allowed = f"a string of 1 to {bound.max_chars} characters"
+        self.allowed = bound.describe()
+        self.limits = {
+            "max_dry_sequence_breakers": bound.max_count,
+            "max_dry_sequence_breaker_chars": bound.max_chars,
+        }
+
+    def item(self, value: Any) -> str:
+        if not isinstance(value, str) or not value:
+            raise BadValue(f"must be {self.item_allowed}, got {show(value)}")
+        if len(value) > self.bound.max_chars:
+            raise BadValue(f"must be {self.item_allowed}, got {len(value)} characters")
+        return value
+
+    def read(self, value: Any) -> tuple[str, ...]:
+        if not isinstance(value, list):
+            raise self.bad(value)
+        # The count first: a list of 100,000 strings is refused before any
+        # of them is looked at.
+        if len(value) > self.bound.max_count:
+            raise BadValue(f"must hold at most {self.bound.max_count} strings, got {len(value)}")
+        out = []
+        for index, element in enumerate(value):
+            try:
+                out.append(self.item(element))
+            except BadValue as error:
+                raise _element_error(index, error) from None
+        return tuple(out)
+
+
+#: The digits of a token id as OpenAI writes ``logit_bias`` keys: no sign, no
+#: leading zero (so each id has one spelling), at most 10 digits (2^31-1 has 10).
+_MAX_ID_DIGITS: Final = 10
+
+
+class LogitBias(Rule):
+    """OpenAI's ``logit_bias``: an object from token ids, written as JSON
+    object keys of decimal digits, to additive biases. Read into ``(id,
+    bias)`` pairs in ascending order of id, as
+    :class:`~trioserve.engine.base.SamplingSettings` holds them."""
+
+    def __init__(self, bound: TokenBias) -> None:
+        self.bound = bound
+        self.bias = Range(bound.lo, bound.hi)
+        self.allowed = bound.describe()
+        self.limits = {"max_logit_bias": bound.max_count}
+
+    def _token(self, key: Any) -> int:
+        if (
+            not isinstance(key, str)
+            or not 0 < len(key) <= _MAX_ID_DIGITS
+            or not key.isascii()
+            or not key.isdigit()
+            or (key[0] == "0" and key != "0")
+        ):
+            raise self._bad_key(key)
+        token = int(key)
+        if token > self.bound.max_id:
+            raise self._bad_key(key)
+        return token
+
+    def _bad_key(self, key: Any) -> BadValue:
+        return BadValue(
+            f"keys must be token ids from 0 to 2^31-1 in decimal digits without leading "
+            f"zeros, got {show(key)}"
+        )
+
+    def read(self, value: Any) -> tuple[tuple[int, float], ...]:
+        if not isinstance(value, dict):
+            raise self.bad(value)
+        # The count before any key is parsed.
+        if len(value) > self.bound.max_count:
+            raise BadValue(f"must hold at most {self.bound.max_count} entries, got {len(value)}")
+        pairs = []
+        for key, bias in value.items():
+            token = self._token(key)
+            number = as_float(bias)
+            if number is None or not self.bias.contains(number):
+                raise _attribute_error(
+                    key, BadValue(f"must be {self.bias.describe()}, got {show(bias)}")
+                )
+            pairs.append((token, number))
+        return tuple(sorted(pairs))
+
+    def write(self, value: Any, default: Callable[[Any], Any]) -> Any:
+        return {str(token): bias for token, bias in value}
 
 
 class AnyJson(Rule):
@@ -409,15 +521,17 @@ def wire_field(
 _SAMPLER: Final = {a.name: a for a in attrs.fields(SamplingSettings)}
 
 
-def sampler_field(name: str, meaning: str, *, extension: bool = False) -> Any:
-    """A wire field that is a sampler setting: its default and its range are
+def sampler_field(
+    name: str, meaning: str, *, extension: bool = False, default_doc: str | None = None
+) -> Any:
+    """A wire field that is a sampler setting: its default and its bound are
     :class:`SamplingSettings`' (declared there once, for the engines too)."""
     setting = _SAMPLER[name]
-    allowed_range: Range = setting.metadata[RANGE]
     return wire_field(
-        _rule_of(allowed_range),
+        _rule_of(setting.metadata[RANGE]),
         meaning,
         default=setting.default,
         name=name,
         extension=extension,
+        default_doc=default_doc,
     )

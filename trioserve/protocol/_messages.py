@@ -281,6 +281,73 @@ class InferRequest:
         default=False,
         extension=True,
     )
+    dry_multiplier: float = sampler_field(
+        "dry_multiplier",
+        "DRY: penalty on a token that would extend a repeat of the context; 0 turns it off",
+        extension=True,
+    )
+    dry_base: float = sampler_field(
+        "dry_base", "DRY: the penalty grows by this factor per repeated token", extension=True
+    )
+    dry_allowed_length: int = sampler_field(
+        "dry_allowed_length", "DRY: repeats this long go unpenalised", extension=True
+    )
+    dry_range: int = sampler_field(
+        "dry_range", "DRY: look at the last this many tokens; 0 looks at all", extension=True
+    )
+    dry_sequence_breakers: tuple[str, ...] = sampler_field(
+        "dry_sequence_breakers",
+        "DRY: a token whose text contains one of these (or a special token) ends a repeat",
+        extension=True,
+    )
+    xtc_probability: float = sampler_field(
+        "xtc_probability",
+        "XTC: how often the likeliest tokens are excluded; 0 turns it off",
+        extension=True,
+    )
+    xtc_threshold: float = sampler_field(
+        "xtc_threshold",
+        "XTC: tokens at least this likely are excluded, all but the least likely of them",
+        extension=True,
+    )
+    mirostat: bool = sampler_field(
+        "mirostat",
+        "mirostat v2: keep the surprise of each token near `mirostat_tau`",
+        extension=True,
+    )
+    mirostat_tau: float = sampler_field(
+        "mirostat_tau", "mirostat: the target surprise, in bits", extension=True
+    )
+    mirostat_eta: float = sampler_field(
+        "mirostat_eta", "mirostat: how fast the cut-off follows the surprise", extension=True
+    )
+    min_temp: float = sampler_field(
+        "min_temp", "dynamic temperature: the temperature at zero entropy", extension=True
+    )
+    max_temp: float = sampler_field(
+        "max_temp",
+        "dynamic temperature: the temperature at the most entropy; on when above `min_temp`",
+        extension=True,
+    )
+    temp_exponent: float = sampler_field(
+        "temp_exponent",
+        "dynamic temperature: the normalised entropy is raised to this power",
+        extension=True,
+    )
+    smoothing_factor: float = sampler_field(
+        "smoothing_factor",
+        "quadratic sampling: logits become -factor * (max - logit)^2; 0 turns it off",
+        extension=True,
+    )
+    temperature_last: bool = sampler_field(
+        "temperature_last", "apply `temperature` after the filters, not before", extension=True
+    )
+    logit_bias: tuple[tuple[int, float], ...] = sampler_field(
+        "logit_bias",
+        "added to the logits of those token ids, as OpenAI's `logit_bias`: -100 bans, 100 forces",
+        extension=True,
+        default_doc="`{}`",
+    )
     messages: tuple[ChatMessage, ...] | None = wire_field(
         _MESSAGES,
         "a chat instead of `text`, rendered with the model's chat template (a model without "
@@ -517,6 +584,9 @@ class Limits:
     max_banned_ids: int = FIELD_LIMITS["max_banned_ids"]
     max_messages: int = FIELD_LIMITS["max_messages"]
     max_role_chars: int = FIELD_LIMITS["max_role_chars"]
+    max_logit_bias: int = FIELD_LIMITS["max_logit_bias"]
+    max_dry_sequence_breakers: int = FIELD_LIMITS["max_dry_sequence_breakers"]
+    max_dry_sequence_breaker_chars: int = FIELD_LIMITS["max_dry_sequence_breaker_chars"]
 
 
 @attrs.frozen
