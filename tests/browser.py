@@ -152,7 +152,8 @@ class Page:
         return result["result"].get("value")
 
     async def wait_for(self, expression: str, within: float = 30.0, what: str = "") -> Any:
-        """Poll ``expression`` until it is truthy; its value."""
+        """Poll ``expression`` until its value is truthy in Python; that value.
+        (A DOM node comes back as ``{}``: test for it with ``!!``.)"""
         with trio.move_on_after(within):
             while True:
                 value = await self.evaluate(expression)

@@ -21,6 +21,7 @@
   const SETTINGS_KEY = "trioserve.chat.settings";
   const DRAFT_KEY = "trioserve.chat.draft";
   const API_KEY = "trioserve.chat.api_key";
+  const KEPT = "Your message is kept, and sent when the connection is back.";
 
   // -- storage that never throws (private modes, disabled storage) ------------
   const store = {
@@ -199,14 +200,14 @@
       ready = await fetch("/ready", { cache: "no-store" });
     } catch {
       const delay = backoff();
-      notice(`The server does not answer (stopped or restarting): retrying in ${Math.round(delay / 100) / 10} s. What you type stays here.`, "info");
+      notice(`The server does not answer (stopped or restarting): retrying in ${Math.round(delay / 100) / 10} s.${sendWhenOpen ? ` ${KEPT}` : ""}`, "info");
       return;
     }
     if (ready.status !== 200) {
       let state = `HTTP ${ready.status}`;
       try { state = (await ready.json()).status || state; } catch { /* keep the status */ }
       const delay = backoff();
-      notice(`The server is not ready (${state}): retrying in ${Math.round(delay / 100) / 10} s.`, "info");
+      notice(`The server is not ready (${state}): retrying in ${Math.round(delay / 100) / 10} s.${sendWhenOpen ? ` ${KEPT}` : ""}`, "info");
       return;
     }
     const headers = { Accept: "application/json" };
@@ -387,7 +388,7 @@
     if (!send(frame)) {
       // Kept in the box, and sent once the connection is back.
       sendWhenOpen = true;
-      notice("Not connected: your message stays here and is sent when the connection is back.", "info");
+      notice(`Not connected. ${KEPT}`, "info");
       if (ws === null && !waitingForKey) connect();
       return;
     }
