@@ -239,6 +239,8 @@ async def open_browser(args: Sequence[str] = ()) -> AsyncIterator[Browser]:
             "--hide-scrollbars",
             "--mute-audio",
             "--password-store=basic",
+            # Every server here is on loopback: never ask a proxy from the environment.
+            "--no-proxy-server",
             *args,
         ]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
