@@ -218,9 +218,10 @@ async def _devtools_url(profile: Path, process: trio.Process, log: Path) -> str:
 
 
 @asynccontextmanager
-async def open_browser(args: Sequence[str] = ()) -> AsyncIterator[Browser]:
-    """Start headless Chromium with extra ``args``; stop it on the way out."""
-    executable = chromium_or_skip()
+async def open_browser(executable: str, args: Sequence[str] = ()) -> AsyncIterator[Browser]:
+    """Start headless Chromium (``executable``: :func:`chromium_or_skip`, called
+    before any task starts, so that a skip keeps its reason) with extra ``args``;
+    stop it on the way out."""
     with tempfile.TemporaryDirectory(prefix="trioserve-chromium-") as directory:
         profile = Path(directory) / "profile"
         log = Path(directory) / "chromium.log"

@@ -15,12 +15,14 @@ docs/chat-page.png (README.md shows it); commit it when it changes.
 from __future__ import annotations
 
 import base64
+import fnmatch
 import hashlib
 import json
 import os
 import re
 import socket
 import struct
+import tomllib
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -30,7 +32,7 @@ import h11
 import pytest
 import trio
 
-from tests.browser import Page, open_browser
+from tests.browser import Page, chromium_or_skip, open_browser
 from tests.helpers import ScriptedEngine, serving
 from tests.serverproc import ServerProcess, open_server_process
 from trioserve._version import __version__
@@ -159,6 +161,30 @@ def test_a_request_with_two_hosts_is_never_same_origin() -> None:
     assert not policy.same_origin(head(b"chat.example.org", b"chat.example.org"), origin)
     assert not policy.same_origin(head(), origin)
     assert policy.check_origin(head(b"chat.example.org", b"evil.example")) is None  # no Origin
+
+
+def test_the_own_origin_is_accepted_without_the_loopback_default() -> None:
+    """``--allowed-origin none`` removes other loopback ports, not the server's own."""
+    policy = AccessPolicy(allow_loopback_origins=False)
+
+    def head(origin: bytes) -> RequestHead:
+        headers = ((b"host", b"127.0.0.1:7862"), (b"origin", origin))
+        return RequestHead("GET", "/", "/", "", headers, "1.1", "127.0.0.1:5000")
+
+    assert policy.check_origin(head(b"http://127.0.0.1:7862")) is None
+    refused = policy.check_origin(head(b"http://127.0.0.1:5173"))
+    assert refused is not None and refused.status == 403
+
+
+def test_the_page_files_are_package_data() -> None:
+    """Every file of trioserve/static is matched by pyproject's package data, so that
+    an installed (not editable) trioserve serves the page too."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["trioserve.static"]
+    files = [p.name for p in STATIC.iterdir() if p.is_file() and p.suffix != ".py"]
+    assert sorted(files) == ["chat.css", "chat.html", "chat.js"]
+    for name in files:
+        assert any(fnmatch.fnmatch(name, pattern) for pattern in patterns), name
 
 
 # --------------------------------------------------------------------------
@@ -392,6 +418,12 @@ async def test_the_page_origin_is_accepted_and_a_foreign_one_refused() -> None:
 # In the browser
 
 
+@pytest.fixture
+def chromium() -> str:
+    """The Chromium to drive; skips the test, saying why, where there is none."""
+    return chromium_or_skip()
+
+
 STATUS_OPEN = "document.getElementById('status').dataset.state === 'open'"
 LAST_TEXT = "(document.querySelector('#log .turn.assistant:last-child .text') || {}).textContent"
 LAST_STATS = "!!document.querySelector('#log .turn.assistant:last-child .stats')"
@@ -447,10 +479,10 @@ def png_size(data: bytes) -> tuple[int, int]:
 MODEL_ARGS = ("--context-length", "1024", "--threads", "1")
 
 
-async def test_chat_stop_and_new_chat_in_chromium() -> None:
+async def test_chat_stop_and_new_chat_in_chromium(chromium: str) -> None:
     """A person's first session: send a message and watch it stream, read the
     statistics, stop a long answer, reload for a new chat."""
-    async with open_browser() as browser, open_server_process(MODEL_ARGS) as server:
+    async with open_browser(chromium) as browser, open_server_process(MODEL_ARGS) as server:
         page = await browser.new_page()
         url = f"http://127.0.0.1:{server.port}/"
         await page.goto(url)
@@ -538,10 +570,11 @@ XSS = (
 )
 
 
-async def test_model_output_is_text_never_markup(tmp_path: Path) -> None:
+async def test_model_output_is_text_never_markup(chromium: str, tmp_path: Path) -> None:
     """A completion made of markup is shown as that text: no element of it reaches
     the DOM, and none of its handlers runs."""
-    async with open_browser() as browser, serving(_TemplatedEngine(tmp_path)) as (_, listening):
+    engine = _TemplatedEngine(tmp_path)
+    async with open_browser(chromium) as browser, serving(engine) as (_, listening):
         page = await browser.new_page()
         await page.goto(f"http://127.0.0.1:{listening.port}/")
         await page.wait_for(STATUS_OPEN, what="the WebSocket to open")
@@ -583,12 +616,12 @@ async def model_server(port: int, key: str) -> AsyncIterator[ServerProcess]:
 NOTICE = "document.getElementById('notice').textContent"
 
 
-async def test_api_key_prompt_and_reconnect_after_a_restart() -> None:
+async def test_api_key_prompt_and_reconnect_after_a_restart(chromium: str) -> None:
     """With --api-key the page asks for the key and says when it is wrong; a server
     that dies mid-answer and comes back loses nothing the person typed."""
     key = "k&y +=%/1"  # every character that a query string would change
     port = free_port()
-    async with open_browser() as browser:
+    async with open_browser(chromium) as browser:
         page = await browser.new_page()
         async with model_server(port, key) as server:
             await page.goto(f"http://127.0.0.1:{port}/")

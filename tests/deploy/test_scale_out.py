@@ -37,7 +37,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection
 from websockets.sync.client import connect as websocket_connect
 
-from tests.browser import open_browser
+from tests.browser import chromium_or_skip, open_browser
 
 from .cluster import (
     API_KEY,
@@ -572,9 +572,10 @@ def test_the_chat_page_over_https(cluster: Cluster) -> None:
     """The chat page at / through nginx over https, under a host name (not a loopback
     one, so the instances accept its WebSocket by the same-origin rule alone), with the
     test's self-signed certificate pinned in Chromium; a foreign origin is refused."""
+    chromium = chromium_or_skip()
     cluster.wait_idle()
     with cleared_proxy_environment():
-        trio.run(_chat_page_over_https, cluster)
+        trio.run(_chat_page_over_https, cluster, chromium)
     tls = tls_context(cluster.certificate)
     base = f"localhost:{cluster.balancer.tls_port}"
     for origin in ("https://evil.example", f"https://trioserve.test:{cluster.balancer.tls_port}"):
@@ -590,14 +591,14 @@ def test_the_chat_page_over_https(cluster: Cluster) -> None:
     cluster.assert_no_errors_logged()
 
 
-async def _chat_page_over_https(cluster: Cluster) -> None:
+async def _chat_page_over_https(cluster: Cluster, chromium: str) -> None:
     port = cluster.balancer.tls_port
     spki = _spki_sha256(cluster.certificate)
     args = (
         "--host-resolver-rules=MAP trioserve.test 127.0.0.1",
         f"--ignore-certificate-errors-spki-list={spki}",
     )
-    async with open_browser(args) as browser:
+    async with open_browser(chromium, args) as browser:
         page = await browser.new_page()
         await page.goto(f"https://trioserve.test:{port}/")
         await page.wait_for("!document.getElementById('key-form').hidden", what="the key prompt")
