@@ -176,6 +176,19 @@ def test_the_own_origin_is_accepted_without_the_loopback_default() -> None:
     assert refused is not None and refused.status == 403
 
 
+def test_only_a_plain_get_or_head_of_the_page_is_public() -> None:
+    def head(method: str = "GET", path: str = "/", *extra: tuple[bytes, bytes]) -> RequestHead:
+        headers = ((b"accept", CHROME_ACCEPT.encode()), *extra)
+        return RequestHead(method, path, path, "", headers, "1.1", "127.0.0.1:5000")
+
+    policy = AccessPolicy(api_key="k")
+    assert policy.authorized(head()) and policy.authorized(head("HEAD"))
+    assert not policy.authorized(head("POST"))
+    assert not policy.authorized(head("GET", "/metrics"))
+    for upgrade in (b"websocket", b"h2c"):
+        assert not policy.authorized(head("GET", "/", (b"upgrade", upgrade)), allow_query=True)
+
+
 def test_the_page_files_are_package_data() -> None:
     """Every file of trioserve/static is matched by pyproject's package data, so that
     an installed (not editable) trioserve serves the page too."""
@@ -367,9 +380,12 @@ async def test_the_page_needs_no_key_and_the_json_still_does() -> None:
             refused = await http(port, path=path, headers={"Accept": CHROME_ACCEPT})
             assert refused.status == 401, path
         assert (await http(port, "POST", headers={"Accept": CHROME_ACCEPT})).status == 401
-        # The WebSocket handshake still needs the key, from a page too.
+        # The WebSocket handshake still needs the key, from a page too, and
+        # whatever it says it accepts.
         origin = {"Host": f"127.0.0.1:{port}", "Origin": f"http://127.0.0.1:{port}"}
         assert await handshake(port, origin) == 401
+        assert await handshake(port, {**origin, "Accept": CHROME_ACCEPT}) == 401
+        assert await handshake(port, {**origin, "Accept": CHROME_ACCEPT, **bearer}) == 101
 
 
 async def test_the_page_origin_is_accepted_and_a_foreign_one_refused() -> None:

@@ -182,14 +182,21 @@ class AccessPolicy:
             403, f"origin {origin[:200]!r} is not allowed", "origin", code="origin_not_allowed"
         )
 
+    def public_page(self, head: RequestHead) -> bool:
+        """Whether ``head`` asks for a page of ``public_pages``: a plain GET or
+        HEAD that prefers HTML. Never an upgrade: a WebSocket handshake that
+        claims to prefer HTML still needs the key."""
+        return (
+            head.method in ("GET", "HEAD")
+            and head.path in self.public_pages
+            and head.header("upgrade") is None
+            and prefers_html(head.header("accept"))
+        )
+
     def authorized(self, head: RequestHead, *, allow_query: bool = False) -> bool:
         if self.api_key is None or head.path in self.public_paths:
             return True
-        if (
-            head.method in ("GET", "HEAD")
-            and head.path in self.public_pages
-            and prefers_html(head.header("accept"))
-        ):
+        if self.public_page(head):
             return True
         expected = self.api_key.encode()
         scheme, _, token = head.header_bytes(b"authorization").partition(b" ")
