@@ -11,12 +11,15 @@ one drains an instance with SIGTERM and starts it again.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import hashlib
 import json
 import re
 import shutil
 import signal
 import ssl
+import subprocess
 import threading
 import time
 import urllib.request
@@ -29,9 +32,12 @@ from typing import Any
 import attrs
 import openai
 import pytest
+import trio
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection
 from websockets.sync.client import connect as websocket_connect
+
+from tests.browser import chromium_or_skip, open_browser
 
 from .cluster import (
     API_KEY,
@@ -560,6 +566,76 @@ def test_tls_termination(cluster: Cluster) -> None:
     with pytest.raises(ssl.SSLCertVerificationError):
         cluster.connect(f"wss://{base}/", ssl.create_default_context())
     cluster.assert_no_errors_logged()
+
+
+def test_the_chat_page_over_https(cluster: Cluster) -> None:
+    """The chat page at / through nginx over https, under a host name (not a loopback
+    one, so the instances accept its WebSocket by the same-origin rule alone), with the
+    test's self-signed certificate pinned in Chromium; a foreign origin is refused."""
+    chromium = chromium_or_skip()
+    cluster.wait_idle()
+    with cleared_proxy_environment():
+        trio.run(_chat_page_over_https, cluster, chromium)
+    tls = tls_context(cluster.certificate)
+    base = f"localhost:{cluster.balancer.tls_port}"
+    for origin in ("https://evil.example", f"https://trioserve.test:{cluster.balancer.tls_port}"):
+        # The second is the page's own origin, but this client asks for localhost.
+        with pytest.raises(InvalidStatus) as refused:
+            websocket_connect(
+                f"wss://{base}/",
+                ssl=tls,
+                additional_headers={**AUTH, "Origin": origin},
+                open_timeout=60,
+            )
+        assert refused.value.response.status_code == 403, origin
+    cluster.assert_no_errors_logged()
+
+
+async def _chat_page_over_https(cluster: Cluster, chromium: str) -> None:
+    port = cluster.balancer.tls_port
+    spki = _spki_sha256(cluster.certificate)
+    args = (
+        "--host-resolver-rules=MAP trioserve.test 127.0.0.1",
+        f"--ignore-certificate-errors-spki-list={spki}",
+    )
+    async with open_browser(chromium, args) as browser:
+        page = await browser.new_page()
+        await page.goto(f"https://trioserve.test:{port}/")
+        await page.wait_for("!document.getElementById('key-form').hidden", what="the key prompt")
+        await page.type_text("#key", API_KEY)
+        await page.click("#key-form button")
+        await page.wait_for(
+            "document.getElementById('status').dataset.state === 'open'", within=60, what="wss"
+        )
+        model = await page.wait_for("document.getElementById('model').textContent.trim()")
+        assert "SmolLM2-135M-Instruct" in model
+        await page.evaluate("document.getElementById('max_new_tokens').value = '8'")
+        await page.type_text("#input", "Hello!")
+        await page.press_enter()
+        await page.wait_for(
+            "!!document.querySelector('#log .turn.assistant .stats')",
+            within=RECV_TIMEOUT,
+            what="the answer's final frame",
+        )
+        text = await page.evaluate(
+            "document.querySelector('#log .turn.assistant .text').textContent"
+        )
+        assert text, "no answer"
+        assert await page.evaluate("location.protocol") == "https:"
+        assert page.errors == []
+    print(f"https://trioserve.test:{port}/: the chat page answered {text!r} over wss")
+
+
+def _spki_sha256(certificate: Path) -> str:
+    """base64 sha256 of the certificate's public key, as Chromium pins it."""
+    der = subprocess.run(
+        "openssl x509 -pubkey -noout | openssl pkey -pubin -outform der",
+        shell=True,
+        input=certificate.read_bytes(),
+        capture_output=True,
+        check=True,
+    ).stdout
+    return base64.b64encode(hashlib.sha256(der).digest()).decode()
 
 
 # --- No instance at all ---------------------------------------------------------------

@@ -20,6 +20,9 @@ import trio_websocket
 
 from trioserve.errors import TrioserveError
 
+from .accept import prefers_html
+from .origin import same_origin
+
 __all__ = [
     "AccessPolicy",
     "BodyWriter",
@@ -139,6 +142,10 @@ class AccessPolicy:
     allow_loopback_origins: bool = True
     #: Paths served without the key (health checks of load balancers).
     public_paths: frozenset[str] = frozenset({"/health", "/ready"})
+    #: Paths whose HTML page (a GET or HEAD that prefers ``text/html``) is
+    #: served without the key: the chat page holds no secret, and asks the
+    #: person for the key itself. Their JSON still needs it.
+    public_pages: frozenset[str] = frozenset({"/"})
 
     def __attrs_post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -156,16 +163,40 @@ class AccessPolicy:
             return True
         return origin in {a.rstrip("/").lower() for a in self.allowed_origins}
 
+    def same_origin(self, head: RequestHead, origin: str) -> bool:
+        """Whether ``origin`` is the server's own as ``head``'s one ``Host``
+        names it (the chat page it served, wherever it is reached from).
+        A host name counts only when a key is required: without one, DNS
+        rebinding would let any site pass (:mod:`.origin` explains)."""
+        hosts = [value for key, value in head.headers if key == b"host"]
+        if len(hosts) != 1:
+            return False
+        host = hosts[0].decode("latin-1")
+        return same_origin(origin, host, names=self.api_key is not None)
+
     def check_origin(self, head: RequestHead) -> Reject | None:
         origin = head.header("origin")
-        if origin is None or self.origin_allowed(origin):
+        if origin is None or self.origin_allowed(origin) or self.same_origin(head, origin):
             return None
         return Reject(
             403, f"origin {origin[:200]!r} is not allowed", "origin", code="origin_not_allowed"
         )
 
+    def public_page(self, head: RequestHead) -> bool:
+        """Whether ``head`` asks for a page of ``public_pages``: a plain GET or
+        HEAD that prefers HTML. Never an upgrade: a WebSocket handshake that
+        claims to prefer HTML still needs the key."""
+        return (
+            head.method in ("GET", "HEAD")
+            and head.path in self.public_pages
+            and head.header("upgrade") is None
+            and prefers_html(head.header("accept"))
+        )
+
     def authorized(self, head: RequestHead, *, allow_query: bool = False) -> bool:
         if self.api_key is None or head.path in self.public_paths:
+            return True
+        if self.public_page(head):
             return True
         expected = self.api_key.encode()
         scheme, _, token = head.header_bytes(b"authorization").partition(b" ")

@@ -30,6 +30,7 @@ from trioserve._version import __version__
 from trioserve.generation import Generation, Generations, InvalidGeneration, Overloaded
 from trioserve.metrics import Metrics
 
+from .accept import prefers_html
 from .doors import ClientIdentity, from_openai, openai_error
 from .http_types import (
     BodyWriter,
@@ -41,6 +42,7 @@ from .http_types import (
     StreamingResponse,
     event_stream,
 )
+from .page import chat_page
 
 __all__ = ["OpenAIRoutes", "OpsRoutes", "Readiness", "http_errors"]
 
@@ -57,7 +59,8 @@ Readiness = Literal["ready", "starting", "draining"]
 
 @attrs.define
 class OpsRoutes:
-    """``GET /health``, ``/ready``, ``/metrics`` and ``/``.
+    """``GET /health``, ``/ready``, ``/metrics`` and ``/`` (the chat page for
+    a browser, :mod:`.page`; JSON for anyone else).
 
     ``readiness()`` says whether the server takes work (the model is loaded
     and it is not draining); ``info()`` gives what ``/`` shows besides the
@@ -84,6 +87,9 @@ class OpsRoutes:
         return Response.json({"status": state}, 200 if state == "ready" else 503)
 
     async def index(self, request: HTTPRequest) -> Response:
+        # A browser gets the chat page; every other client the JSON below.
+        if prefers_html(request.header("accept")):
+            return chat_page().respond(request)
         return Response.json(
             {
                 "name": "trioserve",
@@ -95,7 +101,8 @@ class OpsRoutes:
                 "ready": "/ready",
                 "metrics": "/metrics" if self.metrics is not None else None,
                 "docs": "the docs/ folder of trioserve: quickstart.md, deployment.md",
-            }
+            },
+            headers=[("Vary", "Accept")],
         )
 
     async def scrape(self, request: HTTPRequest) -> Response:
