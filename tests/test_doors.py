@@ -343,3 +343,40 @@ async def test_one_key_is_one_client_on_both_doors_through_the_cli(model_dir: An
                 assert "requests in flight" in refused.json()["error"]["message"]
                 await ws.send({"action": "stop", "request_id": "x"})
             assert replies and replies[0][0] == 200
+
+
+def test_logit_bias_on_the_openai_door() -> None:
+    parsed = oa.parse_completion_request(
+        json.dumps({"prompt": "x", "logit_bias": {"7": -100, "3": 5.5}}).encode()
+    )
+    assert parsed.sampling_settings().logit_bias == ((3, 5.5), (7, -100.0))
+    assert openai_verdict("logit_bias", {"1000000000": 1}) == "logit_bias"
+    assert websocket_verdict("logit_bias", {"1000000000": 1}) == '$.logit_bias["1000000000"]'
+
+
+@pytest.mark.slow
+async def test_logit_bias_bans_and_forces_on_both_doors(cpu_engine: CpuEngine) -> None:
+    prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    paris = cpu_engine.encode(" Paris")
+    london = cpu_engine.encode(" London")
+    assert len(paris) == 1 and len(london) == 1
+    async with serving(cpu_engine) as (_, listening), raw_client(listening.url) as ws:
+        for bias, check in (
+            ({str(paris[0]): -100}, lambda text: "Paris" not in text),
+            ({str(london[0]): 100}, lambda text: text.startswith(" London London")),
+        ):
+            frame = {"action": "infer", "text": prompt, "max_new_tokens": 8, "temperature": 0}
+            final = await ws.request({**frame, "logit_bias": bias})
+            status, body = await http_post(
+                listening.port,
+                "/v1/completions",
+                {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logit_bias": bias},
+            )
+            assert status == 200, body
+            text = body["choices"][0]["text"]
+            assert check(final["response"]), final["response"]
+            assert text == final["response"]
+        plain = await ws.request(
+            {"action": "infer", "text": prompt, "max_new_tokens": 8, "temperature": 0}
+        )
+        assert "Paris" in plain["response"]

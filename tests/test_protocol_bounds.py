@@ -15,7 +15,11 @@ from hypothesis import strategies as st
 
 from tests.strategies import json_values
 from trioserve import protocol as p
+from trioserve.engine.base import EngineInfo
+from trioserve.generation import InvalidGeneration
+from trioserve.generation.generation import check_request
 from trioserve.protocol._json import _nesting_exceeds, json_depth_exceeds, json_size_exceeds
+from trioserve.server.doors import from_infer, infer_error
 
 
 def decode_error(frame: str | dict[str, Any]) -> p.ProtocolError:
@@ -427,6 +431,35 @@ def test_sampler_fields_take_their_declarations_from_the_engine() -> None:
         assert p.INFER_DEFAULTS.get(name) == default
 
 
+def validate_against_model(
+    request: p.InferRequest,
+    *,
+    vocab_size: int,
+    max_new_tokens: int,
+    renders_messages: bool = False,
+) -> None:
+    """The server's model checks of an ``infer`` (the one pipeline's, through
+    the WebSocket door's naming), as a ProtocolError."""
+    info = EngineInfo(
+        engine="test",
+        model_name="m",
+        context_length=max_new_tokens + 1,
+        vocab_size=vocab_size,
+        bos_token_id=None,
+        eos_token_ids=frozenset(),
+        max_batch=1,
+    )
+    try:
+        check_request(
+            from_infer(request),
+            info,
+            max_new_tokens=max_new_tokens,
+            renders_messages=renders_messages,
+        )
+    except InvalidGeneration as error:
+        raise infer_error(error, request) from None
+
+
 @pytest.mark.parametrize(
     ("fields", "field", "message"),
     [
@@ -445,14 +478,14 @@ def test_validate_against_model(fields: dict[str, Any], field: str, message: str
     request = p.decode_request(json.dumps(obj))
     assert isinstance(request, p.InferRequest)
     with pytest.raises(p.ProtocolError) as info:
-        p.validate_against_model(request, vocab_size=100, max_new_tokens=255)
+        validate_against_model(request, vocab_size=100, max_new_tokens=255)
     assert (info.value.field, info.value.echoed) == (field, {"request_id": "r"})
     assert info.value.message.startswith(message)
     fine = attrs.evolve(request, max_new_tokens=1, stop_conditions=(), bann_bann=())
     if request.messages is None:
-        p.validate_against_model(fine, vocab_size=100, max_new_tokens=255)
+        validate_against_model(fine, vocab_size=100, max_new_tokens=255)
     else:
-        p.validate_against_model(fine, vocab_size=100, max_new_tokens=255, renders_messages=True)
+        validate_against_model(fine, vocab_size=100, max_new_tokens=255, renders_messages=True)
 
 
 def test_bad_values_of_any_size_are_shown_short() -> None:
@@ -564,14 +597,14 @@ def test_logit_bias_ids_are_checked_against_the_vocabulary() -> None:
     request = p.decode_request(json.dumps(infer(logit_bias={"99": 1, "1000000000": -5})))
     assert isinstance(request, p.InferRequest)
     with pytest.raises(p.ProtocolError) as info:
-        p.validate_against_model(request, vocab_size=100, max_new_tokens=255)
+        validate_against_model(request, vocab_size=100, max_new_tokens=255)
     assert (info.value.error_type, info.value.field) == (
         "invalid_request",
         '$.logit_bias["1000000000"]',
     )
     assert info.value.message == "logit_bias keys must be token ids in 0..99, got '1000000000'"
     fine = attrs.evolve(request, logit_bias=((99, 1.0),))
-    p.validate_against_model(fine, vocab_size=100, max_new_tokens=255)
+    validate_against_model(fine, vocab_size=100, max_new_tokens=255)
 
 
 @pytest.mark.parametrize(("value", "ok"), [(0, True), (20, False), (21, True), (1, False)])

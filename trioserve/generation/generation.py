@@ -152,31 +152,29 @@ def check_request(
             "max_new_tokens",
         )
     vocab = info.vocab_size
-    for field, ids in (
-        ("prompt", request.prompt_ids or ()),
-        ("stop_token_ids", request.stop_token_ids),
-        ("banned_ids", request.banned_ids),
-        ("logit_bias", _biased_ids(request.sampling)),
+    for field, ids, what in (
+        ("prompt", request.prompt_ids or (), "prompt token ids"),
+        ("stop_token_ids", request.stop_token_ids, "stop token ids"),
+        ("banned_ids", request.banned_ids, "banned token ids"),
     ):
         for index, token in enumerate(ids):
             if not 0 <= token < vocab:
                 raise InvalidGeneration(
-                    f"token ids must be in 0..{vocab - 1}, got {token!r}", field, index=index
+                    f"{what} must be in 0..{vocab - 1}, got {token!r}", field, index=index
                 )
+    for index, (token, _) in enumerate(request.sampling.logit_bias):
+        if not 0 <= token < vocab:
+            raise InvalidGeneration(
+                f"logit_bias keys must be token ids in 0..{vocab - 1}, got {str(token)!r}",
+                "logit_bias",
+                index=index,
+            )
     if request.messages is not None and not renders_messages:
         raise InvalidGeneration(
-            f"the model {info.model_name!r} has no chat template to render messages with: "
-            "send the prompt as text",
+            "this model has no chat template to render messages with: send the prompt as text",
             "messages",
             code="no_chat_template",
         )
-
-
-def _biased_ids(sampling: SamplingSettings) -> Sequence[int]:
-    bias = getattr(sampling, "logit_bias", None)
-    if not bias:
-        return ()
-    return [token for token, _ in bias]
 
 
 def trim_prompt(ids: Sequence[int], keep: int, *, keep_first: bool) -> list[int]:

@@ -104,7 +104,6 @@ def field_table() -> str:
     """The Markdown table of the fields this API shares with ``infer``: the
     sampler settings (OpenAI's name, range and default where they differ)
     and the extensions, as ``docs/openai.md`` shows it."""
-    ranges = setting_ranges()
     defaults = {a.name: a.default for a in attrs.fields(SamplingSettings)}
     lines = [
         "| field | type | default | meaning |",
@@ -113,12 +112,13 @@ def field_table() -> str:
     for name in _SAMPLER_NAMES:
         wire = _INFER[name]
         param = OPENAI_NAMES.get(name, name)
-        allowed = OPENAI_RANGES.get(name, ranges[name])
+        narrow = OPENAI_RANGES.get(name)
+        allowed = _doc(narrow.describe()) if narrow is not None else wire.rule.doc
         default = OPENAI_DEFAULTS.get(name, defaults[name])
+        if name == "logit_bias":  # (id, bias) pairs inside, an object on the wire
+            default = {str(token): bias for token, bias in default}
         meaning = OPENAI_MEANINGS.get(name, wire.meaning)
-        lines.append(
-            f"| `{param}` | {_doc(allowed.describe())} | {_show_default(default)} | {meaning} |"
-        )
+        lines.append(f"| `{param}` | {allowed} | {_show_default(default)} | {meaning} |")
     for name in SHARED_FIELDS:
         wire = _INFER[name]
         default = _show_default(_INFER_DEFAULTS[name])

@@ -38,7 +38,12 @@ from typing import Any, Final, Literal, TypeAlias
 
 import attrs
 import cattrs
-from cattrs.errors import ClassValidationError, IterableValidationError
+from cattrs.errors import (
+    AttributeValidationNote,
+    ClassValidationError,
+    IterableValidationError,
+    IterableValidationNote,
+)
 from cattrs.gen import make_dict_structure_fn, override
 
 from trioserve.engine.base import Range, SamplingSettings
@@ -409,7 +414,6 @@ _REFUSED: Final[Mapping[str, Callable[[str, Any], None]]] = {
         _none_or(False, 0), "is not supported: log probabilities are not computed"
     ),
     "top_logprobs": _harmless(_none_or(0), "is not supported: log probabilities are not computed"),
-    "logit_bias": _harmless(_none_or({}), "is not supported"),
     "tools": _harmless(_none_or([]), "is not supported: tool calls are not implemented"),
     "functions": _harmless(_none_or([]), "is not supported: function calls are not implemented"),
     "tool_choice": _harmless(
@@ -469,21 +473,24 @@ def _declared_rule(param: str, rule: Rule, value: Any, narrow: Range | None = No
     except BadValue as exc:
         raise _BadParam(param, f"{param} {exc}") from None
     except (IterableValidationError, ClassValidationError) as exc:
-        index, leaf = _element_of(exc)
-        where = f"{param}[{index}]" if index is not None else param
+        suffix, leaf = _element_of(exc)
+        where = param + suffix
         raise _BadParam(where, f"{where} {leaf}") from None
     if narrow is not None and not narrow.contains(result):
         raise _BadParam(param, f"{param} must be {narrow.describe()}, got {_show(value)}")
     return result
 
 
-def _element_of(exc: BaseException) -> tuple[Any, str]:
-    """The index (or key) and message of the first bad element of a list."""
+def _element_of(exc: BaseException) -> tuple[str, str]:
+    """The path suffix (``[3]`` of a list, ``["42"]`` of an object) and the
+    message of the first bad element."""
     for error in getattr(exc, "exceptions", ()):
         for note in getattr(error, "__notes__", ()):
-            index = getattr(note, "index", getattr(note, "name", None))
-            return index, str(error)
-    return None, str(exc)
+            if isinstance(note, IterableValidationNote):
+                return f"[{note.index}]", str(error)
+            if isinstance(note, AttributeValidationNote):
+                return f"[{json.dumps(str(note.name))}]", str(error)
+    return "", str(exc)
 
 
 def _sampler_hook(value: Any, _: Any) -> dict[str, Any]:

@@ -31,7 +31,6 @@ from ._codec import (
     structure_request,
     unstructure_reply,
     unstructure_request,
-    validate_against_model,
 )
 from ._fields import Wire
 from ._json import MAX_JSON_DEPTH, json_equal
@@ -122,5 +121,4 @@ __all__ = [
     "structure_request",
     "unstructure_reply",
     "unstructure_request",
-    "validate_against_model",
 ]

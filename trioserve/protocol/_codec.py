@@ -69,7 +69,6 @@ __all__ = [
     "structure_request",
     "unstructure_reply",
     "unstructure_request",
-    "validate_against_model",
 ]
 
 # The payload key under which decoding hands the echoed ids to the generated
@@ -520,59 +519,6 @@ def encode_request(request: Request) -> str:
 
 # --------------------------------------------------------------------------
 # Checks that need the model
-
-
-def validate_against_model(
-    request: InferRequest,
-    *,
-    vocab_size: int,
-    max_new_tokens: int,
-    context_length: int | None = None,
-    renders_messages: bool = False,
-) -> None:
-    """The checks of an ``infer`` that depend on the model, as the server
-    makes them (protocol section 3.4): ``max_new_tokens`` within the server's
-    limit, token ids (stop ids, banned ids, ``logit_bias`` keys) within the
-    vocabulary, and
-    ``messages`` only where the model has a chat template. Raises
-    :class:`ProtocolError` (``invalid_request`` naming the field). Pure: no
-    tokenizer, no I/O.
-    """
-    echoed = request.echoed
-
-    def invalid(message: str, field: str) -> ProtocolError:
-        return _invalid(message, field, "infer", echoed)
-
-    if request.max_new_tokens > max_new_tokens:
-        context = f" (context length {context_length})" if context_length is not None else ""
-        raise invalid(
-            f"max_new_tokens must be at most {max_new_tokens} for this model{context}, "
-            f"got {request.max_new_tokens!r}",
-            "$.max_new_tokens",
-        )
-    for index, condition in enumerate(request.stop_conditions):
-        if isinstance(condition, int) and not 0 <= condition < vocab_size:
-            raise invalid(
-                f"stop token ids must be in 0..{vocab_size - 1}, got {condition!r}",
-                f"$.stop_conditions[{index}]",
-            )
-    for index, banned in enumerate(request.bann_bann):
-        if not 0 <= banned < vocab_size:
-            raise invalid(
-                f"banned token ids must be in 0..{vocab_size - 1}, got {banned!r}",
-                f"$.bann_bann[{index}]",
-            )
-    for token, _ in request.logit_bias:
-        if token >= vocab_size:
-            raise invalid(
-                f"logit_bias keys must be token ids in 0..{vocab_size - 1}, got {str(token)!r}",
-                f"$.logit_bias[{json.dumps(str(token))}]",
-            )
-    if request.messages is not None and not renders_messages:
-        raise invalid(
-            "this model has no chat template to render messages with: send the prompt as text",
-            "$.messages",
-        )
 
 
 # --------------------------------------------------------------------------

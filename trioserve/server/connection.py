@@ -37,7 +37,7 @@ from trioserve import protocol as p
 from trioserve.generation import Generation, Generations, InvalidGeneration, Overloaded
 from trioserve.metrics import Metrics
 
-from .doors import from_infer, websocket_path
+from .doors import from_infer, infer_error
 
 __all__ = [
     "Connection",
@@ -475,13 +475,7 @@ class Connection:
                 from_infer(request), client=self.client, owner=self, api="websocket"
             )
         except InvalidGeneration as exc:
-            raise p.ProtocolError(
-                "invalid_request",
-                exc.message,
-                field=websocket_path(exc, request),
-                action="infer",
-                echoed=request.echoed,
-            ) from None
+            raise infer_error(exc, request) from None
         except Overloaded as exc:
             raise p.ProtocolError(
                 "overloaded", exc.message, action="infer", echoed=request.echoed
@@ -520,13 +514,7 @@ class Connection:
                 try:
                     await generation.run()
                 except InvalidGeneration as exc:
-                    reply = p.ProtocolError(
-                        "invalid_request",
-                        exc.message,
-                        field=websocket_path(exc, request),
-                        action="infer",
-                        echoed=request.echoed,
-                    ).reply()
+                    reply = infer_error(exc, request).reply()
                 except Overloaded as exc:
                     reply = p.ProtocolError(
                         "overloaded", exc.message, action="infer", echoed=request.echoed

@@ -26,6 +26,7 @@ __all__ = [
     "ClientIdentity",
     "from_infer",
     "from_openai",
+    "infer_error",
     "openai_error",
     "openai_param",
     "websocket_path",
@@ -89,10 +90,25 @@ def websocket_path(error: InvalidGeneration, request: p.InferRequest) -> str:
         if error.index is not None and error.index < len(ints):
             return f"$.stop_conditions[{ints[error.index]}]"
         return "$.stop_conditions"
+    if error.field == "logit_bias" and error.index is not None:
+        token = request.logit_bias[error.index][0]
+        return f'$.logit_bias["{token}"]'
     name = _WEBSOCKET_NAMES.get(error.field, error.field)
-    if error.index is not None and error.field != "logit_bias":
+    if error.index is not None:
         return f"$.{name}[{error.index}]"
     return f"$.{name}"
+
+
+def infer_error(error: InvalidGeneration, request: p.InferRequest) -> p.ProtocolError:
+    """``error`` as the WebSocket door answers it: ``invalid_request``, the
+    field as the client sent it."""
+    return p.ProtocolError(
+        "invalid_request",
+        error.message,
+        field=websocket_path(error, request),
+        action="infer",
+        echoed=request.echoed,
+    )
 
 
 _OPENAI_NAMES: Final = {
