@@ -26,7 +26,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 import logging
@@ -43,6 +42,7 @@ from trioserve.engine.base import Engine, Failed, Finished, GenerationSpec, Text
 from trioserve.errors import TrioserveError
 
 from .engine_thread import EngineThread, open_engine_thread
+from .fairness import FairQueue
 
 __all__ = ["Job", "QueueFull", "Scheduler", "SchedulerClosed", "SchedulerStatistics", "StepRecord"]
 
@@ -100,14 +100,6 @@ class Job:
     @property
     def client_key(self) -> Hashable:
         return self.fair_key if self.client is None else self.client
-
-
-@attrs.define(eq=False)
-class _ClientQueue:
-    """One client's waiting jobs, per owner, and the owners' turn order."""
-
-    owners: dict[Hashable, dict[int, Job]] = attrs.Factory(dict)
-    rotation: collections.deque[Hashable] = attrs.Factory(collections.deque)
 
 
 @attrs.frozen
@@ -191,16 +183,13 @@ class Scheduler:
         if max_running_per_owner < 1:
             raise ValueError(f"max_running_per_owner must be >= 1, got {max_running_per_owner!r}")
         self.max_running_per_owner = max_running_per_owner
+        self._fair: FairQueue[Job] = FairQueue(max_running_per_owner)
         self.engine_thread = engine_thread
         #: Called on the trio thread after each step (metrics); must not block.
         self.on_step = on_step
         # Trio side: jobs admitted to the engine (in the inbox or stepping),
         # and jobs waiting, per owner in arrival order.
         self._running: dict[int, Job] = {}
-        self._running_per_client: collections.Counter[Hashable] = collections.Counter()
-        self._queues: dict[Hashable, _ClientQueue] = {}
-        self._rotation: collections.deque[Hashable] = collections.deque()
-        self._waiting = 0
         # The inbox, shared with the engine thread under the lock.
         self._lock = threading.Lock()
         self._inbox_submit: list[Job] = []
@@ -259,19 +248,10 @@ class Scheduler:
         """Queue ``job`` for the engine, or raise :class:`QueueFull` at once."""
         if self._closed:
             raise SchedulerClosed("the generation task is not running")
-        client = self._queues.get(job.client_key)
-        if client is None:
-            client = self._queues[job.client_key] = _ClientQueue()
-            self._rotation.append(job.client_key)
-        queue = client.owners.get(job.fair_key)
-        if queue is None:
-            queue = client.owners[job.fair_key] = {}
-            client.rotation.append(job.fair_key)
-        queue[job.job_id] = job
-        self._waiting += 1
+        self._fair.push(job)
         self._admit()
-        if self._waiting > self.max_waiting and self._is_waiting(job):
-            self._remove_waiting(job)
+        if self._fair.waiting > self.max_waiting and job in self._fair:
+            self._fair.remove(job)
             raise QueueFull(
                 f"{self.max_waiting} jobs are already waiting for the engine; retry later"
             )
@@ -282,12 +262,10 @@ class Scheduler:
         tokenizing a long prompt."""
         if self._closed:
             return False
-        if self._waiting < self.max_waiting:
+        if self._fair.waiting < self.max_waiting:
             return True
         free = self.capacity - len(self._running)
-        return free > 0 and (
-            client is None or self._running_per_client[client] < self.max_running_per_owner
-        )
+        return free > 0 and (client is None or self._fair.may_run(client))
 
     def cancel(self, job: Job) -> None:
         """Cancel ``job``: synchronous, idempotent, safe in ``finally`` blocks.
@@ -304,14 +282,14 @@ class Scheduler:
             self._release_slot(job)
             self._post_to_loop(cancel=job.job_id)
             self._admit()
-        elif self._is_waiting(job):
-            self._remove_waiting(job)
+        elif job in self._fair:
+            self._fair.remove(job)
         self._notify_idle()
 
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(
             running=len(self._running),
-            waiting=self._waiting,
+            waiting=self._fair.waiting,
             served=self._served,
             cancelled=self._cancelled,
             failed=self._failed,
@@ -322,7 +300,7 @@ class Scheduler:
     @property
     def busy(self) -> bool:
         """True while any job is running or waiting."""
-        return bool(self._running) or self._waiting > 0
+        return bool(self._running) or self._fair.waiting > 0
 
     async def wait_idle(self) -> None:
         """Return once no job is running or waiting."""
@@ -337,30 +315,8 @@ class Scheduler:
 
     # -- queue and admission (trio side) --------------------------------------------
 
-    def _is_waiting(self, job: Job) -> bool:
-        client = self._queues.get(job.client_key)
-        if client is None:
-            return False
-        queue = client.owners.get(job.fair_key)
-        return queue is not None and job.job_id in queue
-
-    def _remove_waiting(self, job: Job) -> None:
-        client = self._queues[job.client_key]
-        queue = client.owners[job.fair_key]
-        del queue[job.job_id]
-        self._waiting -= 1
-        if not queue:
-            del client.owners[job.fair_key]
-            client.rotation.remove(job.fair_key)
-        if not client.owners:
-            del self._queues[job.client_key]
-            self._rotation.remove(job.client_key)
-
     def _release_slot(self, job: Job) -> None:
-        key = job.client_key
-        self._running_per_client[key] -= 1
-        if self._running_per_client[key] <= 0:
-            del self._running_per_client[key]
+        self._fair.release(job)
 
     def _admit(self) -> None:
         """Move waiting jobs into free engine slots, one owner at a time."""
@@ -368,13 +324,12 @@ class Scheduler:
             return
         admitted: list[Job] = []
         now = trio.current_time()
-        while len(self._running) < self.capacity and self._rotation:
-            job = self._next_fair()
+        while len(self._running) < self.capacity and self._fair:
+            job = self._fair.pop()
             if job is None:
                 break
             job.started_at = now
             self._running[job.job_id] = job
-            self._running_per_client[job.client_key] += 1
             admitted.append(job)
         if admitted:
             self._post_to_loop(submit=admitted)
@@ -388,23 +343,6 @@ class Scheduler:
             start = not self._loop_active
         if start:
             self._work_ready.set()
-
-    def _next_fair(self) -> Job | None:
-        """The first waiting job of the next owner of the next client in the
-        rotation that may take a slot; that client, and that owner within it,
-        go to the back of their rotations."""
-        for _ in range(len(self._rotation)):
-            key = self._rotation[0]
-            self._rotation.rotate(-1)
-            if self._running_per_client[key] >= self.max_running_per_owner:
-                continue
-            client = self._queues[key]
-            owner = client.rotation[0]
-            client.rotation.rotate(-1)
-            job = next(iter(client.owners[owner].values()))
-            self._remove_waiting(job)
-            return job
-        return None
 
     # -- the generation task ------------------------------------------------------
 
@@ -612,15 +550,8 @@ class Scheduler:
     def _close(self) -> None:
         """Fail every job still running or queued: no owner is left waiting."""
         self._closed = True
-        leftover = list(self._running.values())
-        for client in self._queues.values():
-            for queue in client.owners.values():
-                leftover.extend(queue.values())
+        leftover = [*self._running.values(), *self._fair.drain()]
         self._running.clear()
-        self._running_per_client.clear()
-        self._queues.clear()
-        self._rotation.clear()
-        self._waiting = 0
         for job in leftover:
             if not job.cancelled and not job.done:
                 self._end(job, Failed(job_id=job.job_id, message="the server is shutting down"))
