@@ -6,6 +6,7 @@ can go wrong into one line and an exit status.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -26,7 +27,8 @@ from .._version import __version__
 from ..engine import EngineOptions, load_engine
 from ..engine.base import Engine
 from ..errors import TrioserveError
-from ..generation import EngineThread, open_engine_thread
+from ..generation import EngineThread
+from ..generation.engine_thread import open_loaded_engine
 from ..logs import configure_logging, phase
 from ..server import Listening, Server, ServerConfig
 from .settings import UsageError, build_parser, resolve, unknown_env
@@ -97,19 +99,17 @@ async def load_and_serve(
     """Load the engine on an engine thread, warm it up there, serve it until
     SIGINT or SIGTERM, and close it there: every torch (and CUDA) call of the
     model is made by that one thread."""
-    async with open_engine_thread() as thread:
+    async with contextlib.AsyncExitStack() as stack:
         with phase("load", f"loading the model (engine {options.engine})") as fields:
-            engine = await thread.run_sync(load_engine, options)
+            engine, thread = await stack.enter_async_context(
+                open_loaded_engine(functools.partial(load_engine, options))
+            )
             fields.update(engine=engine.info.engine, model=engine.info.model_name)
-        try:
-            warm_up = getattr(engine, "warm_up", None)
-            if callable(warm_up):
-                with phase("warm-up", "warming up the engine"):
-                    await thread.run_sync(warm_up)
-            await run_until_signalled(engine, config, started=started, engine_thread=thread)
-        finally:
-            with trio.CancelScope(shield=True):
-                await thread.run_sync(engine.close)
+        warm_up = getattr(engine, "warm_up", None)
+        if callable(warm_up):
+            with phase("warm-up", "warming up the engine"):
+                await thread.run_sync(warm_up)
+        await run_until_signalled(engine, config, started=started, engine_thread=thread)
 
 
 async def run_until_signalled(

@@ -18,14 +18,14 @@ import collections
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import attrs
 import trio
 
 from trioserve.errors import TrioserveError
 
-__all__ = ["EngineThread", "EngineThreadClosed", "open_engine_thread"]
+__all__ = ["EngineThread", "EngineThreadClosed", "open_engine_thread", "open_loaded_engine"]
 
 _T = TypeVar("_T")
 
@@ -148,3 +148,33 @@ async def open_engine_thread(name: str = "trioserve-engine") -> AsyncIterator[En
             yield thread
         finally:
             thread._close()
+
+
+_E = TypeVar("_E", bound="Closeable")
+
+
+class Closeable(Protocol):
+    def close(self) -> None: ...
+
+
+@asynccontextmanager
+async def open_loaded_engine(
+    load: Callable[[], _E], name: str = "trioserve-engine"
+) -> AsyncIterator[tuple[_E, EngineThread]]:
+    """Open the engine thread, call ``load`` on it, and yield the engine with
+    its thread: every torch (and CUDA) call of the model is then made by that
+    one thread (faster on a CPU, required by CUDA). The one place a server's
+    engine thread is opened (``serve``, the command line); a
+    :class:`~trioserve.generation.scheduler.Scheduler` given no thread opens
+    one of its own for as long as it runs.
+
+    Resource handling: the engine is closed on its thread when the block is
+    left, cancelled or not, then the thread ends.
+    """
+    async with open_engine_thread(name) as thread:
+        engine = await thread.run_sync(load)
+        try:
+            yield engine, thread
+        finally:
+            with trio.CancelScope(shield=True):
+                await thread.run_sync(engine.close)

@@ -33,7 +33,7 @@ from trioserve.chat_template import ChatTemplate, NoChatTemplate, load_chat_temp
 from trioserve.engine.base import Engine, EngineInfo
 from trioserve.errors import ConfigError, ListenError, TrioserveError
 from trioserve.generation import Generations, Tokenizing
-from trioserve.generation.engine_thread import EngineThread, open_engine_thread
+from trioserve.generation.engine_thread import EngineThread, open_loaded_engine
 from trioserve.generation.scheduler import Scheduler, SchedulerStatistics, StepRecord
 from trioserve.metrics import Metrics
 
@@ -213,13 +213,8 @@ async def serve(
     if isinstance(engine, Engine):
         await Server(engine, config).run(task_status=task_status)
         return
-    async with open_engine_thread() as thread:
-        loaded = await thread.run_sync(engine)
-        try:
-            await Server(loaded, config, engine_thread=thread).run(task_status=task_status)
-        finally:
-            with trio.CancelScope(shield=True):
-                await thread.run_sync(loaded.close)
+    async with open_loaded_engine(engine) as (loaded, thread):
+        await Server(loaded, config, engine_thread=thread).run(task_status=task_status)
 
 
 class Server:
@@ -412,12 +407,9 @@ class Server:
 
     async def _run_work(self, *, task_status: trio.TaskStatus[Listening]) -> None:
         with self._work:
-            if self.engine_thread is None:
-                async with open_engine_thread() as thread:
-                    self.engine_thread = thread
-                    await self._serve_all(task_status)
-            else:
-                await self._serve_all(task_status)
+            # Without the thread that loaded the engine, the scheduler opens
+            # one of its own.
+            await self._serve_all(task_status)
 
     async def _serve_all(self, task_status: trio.TaskStatus[Listening]) -> None:
         self.scheduler.engine_thread = self.engine_thread
