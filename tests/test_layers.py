@@ -1,0 +1,120 @@
+"""The layers of docs/design.md, checked on the code: every import (those
+under TYPE_CHECKING and inside functions too) points down or stays in its own
+folder, no module imports itself back through others, and no module is over
+the size the house style allows."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "trioserve"
+
+#: Higher may import lower; a layer may import itself.
+RANKS = {
+    "trioserve": 7,  # the public __init__ re-exports every layer
+    "trioserve.__main__": 8,
+    "trioserve.cli": 7,
+    "trioserve.server": 6,
+    "trioserve.client": 5,
+    "trioserve.openai": 5,
+    "trioserve.generation": 4,
+    "trioserve.protocol": 3,
+    "trioserve.metrics": 2,
+    "trioserve.chat_template": 2,
+    "trioserve.engine": 2,
+    "trioserve.logs": 0,
+    "trioserve._version": 0,
+    "trioserve.errors": 0,
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(name: str) -> str:
+    parts = name.split(".")
+    for size in (2, 1):
+        candidate = ".".join(parts[:size])
+        if candidate in RANKS:
+            return candidate
+    raise AssertionError(f"{name} is in no layer of RANKS")
+
+
+def imports(path: Path) -> set[str]:
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("trioserve")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            if target.startswith("trioserve"):
+                # "from trioserve import protocol": the names may be modules.
+                for alias in node.names:
+                    candidate = f"{target}.{alias.name}"
+                    where = PACKAGE.parent / Path(*candidate.split("."))
+                    if where.exists() or where.with_suffix(".py").exists():
+                        found.add(candidate)
+                    else:
+                        found.add(target)
+    return found
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_imports_point_down(name: str) -> None:
+    own = layer(name)
+    for target in imports(MODULES[name]):
+        if target == "trioserve" and own != "trioserve":
+            raise AssertionError(f"{name} imports the public package {target}")
+        other = layer(target)
+        assert other == own or RANKS[other] < RANKS[own], f"{name} ({own}) imports {target}"
+
+
+def test_no_import_cycle() -> None:
+    graph = {
+        name: {t for t in imports(path) if t in MODULES and t != name}
+        for name, path in MODULES.items()
+    }
+    # A package's __init__ re-exporting its modules is not a cycle of the code.
+    for name in graph:
+        graph[name] = {t for t in graph[name] if not name.startswith(t + ".")}
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in graph[node]:
+            if state.get(nxt) == 1:
+                raise AssertionError(" -> ".join([*trail, node, nxt]))
+            if nxt not in state:
+                visit(nxt, [*trail, node])
+        state[node] = 2
+
+    for name in graph:
+        if name not in state:
+            visit(name, [])
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_modules_and_classes_stay_small(name: str) -> None:
+    """About 700 lines a module and 400 a class (docs/design.md); the
+    margin is for a docstring, not for a second thing."""
+    source = MODULES[name].read_text(encoding="utf-8")
+    assert source.count("\n") <= 750, f"{name}: {source.count(chr(10))} lines"
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            size = (node.end_lineno or node.lineno) - node.lineno + 1
+            assert size <= 430, f"{name}.{node.name}: {size} lines"
