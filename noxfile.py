@@ -47,8 +47,25 @@ def install_project(session: nox.Session, *groups: str) -> None:
 def tests(session: nox.Session) -> None:
     """The default suite: protocol, engines, server; everything on the CPU."""
     install_project(session, "test")
-    args = session.posargs or ["-m", "not gpu and not scaleout", "-p", "no:cacheprovider"]
-    session.run("pytest", *args)
+    session.run("pytest", *pytest_args(session.posargs))
+
+
+#: What the default session leaves out: GPU tests (their own session) and
+#: the nginx scale-out tests (``nox -s scale-out``).
+BASE_MARKERS = "not gpu and not scaleout"
+
+
+def pytest_args(posargs: list[str]) -> list[str]:
+    """The default session's pytest arguments: skips say why (``-rs``), and a
+    ``-m`` given after ``--`` narrows the default marker expression instead
+    of replacing it (``nox -s tests -- -m "not slow"`` is the fast lane)."""
+    args = list(posargs)
+    markers = BASE_MARKERS
+    if "-m" in args:
+        index = args.index("-m")
+        markers = f"({BASE_MARKERS}) and ({args[index + 1]})"
+        del args[index : index + 2]
+    return ["-m", markers, "-rs", "-p", "no:cacheprovider", *args]
 
 
 @nox.session

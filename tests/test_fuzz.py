@@ -14,6 +14,7 @@ import os
 from typing import TYPE_CHECKING
 
 from tests.fuzz.__main__ import bystander_frame
+from tests.fuzz.http import run_http_fuzz
 from tests.fuzz.run import run_fuzz
 
 from .helpers import serving, wait_until
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from trioserve.engine.cpu import CpuEngine
 
 FRAMES = 2500
+HTTP_REQUESTS = 600
 
 
 async def test_a_few_thousand_fuzzed_frames_each_get_one_answer(cpu_engine: CpuEngine) -> None:
@@ -47,3 +49,23 @@ async def test_a_few_thousand_fuzzed_frames_each_get_one_answer(cpu_engine: CpuE
     # The run exercised what it is for: every family, and real answers.
     assert set(report.families) >= {"valid", "mutated", "deep", "binary", "long"}
     assert report.replies["error:invalid_json"] and report.replies["infer:full"]
+
+
+async def test_fuzzed_openai_bodies_never_get_a_server_error(cpu_engine: CpuEngine) -> None:
+    """The OpenAI door under hostile bodies (tests/fuzz/http.py): each is a
+    200, or a 4xx/503 in OpenAI's error shape; never a 500, never a dropped
+    connection."""
+    seed = int(os.environ.get("TRIOSERVE_FUZZ_SEED", "8"))
+    # A small cap on new tokens: a body without max_tokens generates at most that.
+    async with serving(cpu_engine, max_message_bytes=64 * 1024, max_new_tokens=8) as (
+        server,
+        listening,
+    ):
+        report = await run_http_fuzz(
+            "127.0.0.1", listening.port, requests=HTTP_REQUESTS, seed=seed, connections=4
+        )
+        await wait_until(lambda: server.statistics().scheduler.running == 0, within=60)
+    assert report.requests == HTTP_REQUESTS
+    assert report.ok, report.format()
+    # The run reached the generation, the parser and the limits.
+    assert report.statuses[200] and report.statuses[400] and report.statuses[413]

@@ -23,7 +23,8 @@ if str(ROOT) not in sys.path:
 
 import trio  # noqa: E402
 
-from tests.fuzz.run import FuzzReport, run_fuzz  # noqa: E402
+from tests.fuzz.http import HttpFuzzReport, run_http_fuzz  # noqa: E402
+from tests.fuzz.run import FuzzReport, run_fuzz, urllib_split  # noqa: E402
 from tests.serverproc import open_server_process  # noqa: E402
 
 #: The bystander's request: a chat turn, 12 greedy tokens with EOS banned.
@@ -56,6 +57,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--ws-share", type=float, default=0.03, help="share of frames malformed at the byte level"
     )
+    parser.add_argument(
+        "--http-requests",
+        type=int,
+        default=5000,
+        help="fuzzed OpenAI request bodies to send after the frames (tests/fuzz/http.py)",
+    )
     parser.add_argument("--url", help="fuzz this running server instead of starting one")
     parser.add_argument("--context-length", type=int, default=256)
     parser.add_argument("--max-batch", type=int, default=8)
@@ -66,6 +73,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="one more argument for python -m trioserve (repeatable)",
     )
     return parser.parse_args(argv)
+
+
+async def fuzz_http(args: argparse.Namespace, seed: int, url: str) -> HttpFuzzReport:
+    host, port = urllib_split(url)
+    report = await run_http_fuzz(host, port, requests=args.http_requests, seed=seed)
+    say(report.format())
+    return report
 
 
 async def fuzz(args: argparse.Namespace, seed: int) -> tuple[FuzzReport, list[str], str]:
@@ -80,17 +94,25 @@ async def fuzz(args: argparse.Namespace, seed: int) -> tuple[FuzzReport, list[st
         "say": say,
     }
     if args.url:
-        return await run_fuzz(args.url, **options), [], "not started here"
+        report = await run_fuzz(args.url, **options)
+        if not (await fuzz_http(args, seed, args.url)).ok:
+            report.fail("the OpenAI door failed fuzzed bodies (above)")
+        return report, [], "not started here"
     server_args = [
         "--context-length",
         str(args.context_length),
         "--max-batch",
         str(args.max_batch),
+        # A body without max_tokens generates at most this many.
+        "--max-new-tokens",
+        "16",
         *args.server_arg,
     ]
     async with open_server_process(server_args) as server:
         say(f"server pid {server.pid} at {server.url}, rss {server.rss_bytes() / 2**20:.0f} MiB")
         report = await run_fuzz(server.url, **options)
+        if not (await fuzz_http(args, seed, server.url)).ok:
+            report.fail("the OpenAI door failed fuzzed bodies (above)")
         alive = server.alive
         rss = server.rss_bytes() if alive else 0
     ending = (
