@@ -380,3 +380,16 @@ async def test_logit_bias_bans_and_forces_on_both_doors(cpu_engine: CpuEngine) -
             {"action": "infer", "text": prompt, "max_new_tokens": 8, "temperature": 0}
         )
         assert "Paris" in plain["response"]
+
+
+async def test_models_report_the_same_limits_as_info(cpu_engine: CpuEngine) -> None:
+    async with serving(cpu_engine) as (_, listening), raw_client(listening.url) as ws:
+        info = await ws.request({"action": "info"})
+        async with connect(listening.port) as client:
+            await client.send(request("GET", "/v1/models"))
+            reply = await client.response("GET")
+        assert reply is not None and reply.status == 200
+        (model,) = reply.json()["data"]
+        assert model["max_model_len"] == info["model"]["context_length"]
+        assert model["limits"] == info["limits"]
+        assert model["limits"]["max_stop_string_chars"] == oa.OpenAILimits().max_stop_string_chars

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Mapping
 from typing import Any, Final, Literal, TypeAlias
 
 import attrs
@@ -219,10 +220,36 @@ class ChatCompletionStream(_Stream):
         return self._end("chat.completion.chunk", last, usage)
 
 
-def model_object(name: str, created: int) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "trioserve"}
+def model_object(
+    name: str,
+    created: int,
+    *,
+    context_length: int | None = None,
+    limits: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
+    """A model object: OpenAI's fields, vLLM's ``max_model_len`` (which
+    clients read for the context), and the server's ``limits`` (the same
+    figures as the WebSocket ``info`` reply's, from the same declarations)."""
+    obj: dict[str, Any] = {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "trioserve",
+    }
+    if context_length is not None:
+        obj["max_model_len"] = context_length
+    if limits is not None:
+        obj["limits"] = dict(limits)
+    return obj
 
 
-def models_response(name: str, created: int) -> bytes:
+def models_response(
+    name: str,
+    created: int,
+    *,
+    context_length: int | None = None,
+    limits: Mapping[str, int] | None = None,
+) -> bytes:
     """The body of ``GET /v1/models``: the one served model."""
-    return _dumps({"object": "list", "data": [model_object(name, created)]})
+    model = model_object(name, created, context_length=context_length, limits=limits)
+    return _dumps({"object": "list", "data": [model]})

@@ -158,6 +158,9 @@ class OpenAIRoutes:
     identity: ClientIdentity
     limits: oa.OpenAILimits = attrs.Factory(oa.OpenAILimits)
     metrics: Metrics | None = None
+    #: What ``/v1/models`` reports as the model's ``limits`` (the WebSocket
+    #: ``info`` reply's, from the same declarations).
+    model_limits: Mapping[str, int] = attrs.Factory(dict)
     #: When the model was loaded (the ``created`` of the model object).
     created: int = attrs.Factory(lambda: int(time.time()))
 
@@ -172,7 +175,7 @@ class OpenAIRoutes:
         router.add("POST", "/v1/chat/completions", http_errors(self.chat_completions))
 
     async def models(self, request: HTTPRequest) -> Response:
-        return Response(200, oa.models_response(self.model_name, self.created))
+        return Response(200, oa.models_response(self.model_name, self.created, **self._model()))
 
     async def model(self, request: HTTPRequest) -> Response:
         name = request.params["model"]
@@ -183,7 +186,13 @@ class OpenAIRoutes:
                 param="model",
                 code="model_not_found",
             )
-        return Response.json(oa.model_object(name, self.created))
+        return Response.json(oa.model_object(name, self.created, **self._model()))
+
+    def _model(self) -> dict[str, Any]:
+        return {
+            "context_length": self.generations.info.context_length,
+            "limits": self.model_limits or None,
+        }
 
     async def completions(self, request: HTTPRequest) -> Response | StreamingResponse:
         return await self._serve(request, "completions")

@@ -283,7 +283,8 @@ class Server:
         OpsRoutes(readiness=self.readiness, metrics=self.metrics, info=self._info_page).install(
             router
         )
-        OpenAIRoutes(self.generations, self.identity, metrics=self.metrics).install(router)
+        self._openai_routes = OpenAIRoutes(self.generations, self.identity, metrics=self.metrics)
+        self._openai_routes.install(router)
         self.front_door = FrontDoor(
             router,
             policy=AccessPolicy(
@@ -329,6 +330,7 @@ class Server:
                 max_new_tokens=self.max_new_tokens,
             ),
         )
+        self._openai_routes.model_limits = attrs.asdict(self._info_reply_parts[2])
 
     @property
     def draining(self) -> bool:
