@@ -158,20 +158,20 @@ def log_request(
     level = logging.DEBUG if quiet and error_type is None else logging.INFO
     if not access_log.isEnabledFor(level):
         return
+    fields: dict[str, Any]
     if action == "infer":
         # Refused before it started: the keys of every infer line.
-        fields = _infer_fields(peer, echoed, outcome, None, error_type, None)
-        access_log.log(level, "infer done", extra={"fields": {**fields, **extra}})
-        return
-    fields: dict[str, Any] = {
-        "peer": peer,
-        "api": "websocket",
-        "action": plain_value(action),
-        "request_id": plain_value(echoed.get("request_id")),
-        "outcome": outcome,
-        "error_type": error_type,
-        **extra,
-    }
+        fields = {**_infer_fields(peer, echoed, outcome, None, error_type, None), **extra}
+    else:
+        fields = {
+            "peer": peer,
+            "api": "websocket",
+            "action": plain_value(action),
+            "request_id": plain_value(echoed.get("request_id")),
+            "outcome": outcome,
+            "error_type": error_type,
+            **extra,
+        }
     name = known if known != "unknown" else "request"
     access_log.log(level, "%s done", name, extra={"fields": fields})
 
