@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,3 +41,30 @@ async def test_readme_frames_are_what_the_server_sends(cpu_engine: CpuEngine) ->
     for frame in (got[-1], shown[-1]):
         del frame["timing"]
     assert got == shown
+
+
+def test_skips_say_why_in_the_default_session(tmp_path: Path) -> None:
+    """pytest as the project configures it (pyproject.toml, which nox's
+    session uses) prints each skip's reason."""
+    (tmp_path / "test_skipping.py").write_text(
+        "import pytest\n\n\ndef test_skipped():\n    pytest.skip('no frobnicator here')\n"
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            str(ROOT / "pyproject.toml"),
+        ]
+        + ["--rootdir", str(tmp_path), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert "1 skipped" in result.stdout, result.stdout + result.stderr
+    assert "SKIPPED [1] test_skipping.py:5: no frobnicator here" in result.stdout, result.stdout
