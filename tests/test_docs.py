@@ -49,17 +49,9 @@ def test_skips_say_why_in_the_default_session(tmp_path: Path) -> None:
     (tmp_path / "test_skipping.py").write_text(
         "import pytest\n\n\ndef test_skipped():\n    pytest.skip('no frobnicator here')\n"
     )
+    config = ["-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path)]
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            "-c",
-            str(ROOT / "pyproject.toml"),
-        ]
-        + ["--rootdir", str(tmp_path), str(tmp_path)],
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *config, str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import ScriptedEngine
 from tests.http_helpers import get, running, until
+from trioserve import openai as oa
 from trioserve.chat_template import ChatTemplate, load_chat_template
 from trioserve.engine.base import Engine
 from trioserve.generation import Generations, Tokenizing
@@ -175,6 +176,28 @@ async def test_completion_and_chat_on_the_scripted_engine() -> None:
     )
     # Bonjour+EOS, ab+EOS, three of "Hi,", and "Hello there" up to the stop string.
     assert served.sample("trioserve_generated_tokens_total", api="openai") == 8 + 3 + 3 + 11
+
+
+async def test_a_completion_without_max_tokens_takes_what_the_context_leaves() -> None:
+    """OpenAI's default of 16 is an upper bound, not a value the user sent:
+    where the context leaves 9 tokens it generates 9, and never answers an
+    error about a max_tokens of 16."""
+    async with serving(ScriptedEngine(context_length=40)) as served:
+        sdk = served.client()
+        short = await in_thread(lambda: sdk.completions.create(model="m", prompt="Tell"))
+        assert short.usage is not None
+        assert short.usage.completion_tokens == oa.COMPLETIONS_MAX_TOKENS
+        assert short.choices[0].finish_reason == "length"
+        long = await in_thread(lambda: sdk.completions.create(model="m", prompt="x" * 31))
+        assert long.usage is not None
+        assert (long.usage.prompt_tokens, long.usage.completion_tokens) == (31, 9)
+        assert long.choices[0].finish_reason == "length"
+        # A max_tokens the user did send is still held to the context.
+        refused = await in_thread(
+            lambda: raised(lambda: sdk.completions.create(model="m", prompt="x", max_tokens=50))
+        )
+        assert isinstance(refused, openai.BadRequestError)
+        assert "got 50" in str(refused)
 
 
 async def test_streams_match_whole_answers() -> None:

@@ -64,6 +64,7 @@ from .fields import (
 DEFAULT_LIMITS: Final = OpenAILimits()
 
 __all__ = [
+    "COMPLETIONS_MAX_TOKENS",
     "OPENAI_DEFAULTS",
     "OPENAI_NAMES",
     "OPENAI_RANGES",
@@ -74,6 +75,10 @@ __all__ = [
     "parse_chat_request",
     "parse_completion_request",
 ]
+
+#: A completion without ``max_tokens`` generates up to this many tokens (as
+#: OpenAI's do), fewer when the context leaves less room.
+COMPLETIONS_MAX_TOKENS: Final = 16
 
 # --------------------------------------------------------------------------
 # Requests
@@ -101,7 +106,8 @@ class _Generation:
     """Fields both generation routes take."""
 
     model: str | None = None
-    #: None: as many as the context leaves (chat) -- completions default to 16.
+    #: None: as many as the context leaves (chat), up to
+    #: :data:`COMPLETIONS_MAX_TOKENS` (completions).
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     stream: bool = False
@@ -132,7 +138,9 @@ class CompletionRequest(_Generation):
     """``POST /v1/completions``: a prompt as text, or as token ids."""
 
     prompt: str | tuple[int, ...]
-    max_tokens: int | None = 16
+    #: None when not given: up to :data:`COMPLETIONS_MAX_TOKENS`, as many as
+    #: the context leaves.
+    max_tokens: int | None = None
     #: Prepend the prompt text to the completion (OpenAI's ``echo``).
     echo: bool = False
 
@@ -630,11 +638,6 @@ def _parsers(limits: OpenAILimits) -> _Parsers:
                 {
                     "prompt": override(struct_hook=_prompt_hook),
                     "echo": override(struct_hook=_bool_rule("echo")),
-                    "max_tokens": override(
-                        struct_hook=_default(
-                            _declared_hook("max_tokens", "max_new_tokens", default=None), 16
-                        )
-                    ),
                 },
             ),
             chat=_structure_fn(
@@ -646,14 +649,6 @@ def _parsers(limits: OpenAILimits) -> _Parsers:
         if len(_parsers_cache) < 16:
             _parsers_cache[limits] = parsers
     return parsers
-
-
-def _default(hook: _Hook, default: Any) -> _Hook:
-    def wrapped(value: Any, type_: Any) -> Any:
-        result = hook(value, type_)
-        return default if result is None else result
-
-    return wrapped
 
 
 def _structure(payload: dict[str, Any], fn: Callable[[dict[str, Any]], Any], required: str) -> Any:

@@ -57,17 +57,21 @@ def from_openai(request: oa.CompletionRequest | oa.ChatCompletionRequest) -> Gen
     """The generation of an OpenAI completion or chat completion."""
     text = ""
     prompt_ids = messages = None
+    default = None
     if isinstance(request, oa.ChatCompletionRequest):
         messages = tuple(request.template_messages())
-    elif isinstance(request.prompt, str):
-        text = request.prompt
     else:
-        prompt_ids = tuple(request.prompt)
+        default = oa.COMPLETIONS_MAX_TOKENS
+        if isinstance(request.prompt, str):
+            text = request.prompt
+        else:
+            prompt_ids = tuple(request.prompt)
     return GenerationRequest(
         text=text,
         messages=messages,
         prompt_ids=prompt_ids,
         max_new_tokens=request.max_tokens,
+        default_max_new_tokens=default,
         fit="refuse",
         sampling=request.sampling_settings(),
         stop_strings=request.stop,
