@@ -220,11 +220,14 @@ def _prog() -> str:
 
 def _fail(message: str, log_format: str) -> int:
     """Report a runtime failure in one line: plain on stderr, or as a JSON
-    record when the log is JSON (so that a log shipper sees it too)."""
+    record when the log is JSON (so that a log shipper sees it too). The
+    prefix is argparse's for a usage error (``python -m trioserve: error:``,
+    or ``trioserve: error:`` from the console script): every error a start
+    can end with begins the same way."""
     if log_format == "json":
         log.error(message)
     else:
-        print(f"trioserve: error: {message}", file=sys.stderr)
+        print(f"{_prog()}: error: {message}", file=sys.stderr)
     return EXIT_FAILURE
 
 
