@@ -246,7 +246,7 @@ def test_bad_completion_fields_name_their_param(fields: dict[str, Any], param: s
         ([{"role": "user", "content": "x"}] * 4097, "messages"),
         (["hi"], "messages[0]"),
         ([{"role": "robot", "content": "x"}], "messages[0].role"),
-        ([{"role": "tool", "content": "x", "tool_call_id": "1"}], "messages[0].tool_call_id"),
+        ([{"role": "tool", "content": "x", "tool_call_id": "1"}], "messages[0].role"),
         ([{"role": "tool", "content": "x"}], "messages[0].role"),
         ([{"role": "user"}], "messages[0].content"),
         ([{"role": "user", "content": 5}], "messages[0].content"),

@@ -159,13 +159,22 @@ class ChatCompletionRequest(_Generation):
 # Parsing: strict JSON, then fields
 
 
+UNSUPPORTED: Final = "unsupported_parameter"
+#: Content part types of other models (images, audio, files): unsupported,
+#: not malformed.
+_MEDIA_PARTS: Final = frozenset({"image_url", "input_audio", "file", "audio", "image"})
+
+
 class _BadParam(ValueError):
     """A field broke its rule; carries the OpenAI ``param`` path."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
         self.message = message
+        #: ``unsupported_parameter`` for a feature this server does not
+        #: implement (docs/openai.md, "Refused unless they ask for nothing").
+        self.code = code
 
 
 def _show(value: Any) -> str:
@@ -304,6 +313,7 @@ def _prompt_hook(value: Any, _: Any) -> str | tuple[int, ...]:
         raise _BadParam(
             "prompt",
             f"prompt holds {len(value)} prompts; this server takes one prompt per request",
+            UNSUPPORTED,
         )
     raise _BadParam(
         "prompt",
@@ -335,14 +345,18 @@ _MESSAGE_KEYS: Final = frozenset(
 def _message(obj: Any, path: str, limits: OpenAILimits) -> ChatMessage:
     if not isinstance(obj, dict):
         raise _BadParam(path, f"{path} must be an object with role and content, got {_show(obj)}")
+    role = obj.get("role")
+    if role in ("tool", "function"):
+        # Before the unknown-field check: a tool message's tool_call_id is
+        # OpenAI's, and the answer is that tool calls are not supported.
+        raise _BadParam(
+            f"{path}.role", f"{path}.role {role!r}: tool calls are not supported", UNSUPPORTED
+        )
     for key in obj:
         if key not in _MESSAGE_KEYS:
             raise _BadParam(f"{path}.{key}", f"unknown field {_show(key)} in {path}")
-    role = obj.get("role")
     if role == "developer":
         role = "system"
-    if role in ("tool", "function"):
-        raise _BadParam(f"{path}.role", f"{path}.role {role!r}: tool calls are not supported")
     if role not in ("system", "user", "assistant"):
         raise _BadParam(
             f"{path}.role",
@@ -351,7 +365,9 @@ def _message(obj: Any, path: str, limits: OpenAILimits) -> ChatMessage:
     for key in ("tool_calls", "function_call", "audio"):
         if obj.get(key) not in (None, []):
             raise _BadParam(
-                f"{path}.{key}", f"{path}.{key}: tool calls and audio are not supported"
+                f"{path}.{key}",
+                f"{path}.{key}: tool calls and audio are not supported",
+                UNSUPPORTED,
             )
     name = obj.get("name")
     if name is not None and (not _text(name) or len(name) > limits.max_name_chars):
@@ -389,6 +405,7 @@ def _content(value: Any, path: str, role: str, limits: OpenAILimits) -> str:
             raise _BadParam(
                 f"{where}.type",
                 f"{where}.type must be 'text' (this model reads text only), got {_show(kind)}",
+                UNSUPPORTED if kind in _MEDIA_PARTS else None,
             )
         extra = set(part) - {"type", "text"}
         if extra:
@@ -404,7 +421,7 @@ def _content(value: Any, path: str, role: str, limits: OpenAILimits) -> str:
 def _harmless(accepted: Callable[[Any], bool], why: str) -> Callable[[str, Any], None]:
     def check(name: str, value: Any) -> None:
         if not accepted(value):
-            raise _invalid(f"{name} {why}; got {_show(value)}", name, "unsupported_parameter")
+            raise _invalid(f"{name} {why}; got {_show(value)}", name, UNSUPPORTED)
 
     return check
 
@@ -666,7 +683,7 @@ def _first_error(exc: BaseException) -> OpenAIError:
     while stack:
         error = stack.pop(0)
         if isinstance(error, _BadParam):
-            return _invalid(error.message, error.param)
+            return _invalid(error.message, error.param, error.code)
         if isinstance(error, BaseExceptionGroup):
             stack.extend(error.exceptions)
     message = cattrs.transform_error(exc)[0] if isinstance(exc, ClassValidationError) else str(exc)
