@@ -303,7 +303,7 @@ def test_exllamav2_without_a_gpu_is_one_clear_error() -> None:
     if exllamav2_may_run():
         pytest.skip("exllamav2 and CUDA are here: the engine would load")
     line = assert_one_clean_error(run_cli("--engine", "exllamav2", "--offline", "--port", "0"), 1)
-    assert line.startswith("trioserve: error: the exllamav2 engine cannot run here")
+    assert line.startswith("python -m trioserve: error: the exllamav2 engine cannot run here")
 
 
 def test_a_busy_port_is_one_clear_error_before_the_model_loads() -> None:
@@ -313,7 +313,7 @@ def test_a_busy_port_is_one_clear_error_before_the_model_loads() -> None:
         port = busy.getsockname()[1]
         result = run_cli(*START, "--port", str(port))
     line = assert_one_clean_error(result, 1)
-    assert line.startswith(f"trioserve: error: cannot listen on 127.0.0.1:{port}")
+    assert line.startswith(f"python -m trioserve: error: cannot listen on 127.0.0.1:{port}")
     assert "in use" in line
     assert result.stdout == ""
     # Said at once: no engine was chosen, let alone loaded.
@@ -324,7 +324,7 @@ def test_an_address_of_another_machine_is_one_clear_error() -> None:
     # 192.0.2.0/24 is reserved for documentation: never an address of this machine.
     result = run_cli(*START, "--host", "192.0.2.1", "--port", "7862")
     line = assert_one_clean_error(result, 1)
-    assert line.startswith("trioserve: error: cannot listen on 192.0.2.1:7862")
+    assert line.startswith("python -m trioserve: error: cannot listen on 192.0.2.1:7862")
     assert "trioserve.engine" not in result.stderr
 
 

@@ -24,6 +24,7 @@ import trio
 import trio_websocket
 from hypothesis import given, settings
 
+from tests.helpers import ScriptedEngine, running_server
 from tests.strategies import json_values
 from trioserve import protocol as p
 from trioserve.client import (
@@ -419,6 +420,23 @@ async def test_chat_once_prints_the_answer(url: str) -> None:
     assert result.returncode == 0, result.stderr.decode()
     expected_prompt = "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
     assert result.stdout.decode() == expected_prompt.upper() + "\n"
+
+
+async def test_chat_once_says_when_the_question_itself_was_cut() -> None:
+    """A question longer than the context is answered from its end only, and
+    the chat says so (it says so too when it drops earlier exchanges)."""
+    async with running_server(ScriptedEngine(context_length=64)) as listening:
+        once = ["--once", "why " * 40, "--max-new-tokens", "8"]
+        result = await trio.run_process(
+            [sys.executable, "-m", "trioserve.client", "--url", listening.url, *once],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    assert result.returncode == 0, result.stderr.decode()
+    notes = result.stderr.decode()
+    assert "[the question is too long for the context: the server kept its last 56 tokens" in notes
+    assert result.stdout.decode().strip()
 
 
 async def test_chat_reports_server_errors(url: str) -> None:

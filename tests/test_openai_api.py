@@ -108,7 +108,7 @@ def test_defaults_are_openais() -> None:
     assert request.sampling_settings() == SamplingSettings(
         temperature=1.0, top_k=0, top_p=1.0, rep_pen=1.0, freq_pen=0.0, pres_pen=0.0
     )
-    assert completion().max_tokens == 16
+    assert completion().max_tokens is None  # up to oa.COMPLETIONS_MAX_TOKENS
 
 
 def test_every_openai_field_maps_onto_the_engine() -> None:
@@ -177,7 +177,7 @@ def test_stop_as_one_string() -> None:
 def test_null_means_default() -> None:
     request = chat(temperature=None, top_p=None, seed=None, stream=None, stop=None, max_tokens=None)
     assert request.sampling_settings().temperature == 1.0
-    assert completion(max_tokens=None).max_tokens == 16
+    assert completion(max_tokens=None).max_tokens is None
 
 
 @pytest.mark.parametrize(
@@ -246,7 +246,7 @@ def test_bad_completion_fields_name_their_param(fields: dict[str, Any], param: s
         ([{"role": "user", "content": "x"}] * 4097, "messages"),
         (["hi"], "messages[0]"),
         ([{"role": "robot", "content": "x"}], "messages[0].role"),
-        ([{"role": "tool", "content": "x", "tool_call_id": "1"}], "messages[0].tool_call_id"),
+        ([{"role": "tool", "content": "x", "tool_call_id": "1"}], "messages[0].role"),
         ([{"role": "tool", "content": "x"}], "messages[0].role"),
         ([{"role": "user"}], "messages[0].content"),
         ([{"role": "user", "content": 5}], "messages[0].content"),

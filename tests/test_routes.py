@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import ScriptedEngine
 from tests.http_helpers import get, running, until
+from trioserve import openai as oa
 from trioserve.chat_template import ChatTemplate, load_chat_template
 from trioserve.engine.base import Engine
 from trioserve.generation import Generations, Tokenizing
@@ -97,6 +98,26 @@ async def idle(scheduler: Scheduler) -> None:
     await until(lambda: not (scheduler.statistics().running or scheduler.statistics().waiting))()
 
 
+async def post_json(port: int, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """POST ``body`` as JSON with the key; the status and the decoded answer."""
+    import json
+
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        data = json.dumps(body).encode()
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+            "Connection: close\r\n\r\n"
+        )
+        await stream.send_all(head.encode() + data)
+        received = b""
+        while chunk := await stream.receive_some():
+            received += chunk
+    head_bytes, _, payload = received.partition(b"\r\n\r\n")
+    return int(head_bytes.split()[1]), json.loads(payload)
+
+
 def raised(fn: Callable[[], Any]) -> BaseException:
     try:
         fn()
@@ -175,6 +196,28 @@ async def test_completion_and_chat_on_the_scripted_engine() -> None:
     )
     # Bonjour+EOS, ab+EOS, three of "Hi,", and "Hello there" up to the stop string.
     assert served.sample("trioserve_generated_tokens_total", api="openai") == 8 + 3 + 3 + 11
+
+
+async def test_a_completion_without_max_tokens_takes_what_the_context_leaves() -> None:
+    """OpenAI's default of 16 is an upper bound, not a value the user sent:
+    where the context leaves 9 tokens it generates 9, and never answers an
+    error about a max_tokens of 16."""
+    async with serving(ScriptedEngine(context_length=40)) as served:
+        sdk = served.client()
+        short = await in_thread(lambda: sdk.completions.create(model="m", prompt="Tell"))
+        assert short.usage is not None
+        assert short.usage.completion_tokens == oa.COMPLETIONS_MAX_TOKENS
+        assert short.choices[0].finish_reason == "length"
+        long = await in_thread(lambda: sdk.completions.create(model="m", prompt="x" * 31))
+        assert long.usage is not None
+        assert (long.usage.prompt_tokens, long.usage.completion_tokens) == (31, 9)
+        assert long.choices[0].finish_reason == "length"
+        # A max_tokens the user did send is still held to the context.
+        refused = await in_thread(
+            lambda: raised(lambda: sdk.completions.create(model="m", prompt="x", max_tokens=50))
+        )
+        assert isinstance(refused, openai.BadRequestError)
+        assert "got 50" in str(refused)
 
 
 async def test_streams_match_whole_answers() -> None:
@@ -326,6 +369,63 @@ async def test_engine_failures() -> None:
         assert isinstance(await in_thread(streamed), openai.APIError)
         outcome = {"api": "openai", "action": "completions", "outcome": "internal"}
         assert served.sample("trioserve_requests_total", **outcome) == 2
+
+
+#: What docs/openai.md ("Refused unless they ask for nothing") lists, as sent:
+#: each is answered 400 with code unsupported_parameter and the field as param.
+UNSUPPORTED: list[tuple[str, dict[str, Any], str]] = [
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"functions": [{"name": "f"}]}, "functions"),
+    ("chat", {"function_call": {"name": "f"}}, "function_call"),
+    (
+        "chat",
+        {"messages": [{"role": "tool", "content": "42", "tool_call_id": "call_1"}]},
+        "messages[0].role",
+    ),
+    (
+        "chat",
+        {"messages": [{"role": "function", "content": "42", "name": "f"}]},
+        "messages[0].role",
+    ),
+    (
+        "chat",
+        {"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]},
+        "messages[1].tool_calls",
+    ),
+    ("chat", {"logprobs": True}, "logprobs"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"n": 2}, "n"),
+    ("completions", {"best_of": 2}, "best_of"),
+    ("completions", {"prompt": ["one", "two"]}, "prompt"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("completions", {"suffix": "end"}, "suffix"),
+    ("chat", {"modalities": ["text", "audio"]}, "modalities"),
+    ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    (
+        "chat",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages[0].content[0].type",
+    ),
+    ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ("chat", {"web_search_options": {}}, "web_search_options"),
+    ("chat", {"moderation": True}, "moderation"),
+]
+
+
+async def test_unsupported_features_are_refused_as_the_docs_say() -> None:
+    async with serving(ScriptedEngine(), template=ChatTemplate.from_string(SAY_TEMPLATE)) as served:
+        for route, fields, param in UNSUPPORTED:
+            body: dict[str, Any] = {"model": "m", **fields}
+            if route == "chat":
+                body.setdefault("messages", USER)
+            else:
+                body.setdefault("prompt", "x")
+            path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+            status, answer = await post_json(served.port, path, body)
+            assert status == 400, (fields, answer)
+            error = answer["error"]
+            assert (error["code"], error["param"]) == ("unsupported_parameter", param), fields
 
 
 async def test_bad_requests_and_the_key() -> None:

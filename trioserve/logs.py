@@ -78,9 +78,10 @@ def record_fields(record: logging.LogRecord) -> dict[str, Any]:
 
 
 def _text_value(value: Any) -> str:
-    """One ``key=value`` value: bare when it is a plain word or number,
-    JSON-quoted when it has spaces, quotes, ``=`` or control characters, so
-    that a line splits back into its pairs unambiguously."""
+    """One ``key=value`` value: ``-`` for None, bare when it is a plain word or
+    number, JSON-quoted when it has spaces, quotes, ``=`` or control
+    characters (or is ``-`` itself), so that a line splits back into its
+    pairs unambiguously. Lists and objects are their compact JSON text."""
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -89,8 +90,12 @@ def _text_value(value: Any) -> str:
         return f"{value:.6g}" if math.isfinite(value) else str(value)
     if isinstance(value, int):
         return str(value)
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
-    if text and all(c.isprintable() and c not in ' "=\\' for c in text):
+    if isinstance(value, str):
+        text = value
+    else:
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
+    # "-" alone is the missing value: a string "-" is quoted to differ from it.
+    if text and text != "-" and all(c.isprintable() and c not in ' "=\\' for c in text):
         return text
     return json.dumps(text, ensure_ascii=False).translate(_LINE_BREAKS)
 

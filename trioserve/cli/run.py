@@ -220,11 +220,14 @@ def _prog() -> str:
 
 def _fail(message: str, log_format: str) -> int:
     """Report a runtime failure in one line: plain on stderr, or as a JSON
-    record when the log is JSON (so that a log shipper sees it too)."""
+    record when the log is JSON (so that a log shipper sees it too). The
+    prefix is argparse's for a usage error (``python -m trioserve: error:``,
+    or ``trioserve: error:`` from the console script): every error a start
+    can end with begins the same way."""
     if log_format == "json":
         log.error(message)
     else:
-        print(f"trioserve: error: {message}", file=sys.stderr)
+        print(f"{_prog()}: error: {message}", file=sys.stderr)
     return EXIT_FAILURE
 
 
@@ -239,19 +242,41 @@ def _obtain_model(options: EngineOptions) -> EngineOptions:
     if model is None:
         with phase("model", f"obtaining the embedded model {DEFAULT_MODEL_NAME}") as fields:
             fields["path"] = str(default_model_dir(offline=options.offline))
-        return options
-    if model.is_file():
+    elif model.is_file():
         with phase("model", f"obtaining a model directory from {model.name}") as fields:
             directory = gguf_model_dir(model)
             fields["path"] = str(directory)
-        return attrs.evolve(options, model=directory)
+        options = attrs.evolve(options, model=directory)
+    else:
+        return options
+    _log_cache()
     return options
+
+
+def _log_cache() -> None:
+    """The cache's size, and how to see and empty it, once it was used."""
+    from ..engine.models import cache_entries, cache_root
+
+    root = cache_root()
+    size = sum(entry.size for entry in cache_entries(root))
+    log.info(
+        "model cache %s: %.1f MiB (%s cache list | clean)",
+        root,
+        size / 2**20,
+        _prog(),
+        extra={"fields": {"cache": str(root), "cache_bytes": size}},
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    if arguments[:1] == ["cache"]:
+        from .cache import cache_main
+
+        return cache_main(arguments[1:], _prog())
     parser = build_parser(_prog())
-    args = parser.parse_args(argv)
+    args = parser.parse_args(arguments)
     try:
         settings = resolve(args, os.environ)
         options = settings.engine

@@ -157,6 +157,14 @@ class _Chat:
         self.out.flush()
         if final.stop_reason == "interrupted":
             self.note("[stopped]")
+        if trimmed := final.usage.trimmed_tokens:
+            # Nothing older was left to drop: the question itself did not fit.
+            kept = final.usage.prompt_tokens
+            self.note(
+                f"[the question is too long for the context: the server kept its last {kept} "
+                f"tokens of {kept + trimmed}, so this answers only that end; "
+                "ask a shorter question, or lower --max-new-tokens]"
+            )
         if self.stats:
             first = final.timing.first_token_s
             self.note(

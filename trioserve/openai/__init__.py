@@ -8,6 +8,7 @@ generated from the declarations (:func:`field_table`).
 
 from .errors import OpenAIError, error_body
 from .requests import (
+    COMPLETIONS_MAX_TOKENS,
     OPENAI_DEFAULTS,
     OPENAI_NAMES,
     OPENAI_RANGES,
@@ -34,6 +35,7 @@ from .responses import (
 )
 
 __all__ = [
+    "COMPLETIONS_MAX_TOKENS",
     "OPENAI_DEFAULTS",
     "OPENAI_NAMES",
     "OPENAI_RANGES",

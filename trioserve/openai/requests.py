@@ -64,6 +64,7 @@ from .fields import (
 DEFAULT_LIMITS: Final = OpenAILimits()
 
 __all__ = [
+    "COMPLETIONS_MAX_TOKENS",
     "OPENAI_DEFAULTS",
     "OPENAI_NAMES",
     "OPENAI_RANGES",
@@ -74,6 +75,10 @@ __all__ = [
     "parse_chat_request",
     "parse_completion_request",
 ]
+
+#: A completion without ``max_tokens`` generates up to this many tokens (as
+#: OpenAI's do), fewer when the context leaves less room.
+COMPLETIONS_MAX_TOKENS: Final = 16
 
 # --------------------------------------------------------------------------
 # Requests
@@ -101,7 +106,8 @@ class _Generation:
     """Fields both generation routes take."""
 
     model: str | None = None
-    #: None: as many as the context leaves (chat) -- completions default to 16.
+    #: None: as many as the context leaves (chat), up to
+    #: :data:`COMPLETIONS_MAX_TOKENS` (completions).
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     stream: bool = False
@@ -132,7 +138,9 @@ class CompletionRequest(_Generation):
     """``POST /v1/completions``: a prompt as text, or as token ids."""
 
     prompt: str | tuple[int, ...]
-    max_tokens: int | None = 16
+    #: None when not given: up to :data:`COMPLETIONS_MAX_TOKENS`, as many as
+    #: the context leaves.
+    max_tokens: int | None = None
     #: Prepend the prompt text to the completion (OpenAI's ``echo``).
     echo: bool = False
 
@@ -151,13 +159,22 @@ class ChatCompletionRequest(_Generation):
 # Parsing: strict JSON, then fields
 
 
+UNSUPPORTED: Final = "unsupported_parameter"
+#: Content part types of other models (images, audio, files): unsupported,
+#: not malformed.
+_MEDIA_PARTS: Final = frozenset({"image_url", "input_audio", "file", "audio", "image"})
+
+
 class _BadParam(ValueError):
     """A field broke its rule; carries the OpenAI ``param`` path."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
         self.message = message
+        #: ``unsupported_parameter`` for a feature this server does not
+        #: implement (docs/openai.md, "Refused unless they ask for nothing").
+        self.code = code
 
 
 def _show(value: Any) -> str:
@@ -296,6 +313,7 @@ def _prompt_hook(value: Any, _: Any) -> str | tuple[int, ...]:
         raise _BadParam(
             "prompt",
             f"prompt holds {len(value)} prompts; this server takes one prompt per request",
+            UNSUPPORTED,
         )
     raise _BadParam(
         "prompt",
@@ -327,14 +345,18 @@ _MESSAGE_KEYS: Final = frozenset(
 def _message(obj: Any, path: str, limits: OpenAILimits) -> ChatMessage:
     if not isinstance(obj, dict):
         raise _BadParam(path, f"{path} must be an object with role and content, got {_show(obj)}")
+    role = obj.get("role")
+    if role in ("tool", "function"):
+        # Before the unknown-field check: a tool message's tool_call_id is
+        # OpenAI's, and the answer is that tool calls are not supported.
+        raise _BadParam(
+            f"{path}.role", f"{path}.role {role!r}: tool calls are not supported", UNSUPPORTED
+        )
     for key in obj:
         if key not in _MESSAGE_KEYS:
             raise _BadParam(f"{path}.{key}", f"unknown field {_show(key)} in {path}")
-    role = obj.get("role")
     if role == "developer":
         role = "system"
-    if role in ("tool", "function"):
-        raise _BadParam(f"{path}.role", f"{path}.role {role!r}: tool calls are not supported")
     if role not in ("system", "user", "assistant"):
         raise _BadParam(
             f"{path}.role",
@@ -343,7 +365,9 @@ def _message(obj: Any, path: str, limits: OpenAILimits) -> ChatMessage:
     for key in ("tool_calls", "function_call", "audio"):
         if obj.get(key) not in (None, []):
             raise _BadParam(
-                f"{path}.{key}", f"{path}.{key}: tool calls and audio are not supported"
+                f"{path}.{key}",
+                f"{path}.{key}: tool calls and audio are not supported",
+                UNSUPPORTED,
             )
     name = obj.get("name")
     if name is not None and (not _text(name) or len(name) > limits.max_name_chars):
@@ -381,6 +405,7 @@ def _content(value: Any, path: str, role: str, limits: OpenAILimits) -> str:
             raise _BadParam(
                 f"{where}.type",
                 f"{where}.type must be 'text' (this model reads text only), got {_show(kind)}",
+                UNSUPPORTED if kind in _MEDIA_PARTS else None,
             )
         extra = set(part) - {"type", "text"}
         if extra:
@@ -396,7 +421,7 @@ def _content(value: Any, path: str, role: str, limits: OpenAILimits) -> str:
 def _harmless(accepted: Callable[[Any], bool], why: str) -> Callable[[str, Any], None]:
     def check(name: str, value: Any) -> None:
         if not accepted(value):
-            raise _invalid(f"{name} {why}; got {_show(value)}", name, "unsupported_parameter")
+            raise _invalid(f"{name} {why}; got {_show(value)}", name, UNSUPPORTED)
 
     return check
 
@@ -630,11 +655,6 @@ def _parsers(limits: OpenAILimits) -> _Parsers:
                 {
                     "prompt": override(struct_hook=_prompt_hook),
                     "echo": override(struct_hook=_bool_rule("echo")),
-                    "max_tokens": override(
-                        struct_hook=_default(
-                            _declared_hook("max_tokens", "max_new_tokens", default=None), 16
-                        )
-                    ),
                 },
             ),
             chat=_structure_fn(
@@ -646,14 +666,6 @@ def _parsers(limits: OpenAILimits) -> _Parsers:
         if len(_parsers_cache) < 16:
             _parsers_cache[limits] = parsers
     return parsers
-
-
-def _default(hook: _Hook, default: Any) -> _Hook:
-    def wrapped(value: Any, type_: Any) -> Any:
-        result = hook(value, type_)
-        return default if result is None else result
-
-    return wrapped
 
 
 def _structure(payload: dict[str, Any], fn: Callable[[dict[str, Any]], Any], required: str) -> Any:
@@ -671,7 +683,7 @@ def _first_error(exc: BaseException) -> OpenAIError:
     while stack:
         error = stack.pop(0)
         if isinstance(error, _BadParam):
-            return _invalid(error.message, error.param)
+            return _invalid(error.message, error.param, error.code)
         if isinstance(error, BaseExceptionGroup):
             stack.extend(error.exceptions)
     message = cattrs.transform_error(exc)[0] if isinstance(exc, ClassValidationError) else str(exc)

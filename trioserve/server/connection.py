@@ -37,7 +37,8 @@ from trioserve import protocol as p
 from trioserve.generation import Generation, Generations, InvalidGeneration, Overloaded
 from trioserve.metrics import Metrics
 
-from .doors import from_infer, infer_error
+from . import access
+from .doors import from_infer, infer_error, infer_final
 
 __all__ = [
     "Connection",
@@ -49,7 +50,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("trioserve.server")
-access_log = logging.getLogger("trioserve.access")
 
 
 def is_cancellation(exc: BaseException) -> bool:
@@ -191,6 +191,7 @@ class Connection:
         self.client = client
         self.requests: set[InferEntry] = set()
         self.outbox = Outbox(services.settings.max_output_bytes)
+        self.access = access.ConnectionLog(services.metrics, peer, self.settings.log_prompts)
         self._nursery: trio.Nursery | None = None
         self._closing = False
         self._writer_done = trio.Event()
@@ -406,7 +407,7 @@ class Connection:
             await self._handle(request)
         except p.ProtocolError as error:
             self._reply(error.reply())
-            self._log_request(request, error_type=error.error_type)
+            self.access.refused(error)
         except BaseException as exc:
             fatal, rest = split_cancellation(exc)
             if rest is not None:
@@ -430,24 +431,24 @@ class Connection:
         tokenizing = self.services.generations.tokenizing
         if isinstance(request, p.EchoRequest):
             self._reply(p.EchoReply(echoed=request.echoed))
-            self._log_request(request, quiet=True)
+            self.access.request(request, quiet=True)
         elif isinstance(request, p.EstimateTokenRequest):
             ids = await tokenizing.encode(request.text)
             self._reply(p.EstimateTokenReply(num_tokens=len(ids), echoed=request.echoed))
-            self._log_request(request, prompt_tokens=len(ids))
+            self.access.request(request, prompt_tokens=len(ids))
         elif isinstance(request, p.LefttrimTokenRequest):
             text = await self._lefttrim(request.text, request.trimmed_length)
             self._reply(p.LefttrimTokenReply(trimmed_text=text, echoed=request.echoed))
-            self._log_request(request)
+            self.access.request(request)
         elif isinstance(request, p.InferRequest):
             self._start_infer(request)
         elif isinstance(request, p.StopRequest):
             stopped = await self._stop(request)
             self._reply(p.StopReply(stopped=stopped, echoed=request.echoed))
-            self._log_request(request, stopped=stopped)
+            self.access.request(request, stopped=stopped)
         elif isinstance(request, p.InfoRequest):
             self._reply(self.services.info_reply(request.echoed))
-            self._log_request(request, quiet=True)
+            self.access.request(request, quiet=True)
         else:  # pragma: no cover - decode_request returns only the above
             raise AssertionError(request)
 
@@ -554,7 +555,7 @@ class Connection:
                         echoed=entry.request.echoed,
                     ).reply()
                 else:
-                    reply = self._final(entry)
+                    reply = infer_final(entry.request, generation)
             if (
                 entry.request.stream
                 and not entry.chunk_pending
@@ -563,92 +564,8 @@ class Connection:
                 entry.chunk_pending = True
                 self._put(entry)
             self._put(p.encode_reply(reply))
-            self._log_infer(entry, reply)
+            self.access.infer(entry.request, generation, reply, entry.cancel_cause)
         finally:
             generation.close()
             entry.done.set()
             self.requests.discard(entry)
-
-    def _final(self, entry: InferEntry) -> p.InferFinal:
-        generation = entry.generation
-        return p.infer_final(
-            entry.request,
-            generation.finished,
-            response=generation.response,
-            util_text=generation.util_text,
-            usage=p.Usage(
-                prompt_tokens=generation.prompt_tokens,
-                trimmed_tokens=generation.trimmed_tokens,
-                generated_tokens=generation.generated_tokens,
-                cached_tokens=generation.cached_tokens,
-            ),
-            queued_s=generation.queued_s,
-            first_token_s=generation.first_token_s,
-            total_s=generation.total_s,
-        )
-
-    # -- logs -----------------------------------------------------------------------
-
-    def _log_infer(self, entry: InferEntry, reply: p.Reply) -> None:
-        generation = entry.generation
-        fields: dict[str, Any] = {
-            "peer": self.peer,
-            "api": "websocket",
-            "action": "infer",
-            "request_id": short_repr(entry.request.echoed.get("request_id")),
-            "prompt_tokens": generation.prompt_tokens,
-            "generated_tokens": generation.generated_tokens,
-            "cached_tokens": generation.cached_tokens,
-            "queue_s": round(generation.queued_s, 4),
-            "ttft_s": None
-            if generation.first_token_s is None
-            else round(generation.first_token_s, 4),
-            "tok_s": None
-            if generation.tokens_per_second is None
-            else round(generation.tokens_per_second, 1),
-        }
-        outcome: str = "internal"
-        if isinstance(reply, p.InferFinal):
-            fields["stop_reason"] = outcome = reply.stop_reason
-        elif isinstance(reply, p.ErrorReply):
-            fields["error_type"] = outcome = reply.error.type
-        metrics = self.services.metrics
-        metrics.request_finished(
-            api="websocket",
-            action="infer",
-            outcome=outcome,
-            prompt_tokens=generation.prompt_tokens,
-            generated_tokens=generation.generated_tokens,
-            cached_tokens=generation.cached_tokens,
-            duration=generation.total_s,
-        )
-        if generation.job is not None and generation.job.started_at is not None:
-            metrics.queue_wait(generation.queued_s)
-        if outcome == "interrupted":
-            metrics.cancelled(entry.cancel_cause or "disconnect")
-        if self.settings.log_prompts:
-            generation = entry.generation
-            fields["prompt"] = generation.util_text or generation.request.describe_prompt()
-        access_log.info("infer done", extra={"fields": fields})
-
-    def _log_request(self, request: p.Request | None, *, quiet: bool = False, **extra: Any) -> None:
-        """Count a quick action and log it (echo and info, which clients use
-        as pings, at DEBUG; the others at INFO)."""
-        self.services.metrics.request_finished(
-            api="websocket",
-            action=p.action_name(request) or "unknown",
-            outcome=extra.get("error_type", "ok"),
-        )
-        level = logging.DEBUG if quiet and "error_type" not in extra else logging.INFO
-        if not access_log.isEnabledFor(level):
-            return
-        fields: dict[str, Any] = {
-            "peer": self.peer,
-            "api": "websocket",
-            "action": p.action_name(request),
-            "request_id": short_repr(request.echoed.get("request_id"))
-            if request is not None
-            else None,
-            **extra,
-        }
-        access_log.log(level, "%s done", fields["action"] or "request", extra={"fields": fields})

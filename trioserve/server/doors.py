@@ -18,7 +18,7 @@ import attrs
 
 from trioserve import openai as oa
 from trioserve import protocol as p
-from trioserve.generation import GenerationRequest, InvalidGeneration
+from trioserve.generation import Generation, GenerationRequest, InvalidGeneration
 
 from .http_types import Network, RequestHead, client_address
 
@@ -27,6 +27,7 @@ __all__ = [
     "from_infer",
     "from_openai",
     "infer_error",
+    "infer_final",
     "openai_error",
     "openai_param",
     "websocket_path",
@@ -56,17 +57,21 @@ def from_openai(request: oa.CompletionRequest | oa.ChatCompletionRequest) -> Gen
     """The generation of an OpenAI completion or chat completion."""
     text = ""
     prompt_ids = messages = None
+    default = None
     if isinstance(request, oa.ChatCompletionRequest):
         messages = tuple(request.template_messages())
-    elif isinstance(request.prompt, str):
-        text = request.prompt
     else:
-        prompt_ids = tuple(request.prompt)
+        default = oa.COMPLETIONS_MAX_TOKENS
+        if isinstance(request.prompt, str):
+            text = request.prompt
+        else:
+            prompt_ids = tuple(request.prompt)
     return GenerationRequest(
         text=text,
         messages=messages,
         prompt_ids=prompt_ids,
         max_new_tokens=request.max_tokens,
+        default_max_new_tokens=default,
         fit="refuse",
         sampling=request.sampling_settings(),
         stop_strings=request.stop,
@@ -108,6 +113,25 @@ def infer_error(error: InvalidGeneration, request: p.InferRequest) -> p.Protocol
         field=websocket_path(error, request),
         action="infer",
         echoed=request.echoed,
+    )
+
+
+def infer_final(request: p.InferRequest, generation: Generation) -> p.InferFinal:
+    """The final frame of a WebSocket ``infer`` whose generation ended."""
+    return p.infer_final(
+        request,
+        generation.finished,
+        response=generation.response,
+        util_text=generation.util_text,
+        usage=p.Usage(
+            prompt_tokens=generation.prompt_tokens,
+            trimmed_tokens=generation.trimmed_tokens,
+            generated_tokens=generation.generated_tokens,
+            cached_tokens=generation.cached_tokens,
+        ),
+        queued_s=generation.queued_s,
+        first_token_s=generation.first_token_s,
+        total_s=generation.total_s,
     )
 
 

@@ -30,6 +30,7 @@ from trioserve._version import __version__
 from trioserve.generation import Generation, Generations, InvalidGeneration, Overloaded
 from trioserve.metrics import Metrics
 
+from . import access
 from .accept import prefers_html
 from .doors import ClientIdentity, from_openai, openai_error
 from .http_types import (
@@ -47,7 +48,6 @@ from .page import chat_page
 __all__ = ["OpenAIRoutes", "OpsRoutes", "Readiness", "http_errors"]
 
 log = logging.getLogger("trioserve.routes")
-access_log = logging.getLogger("trioserve.access")
 
 #: Readiness of the server: only ``ready`` answers 200 on ``/ready``.
 Readiness = Literal["ready", "starting", "draining"]
@@ -262,48 +262,14 @@ class OpenAIRoutes:
         arrived: float,
     ) -> None:
         """Count and log one request's end."""
-        now = trio.current_time()
-        prompt = generated = cached = 0
-        ttft = rate = None
-        if generation is not None:
-            prompt = generation.prompt_tokens
-            generated = generation.generated_tokens
-            cached = generation.cached_tokens
-            if generation.first_token_s is not None:
-                ttft = round(generation.first_token_s, 4)
-            if generation.tokens_per_second is not None:
-                rate = round(generation.tokens_per_second, 1)
-        if self.metrics is not None:
-            self.metrics.request_finished(
-                api="openai",
-                action=action,
-                outcome=outcome,
-                prompt_tokens=prompt,
-                generated_tokens=generated,
-                cached_tokens=cached,
-                duration=now - arrived,
-            )
-            if generation is not None and outcome == "interrupted":
-                self.metrics.cancelled(
-                    "shutdown" if self.generations.is_draining() else "disconnect"
-                )
-        access_log.info(
-            "%s done",
+        access.log_openai(
+            self.metrics,
+            http.head.peer,
             action,
-            extra={
-                "fields": {
-                    "peer": http.head.peer,
-                    "api": "openai",
-                    "action": action,
-                    "outcome": outcome,
-                    "prompt_tokens": prompt,
-                    "generated_tokens": generated,
-                    "cached_tokens": cached,
-                    "ttft_s": ttft,
-                    "tok_s": rate,
-                    "total_s": round(now - arrived, 4),
-                }
-            },
+            generation,
+            outcome,
+            duration=trio.current_time() - arrived,
+            cancel_cause="shutdown" if self.generations.is_draining() else "disconnect",
         )
 
 
