@@ -56,16 +56,17 @@ BASE_MARKERS = "not gpu and not scaleout"
 
 
 def pytest_args(posargs: list[str]) -> list[str]:
-    """The default session's pytest arguments: skips say why (``-rs``), and a
-    ``-m`` given after ``--`` narrows the default marker expression instead
-    of replacing it (``nox -s tests -- -m "not slow"`` is the fast lane)."""
+    """The default session's pytest arguments (skips say why through
+    pyproject's ``-rs``). A ``-m`` given after ``--`` narrows the default
+    marker expression instead of replacing it: ``nox -s tests -- -m "not
+    slow"`` is the fast lane."""
     args = list(posargs)
     markers = BASE_MARKERS
     if "-m" in args:
         index = args.index("-m")
         markers = f"({BASE_MARKERS}) and ({args[index + 1]})"
         del args[index : index + 2]
-    return ["-m", markers, "-rs", "-p", "no:cacheprovider", *args]
+    return ["-m", markers, "-p", "no:cacheprovider", *args]
 
 
 @nox.session

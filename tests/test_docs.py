@@ -100,12 +100,14 @@ def test_quickstart_lists_the_declared_dependencies_and_the_tests_marker() -> No
     assert listed is not None
     said = [name.strip() for name in listed.group(1).replace("\n", " ").split(",")]
     assert said == [n for n in names if n != "torch"]
-    marker = re.search(
-        r'args = session.posargs or \[("-m", "[^"]+", "-p", "[^"]+")\]', doc("noxfile.py")
-    )
-    assert marker is not None
-    expression, plugin = re.findall(r'"([^"]+)"', marker.group(1))[1::2]
-    assert f'`pytest -m "{expression}" -p {plugin}`' in doc("docs/quickstart.md").replace("\n", " ")
+    import noxfile
+
+    _, expression, _, plugin = noxfile.pytest_args([])
+    quickstart = doc("docs/quickstart.md").replace("\n", " ")
+    assert f'`pytest -m "{expression}" -p {plugin}`' in quickstart
+    # The fast lane narrows the same expression.
+    assert noxfile.pytest_args(["-m", "not slow"])[1] == f"({expression}) and (not slow)"
+    assert 'nox -s tests -- -m "not slow"' in quickstart
 
 
 def _shape(line: str) -> str:
