@@ -79,6 +79,7 @@ class ScriptedEngine:
         step_delay: float = 0.0,
         fail_when: str = "FAIL",
         crash_when: str = "CRASH",
+        model_dir: str | None = None,
     ) -> None:
         self._info = EngineInfo(
             engine="scripted",
@@ -90,6 +91,8 @@ class ScriptedEngine:
             max_batch=max_batch,
             # A token is one byte: it covers at most one character.
             max_token_chars=1,
+            # Where the server looks for a chat template.
+            model_dir=model_dir,
         )
         self.step_delay = step_delay
         self.fail_when = fail_when

@@ -272,7 +272,13 @@ async def test_one_client_cannot_take_the_last_slot_through_the_other_door(
     are one client (the address)."""
     capacity = cpu_engine.info.max_batch
     async with serving(cpu_engine) as (server, listening), raw_client(listening.url) as ws:
-        long = {"action": "infer", "text": "Tell me a long story.", "max_new_tokens": 400}
+        eos = sorted(cpu_engine.info.eos_token_ids)
+        long = {
+            "action": "infer",
+            "text": "Tell me a long story.",
+            "max_new_tokens": 400,
+            "bann_bann": eos,
+        }
         for i in range(capacity - 1):
             await ws.send({**long, "request_id": i, "stream": True})
         await wait_until(lambda: server.statistics().scheduler.running >= capacity - 1, 60)
@@ -304,7 +310,14 @@ async def test_one_key_is_one_client_on_both_doors_through_the_cli(model_dir: An
     async with open_server_process(args) as server:
         url = f"{server.url}?api_key={key}"
         async with raw_client(url) as ws:
-            long = {"action": "infer", "text": "Tell me a long story.", "max_new_tokens": 2000}
+            eos = (await ws.request({"action": "info"}))["model"]["eos_token_ids"]
+            # Banned end of sequence: these run until stopped, however fast.
+            long = {
+                "action": "infer",
+                "text": "Tell me a long story.",
+                "max_new_tokens": 2000,
+                "bann_bann": eos,
+            }
             for i in range(2):
                 await ws.send({**long, "request_id": i, "stream": True, "compact_chunks": True})
 

@@ -480,7 +480,7 @@ async def send(page: Page, text: str) -> None:
 def logged(server: ServerProcess, request_id: str, after: int = 0) -> dict[str, str]:
     """The access-log fields of ``request_id``'s ``infer`` (the last one logged)."""
     for line in reversed(server.log[after:]):
-        if "infer done" in line and f"request_id='{request_id}'" in line:
+        if "infer done" in line and f" request_id={request_id} " in line:
             return dict(re.findall(r"(\w+)=(\S+)", line))
     raise AssertionError(f"no access log line for {request_id}: {server.log[-5:]}")
 

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -137,12 +139,22 @@ class HttpCall:
     done: bool = False
 
 
+def _template_dir() -> str:
+    """A model directory holding only a chat template: the last message's
+    content is the prompt (so "say:X" chats are answered X by the scripted
+    engine)."""
+    folder = tempfile.mkdtemp(prefix="trioserve-template-")
+    template = "{{ messages[-1]['content'] }}"
+    (Path(folder) / "chat_template.jinja").write_text(template, encoding="utf-8")
+    return folder
+
+
 class ServerMachine(RuleBasedStateMachine):
     """Random interleavings over several connections of one server, and
     OpenAI requests on its HTTP door."""
 
     engine_factory: Callable[[], Any] = staticmethod(
-        lambda: ScriptedEngine(step_delay=0.002, max_batch=3)
+        lambda: ScriptedEngine(step_delay=0.002, max_batch=3, model_dir=_template_dir())
     )
     #: Upper bound of max_new_tokens (the real model is slower).
     token_cap = 40
