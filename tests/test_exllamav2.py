@@ -49,20 +49,22 @@ from trioserve.engine.base import (
     TextUpdate,
     Update,
 )
-from trioserve.engine.exllamav2 import (
-    CACHE_TYPES,
-    MAX_ATTENTION_SIZE,
-    PAGE_SIZE,
+from trioserve.engine.exllamav2 import probe_exllamav2
+from trioserve.engine.exllamav2_build import wait_for_build_lock
+from trioserve.engine.exllamav2_jobs import (
     JobState,
-    plan_load,
-    probe_exllamav2,
     refusal,
     sampled_token,
     sampler_fields,
     stop_conditions,
-    unpaged_chunk_size,
     updates_from_result,
-    wait_for_build_lock,
+)
+from trioserve.engine.exllamav2_plan import (
+    CACHE_TYPES,
+    MAX_ATTENTION_SIZE,
+    PAGE_SIZE,
+    plan_load,
+    unpaged_chunk_size,
 )
 from trioserve.engine.models import default_model_dir
 from trioserve.engine.stops import earliest_stop
@@ -1677,7 +1679,7 @@ def real_config() -> Any:
 def test_real_config_unpaged_turns_sdpa_off(real_config: Any) -> None:
     from exllamav2.attn import has_flash_attn_with_paged
 
-    from trioserve.engine.exllamav2 import configure_attention
+    from trioserve.engine.exllamav2_plan import configure_attention
 
     config = real_config()
     # SDPA is ExLlamaV2's default for Llama (unless the environment says no).
@@ -1712,9 +1714,9 @@ def test_real_build_lock_is_in_the_directory_torch_built_into(real_config: Any) 
     imported extension came from."""
     from exllamav2.ext import exllamav2_ext
 
-    from trioserve.engine.exllamav2 import _build_lock
+    from trioserve.engine.exllamav2_build import build_lock
 
-    lock = _build_lock()
+    lock = build_lock()
     assert lock is not None
     assert lock.name == "lock"
     assert lock.parent.resolve() == Path(exllamav2_ext.__file__).resolve().parent
@@ -1750,7 +1752,7 @@ def test_real_attention_is_causal_only_with_sdpa_off(real_config: Any) -> None:
     from exllamav2 import ExLlamaV2
     from exllamav2.attn import ExLlamaV2Attention, has_lower_right_sdpa
 
-    from trioserve.engine.exllamav2 import configure_attention
+    from trioserve.engine.exllamav2_plan import configure_attention
 
     config = real_config()
     model = ExLlamaV2(config)  # modules only: nothing is loaded
@@ -2114,7 +2116,8 @@ def test_gpu_engine_runs_on_a_thread_of_its_own() -> None:
 
 _TOO_LARGE = """
 import json, torch
-from trioserve.engine.exllamav2 import PAGE_SIZE, ExLlamaV2Engine
+from trioserve.engine.exllamav2 import ExLlamaV2Engine
+from trioserve.engine.exllamav2_plan import PAGE_SIZE
 from trioserve.engine.models import default_model_dir
 from trioserve.errors import ModelError
 

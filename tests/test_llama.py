@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trioserve.engine import llama
+from trioserve.engine import llama, quant
 from trioserve.errors import ModelError
 
 CONFIG = llama.LlamaConfig(
@@ -70,15 +70,15 @@ def to_bfloat16(layer: llama.LayerWeights) -> llama.LayerWeights:
     )
 
 
-def as_tensor(w: llama.Linear) -> torch.Tensor:
+def as_tensor(w: quant.Linear) -> torch.Tensor:
     assert isinstance(w, torch.Tensor)
     return w
 
 
-def dense(w: llama.Linear) -> torch.Tensor:
+def dense(w: quant.Linear) -> torch.Tensor:
     """The float32 weights of a plain or quantized linear layer."""
-    if isinstance(w, llama.QuantizedWeight):
-        return llama.dequantize(w, torch.float32)
+    if isinstance(w, quant.QuantizedWeight):
+        return quant.dequantize(w, torch.float32)
     return w.float()
 
 
@@ -309,7 +309,7 @@ def test_packed_bfloat16_weights_give_the_plain_results_bit_for_bit() -> None:
     bf16_layers = [to_bfloat16(layer) for layer in plain.layers]
     embed = plain.embed.bfloat16()
     unpacked = llama.LlamaWeights(embed=embed, layers=bf16_layers, norm=plain.norm, lm_head=embed)
-    pack = llama._packer(torch.bfloat16, CPU, CONFIG.hidden_size)
+    pack = quant.packer(torch.bfloat16, CPU, CONFIG.hidden_size)
     packed = llama.LlamaWeights(
         embed=embed,
         layers=[
@@ -357,12 +357,12 @@ def q4_weights(config: llama.LlamaConfig, seed: int) -> llama.LlamaWeights:
     d, f = config.hidden_size, config.intermediate_size
     qkv_rows = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
 
-    def q4(n: int, k: int) -> llama.Linear:
+    def q4(n: int, k: int) -> quant.Linear:
         q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-        scale = torch.rand(n, k // llama.Q4_GROUP, generator=g) * 0.04 + 0.01
-        low = -8 * scale + torch.randn(n, k // llama.Q4_GROUP, generator=g) * 0.01
-        w = llama._q4_weight(q, scale, low, lambda t: t)
-        if not isinstance(w, llama.QuantizedWeight):
+        scale = torch.rand(n, k // quant.Q4_GROUP, generator=g) * 0.04 + 0.01
+        low = -8 * scale + torch.randn(n, k // quant.Q4_GROUP, generator=g) * 0.01
+        w = quant.q4_weight(q, scale, low, lambda t: t)
+        if not isinstance(w, quant.QuantizedWeight):
             pytest.skip("this torch build has no working 4-bit CPU kernel")
         return w
 
@@ -384,14 +384,14 @@ def q4_weights(config: llama.LlamaConfig, seed: int) -> llama.LlamaWeights:
 def test_q4_layers_compute_their_dequantized_weights() -> None:
     weights = q4_weights(Q4_CONFIG, seed=5)
     w = weights.layers[0].w_gate_up
-    assert isinstance(w, llama.QuantizedWeight)
+    assert isinstance(w, quant.QuantizedWeight)
     x = torch.randn(5, Q4_CONFIG.hidden_size).bfloat16()
-    exact = x.float() @ llama.dequantize(w, torch.float32).T
-    got = llama.linear(x, w).float()
+    exact = x.float() @ quant.dequantize(w, torch.float32).T
+    got = quant.linear(x, w).float()
     # Only the bfloat16 output rounding (8-bit mantissa) stands between them.
     torch.testing.assert_close(got, exact, rtol=2**-7, atol=1e-2)
     # The bfloat16 dequantization is the float32 one rounded.
-    assert torch.equal(llama.dequantize(w), llama.dequantize(w, torch.float32).bfloat16())
+    assert torch.equal(quant.dequantize(w), quant.dequantize(w, torch.float32).bfloat16())
 
 
 def test_q4_model_matches_the_reference_on_its_dequantized_weights() -> None:
@@ -456,26 +456,26 @@ def test_q4_rows_do_not_depend_on_the_chunk_they_run_in() -> None:
 
 
 def test_q4_unpacking_reads_the_kernels_layout() -> None:
-    if not llama._q4_unpack_works():
+    if not quant._q4_unpack_works():
         pytest.skip("this torch build packs 4-bit weights in a layout trioserve does not read")
     for n in (64, 96, 192, 208):
         q = torch.randint(0, 16, (n, 64), generator=torch.Generator().manual_seed(n))
         data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        assert torch.equal(llama._q4_unpack(data, n, 64), q.to(torch.uint8))
+        assert torch.equal(quant._q4_unpack(data, n, 64), q.to(torch.uint8))
 
 
 def test_quantizing_at_load_stays_close_to_the_float_weights() -> None:
     g = torch.Generator().manual_seed(8)
     w = torch.randn(96, 64, generator=g) * 0.05
-    q, d, m = llama._quantize_q4(w)
+    q, d, m = quant.quantize_q4(w)
     assert int(q.max()) <= 15
-    back = (q.view(96, -1, llama.Q4_GROUP).float() * d[..., None] + m[..., None]).view(96, 64)
+    back = (q.view(96, -1, quant.Q4_GROUP).float() * d[..., None] + m[..., None]).view(96, 64)
     # Half a step of each group at most.
-    steps = d.repeat_interleave(llama.Q4_GROUP, dim=1)
+    steps = d.repeat_interleave(quant.Q4_GROUP, dim=1)
     assert bool(((back - w).abs() <= steps / 2 + 1e-6).all())
-    int8 = llama._int8_weight(w, lambda t: t)
-    if isinstance(int8, llama.QuantizedWeight):
-        back8 = llama.dequantize(int8, torch.float32)
+    int8 = quant.int8_weight(w, lambda t: t)
+    if isinstance(int8, quant.QuantizedWeight):
+        back8 = quant.dequantize(int8, torch.float32)
         assert float((back8 - w).abs().max()) <= float(w.abs().max()) / 127
 
 

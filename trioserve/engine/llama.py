@@ -1,10 +1,12 @@
-"""A compact torch model of the Llama family, with a slotted KV cache.
+"""A compact torch model of the Llama family, over a slotted KV cache.
 
 Loads Hugging Face Llama directories (``config.json`` + ``*.safetensors``):
 tied or untied embeddings, grouped-query attention, ``rope_theta`` and llama3
 or linear rope scaling. The model is a handful of pure functions over a weights
 object; one :func:`forward` serves both chunked prefill (one job, many
-positions) and batched decode (many jobs, one position each).
+positions) and batched decode (many jobs, one position each). The linear
+layers' weight forms (quantized, oneDNN-packed) and their matmul are in
+:mod:`trioserve.engine.quant`, the cache in :mod:`trioserve.engine.kvcache`.
 
 Shapes in comments: B batch rows (jobs), C positions per row, D hidden size,
 H query heads, K key/value heads, G = H // K queries per KV head, E head dim,
@@ -18,12 +20,10 @@ so ``scaled_dot_product_attention`` sees K heads and G*C queries each.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, TypeAlias
+from typing import Any
 
 import attrs
 import torch
@@ -31,19 +31,32 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from trioserve.engine.base import WEIGHT_MODES as _WEIGHT_MODES
+from trioserve.engine.kvcache import KVCache
+from trioserve.engine.quant import (
+    Q4_FILE,
+    Linear,
+    QuantizedWeight,
+    int8_available,
+    int8_weight,
+    linear,
+    packer,
+    q4_available,
+    q4_parts,
+    q4_weight,
+    quantize_q4,
+    weight_kind,
+)
 from trioserve.errors import ModelError
 
 __all__ = [
     "WEIGHT_MODES",
+    # Re-exported: the CPU engine allocates the model's cache as llama.KVCache.
     "KVCache",
     "LayerWeights",
-    "Linear",
     "LlamaConfig",
     "LlamaWeights",
-    "QuantizedWeight",
     "RopeScaling",
     "decode_logits",
-    "dequantize",
     "forward",
     "logits",
     "rope_tables",
@@ -170,37 +183,6 @@ def rope_tables(config: LlamaConfig, length: int, device: torch.device) -> tuple
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
-@attrs.frozen(eq=False)
-class QuantizedWeight:
-    """A linear layer's weight [N, K] for one of torch's weight-only quantized
-    CPU kernels (bfloat16 activations, float32 accumulation, bfloat16 output).
-
-    ``"q4"``: 4-bit groups of ``group_size`` consecutive inputs, for
-    ``_weight_int4pack_mm_for_cpu``; ``data`` is in the layout of
-    ``_convert_weight_to_int4pack_for_cpu``, ``scales`` is [K / group, N, 2]
-    bfloat16 (scale, zero) and a weight is ``(q - 8) * scale + zero`` for its
-    4-bit ``q`` in [0, 15]: a GGUF Q4_1 group (``d * q + m``) is scale ``d``
-    and zero ``m + 8 d``. ``"int8"``: one scale per output row, for
-    ``_weight_int8pack_mm``; ``data`` [N, K] int8, ``scales`` [N] bfloat16.
-    """
-
-    kind: Literal["q4", "int8"]
-    data: Tensor
-    scales: Tensor
-    out_features: int
-    in_features: int
-    group_size: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.data.numel() * self.data.element_size()) + int(
-            self.scales.numel() * self.scales.element_size()
-        )
-
-
-#: A linear layer's weight: a plain or oneDNN-packed tensor, or quantized.
-Linear: TypeAlias = Tensor | QuantizedWeight
-
 #: What :meth:`LlamaWeights.load` may be asked for: ``"auto"`` takes the
 #: directory's own 4-bit weights when it has them (and the kernel works here),
 #: else the float weights in the run dtype; ``"float"`` always the float
@@ -208,12 +190,6 @@ Linear: TypeAlias = Tensor | QuantizedWeight
 #: quantized to 4-bit groups at load; ``"int8"`` the float weights quantized
 #: to 8 bits per output row at load.
 WEIGHT_MODES = _WEIGHT_MODES
-
-#: Inputs per 4-bit group (the GGUF's Q4_1 blocks, and what quantizing at
-#: load uses).
-Q4_GROUP = 32
-#: The 4-bit file of a converted directory (trioserve.engine.models writes it).
-Q4_FILE = "trioserve/q4_1.safetensors"
 
 
 @attrs.define(eq=False)
@@ -245,7 +221,7 @@ class LlamaWeights:
         counts: dict[str, int] = {}
         for layer in self.layers:
             for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
-                kind = _kind(w)
+                kind = weight_kind(w)
                 counts[kind] = counts.get(kind, 0) + 1
         return counts
 
@@ -307,10 +283,10 @@ class LlamaWeights:
             )
         q4_file = path / Q4_FILE
         use_file = q4_file.is_file() and (
-            weights == "q4" or (weights == "auto" and can_quantize and _q4_available())
+            weights == "q4" or (weights == "auto" and can_quantize and q4_available())
         )
         mode = "q4" if use_file else weights if weights in ("q4", "int8") else "float"
-        if mode in ("q4", "int8") and not (_q4_available() if mode == "q4" else _int8_available()):
+        if mode in ("q4", "int8") and not (q4_available() if mode == "q4" else int8_available()):
             raise ModelError(f"this torch build has no working {mode} CPU kernel")
         # Tensors are read one at a time and cast at once, so that loading
         # never holds the file's dtype and the run dtype of the whole model;
@@ -338,21 +314,21 @@ class LlamaWeights:
             def take_norm(name: str) -> Tensor:
                 return raw(name).to(device=device, dtype=torch.float32)
 
-            pack = _packer(dtype, device, config.hidden_size)
+            pack = packer(dtype, device, config.hidden_size)
 
             def dense(names: list[str]) -> Tensor:
                 return pack(torch.cat([take(n) for n in names]))
 
             def linear_of(names: list[str]) -> Linear:
                 if q4_handle is not None:
-                    parts = [_q4_parts(q4_handle, n, path) for n in names]
+                    parts = [q4_parts(q4_handle, n, path) for n in names]
                     q, d, m = (torch.cat([part[i] for part in parts]) for i in range(3))
-                    return _q4_weight(q, d, m, pack)
+                    return q4_weight(q, d, m, pack)
                 if mode == "q4":
                     w = torch.cat([raw(n).float() for n in names])
-                    return _q4_weight(*_quantize_q4(w), pack)
+                    return q4_weight(*quantize_q4(w), pack)
                 if mode == "int8":
-                    return _int8_weight(torch.cat([raw(n).float() for n in names]), pack)
+                    return int8_weight(torch.cat([raw(n).float() for n in names]), pack)
                 return dense(names)
 
             embed = take("model.embed_tokens.weight")
@@ -379,353 +355,6 @@ class LlamaWeights:
                 lm_head=lm_head,
                 lm_head_packed=packed if packed is not lm_head else None,
             )
-
-
-def _kind(w: Linear) -> str:
-    if isinstance(w, QuantizedWeight):
-        return w.kind
-    return f"{str(w.dtype).removeprefix('torch.')}{' packed' if w.is_mkldnn else ''}"
-
-
-# --- quantized weights --------------------------------------------------------
-
-
-def _q4_parts(handle: Any, name: str, path: Path) -> tuple[Tensor, Tensor, Tensor]:
-    """The 4-bit file's (q [N, K] uint8 in [0, 15], d, m [N, K / group] float32) of ``name``."""
-    try:
-        packed = handle.get_tensor(name + ".qweight")
-        d = handle.get_tensor(name + ".scales").float()
-        m = handle.get_tensor(name + ".mins").float()
-    except Exception as exc:  # safetensors raises its own error types
-        raise ModelError(f"4-bit tensor {name!r} is missing from {str(path / Q4_FILE)!r}") from exc
-    q = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
-    if q.shape[1] != d.shape[1] * Q4_GROUP or d.shape != m.shape:
-        raise ModelError(f"4-bit tensor {name!r} in {str(path / Q4_FILE)!r} has bad shapes")
-    return q, d, m
-
-
-def _quantize_q4(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Float [N, K] -> 4-bit groups (q, d, m) with ``w ~ d * q + m`` (Q4_1's form:
-    the group's minimum and 15 equal steps to its maximum)."""
-    n, k = w.shape
-    if k % Q4_GROUP:
-        raise ModelError(f"cannot quantize a weight of {k} inputs to groups of {Q4_GROUP}")
-    groups = w.view(n, k // Q4_GROUP, Q4_GROUP)
-    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
-    d = (hi - lo) / 15
-    step = torch.where(d > 0, d, torch.ones_like(d))
-    q = torch.round((groups - lo[..., None]) / step[..., None]).clamp_(0, 15)
-    return q.to(torch.uint8).view(n, k), d, lo
-
-
-def _q4_weight(q: Tensor, d: Tensor, m: Tensor, pack: Callable[[Tensor], Tensor]) -> Linear:
-    """The 4-bit weight of (q, d, m), or its bfloat16 dequantization (packed when
-    that is exact) where the 4-bit kernel does not work for this shape."""
-    n, k = q.shape
-    if not _q4_works(n, k, Q4_GROUP):
-        w = (q.view(n, -1, Q4_GROUP).float() * d[..., None] + m[..., None]).view(n, k)
-        return pack(w.to(torch.bfloat16))
-    data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-    scales = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-    return QuantizedWeight("q4", data, scales, n, k, Q4_GROUP)
-
-
-def _int8_weight(w: Tensor, pack: Callable[[Tensor], Tensor]) -> Linear:
-    """Float [N, K] -> 8 bits per weight, one scale per output row (rounded to
-    bfloat16 first, so that the kernel's scale is the one the weights were
-    rounded with)."""
-    n, k = w.shape
-    if not _int8_works(n, k):
-        return pack(w.to(torch.bfloat16))
-    scale = (w.abs().amax(dim=1) / 127).clamp_(min=1e-30).to(torch.bfloat16)
-    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-    return QuantizedWeight("int8", q.contiguous(), scale, n, k)
-
-
-def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """The [N, K] weights that ``w`` stands for, as the kernel computes them
-    (in float32), in ``dtype``."""
-    if w.kind == "int8":
-        return (w.data.float() * w.scales.float()[:, None]).to(dtype)
-    n, k = w.out_features, w.in_features
-    q = _q4_unpack(w.data, n, k).view(n, k // w.group_size, w.group_size)
-    scale, zero = w.scales.float().permute(2, 1, 0)[..., None]  # [N, K / group, 1] each
-    # (q - 8) * scale is exact in float32 (4 bits times bfloat16's 8), so the
-    # sum rounds once, as the kernel's fused multiply-add does.
-    return q.float().sub_(8).mul_(scale).add_(zero).view(n, k).to(dtype)
-
-
-#: Output rows per block of the 4-bit kernel's packed layout with AVX-512
-#: (64 rows: byte j of a block's column holds row j in its low nibble and row
-#: 32 + j in its high one; a last, narrower block pairs neighbouring rows).
-_Q4_BLOCK = 64
-
-
-def _q4_unpack(packed: Tensor, n: int, k: int) -> Tensor:
-    """uint8 [N, K] in [0, 15] from ``_convert_weight_to_int4pack_for_cpu``'s layout.
-
-    The layout is torch's internal one for AVX-512 builds; :func:`_q4_works`
-    checks this function against the kernel before it is ever used, so a
-    build with another layout just never dequantizes (see :func:`forward`).
-    """
-    flat = packed.reshape(-1)
-    full = n // _Q4_BLOCK * _Q4_BLOCK
-    parts = []
-    if full:
-        blocks = flat[: full * k // 2].view(full // _Q4_BLOCK, k, _Q4_BLOCK // 2)
-        q = torch.cat([blocks & 15, blocks >> 4], dim=2)  # [N / 64, K, 64]
-        parts.append(q.transpose(1, 2).reshape(full, k))
-    if n > full:
-        tail = flat[full * k // 2 :].view(k, (n - full) // 2)
-        parts.append(torch.stack([tail & 15, tail >> 4], dim=2).view(k, n - full).t())
-    return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
-
-
-def _q4_available() -> bool:
-    return _q4_works(128, 256, Q4_GROUP)
-
-
-def _int8_available() -> bool:
-    return _int8_works(64, 128)
-
-
-#: Row counts at which a kernel's rows are compared: a row must come out the
-#: same whatever else is in the batch (decode batches, prefill chunks).
-_PROBE_ROWS = (1, 3, 8, 37)
-
-
-@functools.cache
-def _q4_works(n: int, k: int, group: int) -> bool:
-    """Whether the 4-bit kernel works for [n, k] weights here: it exists, it
-    computes what its documented formula says (within bfloat16 rounding), a
-    row's result does not depend on the other rows, and :func:`dequantize`
-    reads its packed layout right (else dequantizing is not offered)."""
-    if n % 16 or k % group or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        return False
-    g = torch.Generator().manual_seed(n * 31 + k)
-    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
-    d = torch.rand(n, k // group, generator=g) * 0.1 + 0.01
-    m = -8 * d + torch.randn(n, k // group, generator=g) * 0.01
-    x = torch.randn(max(_PROBE_ROWS), k, generator=g).to(torch.bfloat16)
-    try:
-        data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        scales = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous().bfloat16()
-        with torch.inference_mode():
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, data, group, scales)
-            rows_agree = all(
-                torch.equal(
-                    torch.ops.aten._weight_int4pack_mm_for_cpu(x[:r], data, group, scales), out[:r]
-                )
-                for r in _PROBE_ROWS
-            )
-    except (RuntimeError, NotImplementedError):
-        return False
-    s, z = scales.float().permute(2, 1, 0)
-    ref = x.float() @ ((q.view(n, -1, group) - 8) * s[..., None] + z[..., None]).view(n, k).T
-    close = bool(((out.float() - ref).abs() <= 0.01 * ref.abs().amax() + 1e-3).all())
-    return close and rows_agree
-
-
-@functools.cache
-def _int8_works(n: int, k: int) -> bool:
-    if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
-        return False
-    g = torch.Generator().manual_seed(n * 37 + k)
-    q = torch.randint(-127, 128, (n, k), generator=g).to(torch.int8)
-    scale = (torch.rand(n, generator=g) * 0.01 + 0.001).bfloat16()
-    x = torch.randn(max(_PROBE_ROWS), k, generator=g).to(torch.bfloat16)
-    try:
-        with torch.inference_mode():
-            out = torch.ops.aten._weight_int8pack_mm(x, q, scale)
-            rows_agree = all(
-                torch.equal(torch.ops.aten._weight_int8pack_mm(x[:r], q, scale), out[:r])
-                for r in _PROBE_ROWS
-            )
-    except (RuntimeError, NotImplementedError):
-        return False
-    ref = x.float() @ (q.float() * scale.float()[:, None]).T
-    close = bool(((out.float() - ref).abs() <= 0.01 * ref.abs().amax() + 1e-3).all())
-    return close and rows_agree
-
-
-@functools.cache
-def _q4_unpack_works() -> bool:
-    """Whether :func:`_q4_unpack` reads this build's packed layout right."""
-    for n in (_Q4_BLOCK * 2, _Q4_BLOCK + 32):
-        q = torch.randint(0, 16, (n, 64), generator=torch.Generator().manual_seed(n))
-        try:
-            data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-            if not torch.equal(_q4_unpack(data, n, 64), q.to(torch.uint8)):
-                return False
-        except (RuntimeError, NotImplementedError):
-            return False
-    return True
-
-
-# --- bfloat16 packing -----------------------------------------------------------
-
-#: Rows the packed layout is tuned for; any row count works.
-_PACK_ROWS_HINT = 8
-
-
-def _packer(dtype: torch.dtype, device: torch.device, width: int) -> Callable[[Tensor], Tensor]:
-    """A function that puts weights into oneDNN's packed layout where that is
-    exact, else leaves them as they are.
-
-    On CPU, bfloat16 matmuls against packed weights run 1.5 to 2 times faster
-    at the few rows of a batched decode step than ``F.linear`` does. The probe
-    checks that the packed kernel gives bit for bit what ``F.linear`` and
-    ``torch.mv`` give at every row count, so that batch-invariant greedy text
-    (see :func:`_spans`) survives; on builds without oneDNN, on other devices
-    or dtypes, weights stay plain.
-    """
-
-    def plain(w: Tensor) -> Tensor:
-        return w
-
-    if device.type != "cpu" or dtype != torch.bfloat16:
-        return plain
-    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
-        return plain
-    generator = torch.Generator().manual_seed(0)
-    w = torch.randn(96, width, generator=generator).to(dtype)
-    x = torch.randn(max(_PROBE_ROWS), width, generator=generator).to(dtype)
-    try:
-        packed = _mkldnn_pack(w)
-        same = all(
-            torch.equal(_mkldnn_linear(x[:n], packed), F.linear(x[:n], w)) for n in _PROBE_ROWS
-        ) and torch.equal(_mkldnn_linear(x[:1], packed)[0], torch.mv(w, x[0]))
-    except (RuntimeError, AttributeError):
-        return plain
-    return _mkldnn_pack if same else plain
-
-
-def _mkldnn_pack(w: Tensor) -> Tensor:
-    packed: Tensor = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _PACK_ROWS_HINT)
-    return packed
-
-
-def _mkldnn_linear(x: Tensor, packed: Tensor) -> Tensor:
-    out: Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    return out
-
-
-@attrs.define(eq=False)
-class KVCache:
-    """Keys and values of every slot, grown in blocks as sequences grow.
-
-    One tensor [L, S, 2K, T, E]: the K key heads, then the K value heads, of
-    each layer and slot, so that one indexed copy per layer writes a step's
-    keys and values. Nothing is reserved up front: the cache holds ``slots x
-    length`` positions where both are the current needs rounded up (length to
-    ``block``), so 8 short jobs cost 8 short rows, not 8 full contexts.
-    """
-
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    device: torch.device
-    block: int = 256
-    kv: Tensor = attrs.field(init=False)  # [L, S, 2K, T, E]
-    #: Per layer: its cache [S, 2K, T, E] and the same as [S * 2K * T, E] rows
-    #: (made once per allocation, not by every layer of every step).
-    layer_views: list[tuple[Tensor, Tensor]] = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self._set(self._empty(0, 0))
-
-    def _set(self, kv: Tensor) -> None:
-        self.kv = kv
-        self.layer_views = [(layer, layer.view(-1, self.head_dim)) for layer in kv]
-
-    def _empty(self, slots: int, length: int) -> Tensor:
-        shape = (self.n_layers, slots, 2 * self.n_kv_heads, length, self.head_dim)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
-
-    @property
-    def k(self) -> Tensor:
-        """Keys, [L, S, K, T, E] (a view)."""
-        return self.kv[:, :, : self.n_kv_heads]
-
-    @property
-    def v(self) -> Tensor:
-        """Values, [L, S, K, T, E] (a view)."""
-        return self.kv[:, :, self.n_kv_heads :]
-
-    @property
-    def slots(self) -> int:
-        return int(self.kv.shape[1])
-
-    @property
-    def length(self) -> int:
-        return int(self.kv.shape[3])
-
-    @property
-    def bytes_per_position(self) -> int:
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.kv.element_size()
-
-    def fit(self, slots: int, length: int) -> None:
-        """Make room for ``slots`` slots of ``length`` positions; give memory back
-        when the needs fell to half of what is held. Slots keep their contents."""
-        want_len = -(-length // self.block) * self.block if length else 0
-        grow = slots > self.slots or want_len > self.length
-        shrink = self.slots > 2 * slots or self.length > 2 * max(want_len, self.block)
-        if not (grow or shrink):
-            return
-        new_slots = slots if shrink and slots < self.slots else max(slots, self.slots)
-        new_len = want_len if shrink and want_len < self.length else max(want_len, self.length)
-        keep_s, keep_t = min(new_slots, self.slots), min(new_len, self.length)
-        old = self.kv
-        self._set(self._empty(0, 0))
-        new = self._empty(new_slots, new_len)
-        if keep_s and keep_t:
-            new[:, :keep_s, :, :keep_t] = old[:, :keep_s, :, :keep_t]
-        del old
-        self._set(new)
-
-    def move(self, src: int, dst: int) -> None:
-        """Copy slot ``src`` into slot ``dst`` (to keep the used slots packed)."""
-        self.kv[:, dst] = self.kv[:, src]
-
-    def read(self, slot: int, start: int, end: int) -> Tensor:
-        """A copy of positions [start, end) of ``slot``: [L, 2K, end - start, E]."""
-        return self.kv[:, slot, :, start:end].clone()
-
-    def write(self, slot: int, start: int, data: Tensor) -> None:
-        """Put ``data`` [L, 2K, n, E] (from :meth:`read`) at positions [start, start + n)."""
-        self.kv[:, slot, :, start : start + data.shape[2]] = data
-
-    def release(self) -> None:
-        self._set(self._empty(0, 0))
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.kv.numel() * self.kv.element_size())
-
-
-def linear(x: Tensor, w: Linear) -> Tensor:
-    """x [..., in] @ w[out, in].T, for plain, packed (:func:`_packer`) or
-    quantized weights.
-
-    With plain weights a single row goes through ``torch.mv``: on CPUs its
-    bfloat16 kernel streams the weight about twice as fast as the
-    matrix-matrix path does for one row, and decoding one job is exactly that.
-    """
-    if isinstance(w, QuantizedWeight):
-        rows = x if x.dim() == 2 else x.reshape(-1, w.in_features)
-        if w.kind == "q4":
-            out: Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                rows, w.data, w.group_size, w.scales
-            )
-        else:
-            out = torch.ops.aten._weight_int8pack_mm(rows, w.data, w.scales)
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], w.out_features)
-    if w.is_mkldnn:
-        return _mkldnn_linear(x.contiguous(), w)
-    if x.numel() == x.shape[-1]:
-        return torch.mv(w, x.reshape(-1)).view(*x.shape[:-1], w.shape[0])
-    return F.linear(x, w)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -783,8 +412,8 @@ def _spans(
     unaligned tail goes through other code and may round differently). So a
     job's greedy text does not depend on its companions, nor on whether its
     prefix came from the prefix cache (given matmul kernels whose rows do not
-    depend on the other rows: checked at load, see :func:`_packer` and
-    :func:`_q4_works`).
+    depend on the other rows: checked at load, see
+    :func:`~trioserve.engine.quant.packer` and :mod:`trioserve.engine.quant`).
     """
     b, c = positions.shape
     step = ATTENTION_BUCKET
