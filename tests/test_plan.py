@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 import attrs
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -145,9 +146,9 @@ def test_positions_bound_every_write_of_the_step() -> None:
 def test_the_balance_gains_the_share_pays_prefill_and_never_saves_credit() -> None:
     contended = plan_step([decoding(), prefilling(2000)], RULES, 0.0)
     # A chunk of 0.8 s in a step of 1 s: +0.5 - 0.8.
-    assert contended.balance_after(0.0, 0.5, 1.0, 0.8) == -0.30000000000000004
+    assert contended.balance_after(0.0, 0.5, 1.0, 0.8) == pytest.approx(-0.3)
     # Decoding alone earns back half its time...
-    assert contended.balance_after(-0.3, 0.5, 0.2, 0.0) == -0.19999999999999998
+    assert contended.balance_after(-0.3, 0.5, 0.2, 0.0) == pytest.approx(-0.2)
     # ... up to 0: no credit is saved up for later chunks.
     assert contended.balance_after(-0.05, 0.5, 0.2, 0.0) == 0.0
 
