@@ -1,14 +1,17 @@
 """The embedded CPU engine: a compact torch Llama with continuous batching.
 
-Each :meth:`CpuEngine.step` applies cancellations and new jobs, admits waiting
-jobs into free slots in arrival order, runs prefill chunks for new jobs (about
-:attr:`CpuEngine.prefill_chunk` prompt tokens per step, so that one long prompt
-delays the running jobs' next token by one chunk, not by the whole prompt),
-then one batched decode forward for every job that has a token to feed, and
-samples all the step's tokens in one call. While jobs decode, prefill chunks
-take at most :attr:`CpuEngine.prefill_share` of the engine's time: steps past
-that share decode alone, so a prompt of the whole context slows the running
-streams to about half their speed instead of a token per chunk.
+Each :meth:`CpuEngine.step` applies cancellations and new jobs, admits
+waiting jobs into free slots in arrival order (:mod:`trioserve.engine.cpu_jobs`),
+asks :func:`~trioserve.engine.plan.plan_step` what the step runs -- a pure
+plan; its module states every rule of the schedule -- and runs it: prefill
+chunks for new jobs (about :attr:`CpuEngine.prefill_chunk` prompt tokens per
+step, so that one long prompt delays the running jobs' next token by one
+chunk, not by the whole prompt), then one batched decode forward for every
+job that has a token to feed, and samples all the step's tokens in one call.
+While jobs decode, prefill chunks take at most :attr:`CpuEngine.prefill_share`
+of the engine's time: steps past that share decode alone, so a prompt of the
+whole context slows the running streams to about half their speed instead of
+a token per chunk.
 
 A job's greedy text is the same alone and beside others in bfloat16: prefill
 chunk boundaries do not depend on the other jobs, decode rows attend over
@@ -38,27 +41,14 @@ from trioserve.engine.base import (
     EngineInfo,
     Failed,
     Finished,
-    FinishReason,
     GenerationSpec,
-    TextUpdate,
     Update,
 )
+from trioserve.engine.cpu_jobs import CpuJob, sample_jobs, spec_problem, start_job
 from trioserve.engine.models import DEFAULT_MODEL_NAME, default_model_dir
+from trioserve.engine.plan import Chunk, PrefillRules, plan_step
 from trioserve.engine.prefix import PrefixCache, PrefixCacheStatistics
-from trioserve.engine.samplers import (
-    DryHistory,
-    bias_row,
-    sequence_breaker_ids,
-    xtc_protected_ids,
-)
-from trioserve.engine.sampling import (
-    RowState,
-    SamplingError,
-    make_generator,
-    sample,
-    settings_problem,
-)
-from trioserve.engine.text import TextStream
+from trioserve.engine.samplers import xtc_protected_ids
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError
 
@@ -99,75 +89,11 @@ class CpuEngineStatistics:
     prefill_deferrals: int = 0
 
 
-#: Prompt tokens left to prefill at or under which a job is never deferred by
-#: :attr:`CpuEngine.prefill_share` (a chat turn's new part costs about what a
-#: few decode rows do).
-_SHORT_PREFILL = 128
-
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float32": torch.float32,
 }
-
-
-@attrs.define(eq=False)
-class _Job:
-    """A job that holds a slot."""
-
-    spec: GenerationSpec
-    #: The prompt actually run (token healing drops the last id).
-    prompt: tuple[int, ...]
-    slot: int
-    stream: TextStream
-    generator: torch.Generator
-    #: How often each id occurs in the job's context, for the penalties. [V]
-    counts: Tensor
-    banned: Tensor | None  # [V] bool
-    #: Token healing's constraint on the first sample. [V] bool
-    allowed: Tensor | None
-    #: ``logit_bias`` as a row to add to the logits. [V] float32
-    bias: Tensor | None = None
-    #: The context as DRY reads it, when the job uses DRY.
-    dry: DryHistory | None = None
-    #: What the sampler keeps between steps (mirostat's mu).
-    state: RowState = attrs.field(factory=RowState)
-    #: Positions written to the KV cache so far.
-    cached: int = 0
-    #: The last sampled id, to be fed at the next decode step.
-    pending: int | None = None
-    generated: int = 0
-    #: The prompt, then every sampled id: ``tokens[:cached]`` are the ids
-    #: whose keys and values the slot holds.
-    tokens: list[int] = attrs.field(factory=list)
-    #: Prompt tokens served from the prefix cache.
-    reused: int = 0
-    #: The prefix cache's blocks still to be copied into the slot (at the
-    #: job's first step, once the cache has room).
-    restore: list[Tensor] = attrs.field(factory=list)
-
-
-#: Prompt ids decoded before the healed token to give it its context.
-_HEALING_CONTEXT = 8
-
-
-def _text_in_context(tokenizer: Tokenizer, prompt: Sequence[int]) -> str:
-    """The text the prompt's last token adds after the ids before it.
-
-    Decoded alone, a token can lose what only its context gives it: a
-    SentencePiece-style decoder drops the leading space of the first token it
-    sees (``"▁lazy"`` alone is ``"lazy"``, after ``"▁the"`` it is ``" lazy"``).
-    The healed token is decoded after the same context the text stream gives
-    the generated ids, so that the prefix it drops is the one they produce.
-    """
-    context = list(prompt[-1 - _HEALING_CONTEXT : -1])
-    before = tokenizer.decode(context)
-    after = tokenizer.decode([*context, prompt[-1]])
-    if context and after.startswith(before):
-        return after[len(before) :]
-    # The context ends inside a character that the last token completes:
-    # there is no clean split, so fall back to the token alone.
-    return tokenizer.decode(prompt[-1:])
 
 
 @attrs.define(eq=False)
@@ -192,7 +118,7 @@ class CpuEngine:
     #: get one token per chunk for as long as it lasts.
     prefill_share: float = 0.5
     _waiting: deque[GenerationSpec] = attrs.field(factory=deque)
-    _slots: list[_Job] = attrs.field(factory=list)
+    _slots: list[CpuJob] = attrs.field(factory=list)
     #: Seconds of engine time that prefill may still take beside decoding
     #: jobs: each contended step adds ``prefill_share`` of its time and takes
     #: its prefill time; chunks wait while it is negative. Never above 0 (no
@@ -247,31 +173,15 @@ class CpuEngine:
             ModelError: the model cannot be found, obtained or loaded.
             EngineError: the device is not available.
         """
-        if dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {sorted(DTYPES)!r}, got {dtype!r}")
-        if weights not in WEIGHT_MODES:
-            raise ConfigError(f"weights must be one of {list(WEIGHT_MODES)!r}, got {weights!r}")
-        if weights in ("q4", "int8") and (dtype != "bfloat16" or device != "cpu"):
-            raise ConfigError(
-                f"weights {weights!r} need dtype 'bfloat16' on device 'cpu',"
-                f" got dtype {dtype!r} on device {device!r}"
-            )
-        try:
-            torch_device = torch.device(device)
-        except RuntimeError as exc:
-            raise ConfigError(f"device {device!r} is not a torch device: {exc}") from exc
-        if torch_device.type == "cuda" and not torch.cuda.is_available():
-            raise EngineError(f"device {device!r} was asked for but torch has no CUDA here")
-        if max_batch < 1:
-            raise ConfigError(f"max_batch must be >= 1, got {max_batch!r}")
-        if not 0.0 < prefill_share <= 1.0:
-            raise ConfigError(f"prefill_share must be > 0 and <= 1, got {prefill_share!r}")
-        if prefix_cache_bytes < 0:
-            raise ConfigError(f"prefix_cache_bytes must be >= 0, got {prefix_cache_bytes!r}")
-        if threads is not None:
-            if threads < 1:
-                raise ConfigError(f"threads must be >= 1, got {threads!r}")
-            torch.set_num_threads(threads)
+        torch_device = _checked_device(
+            dtype=dtype,
+            device=device,
+            max_batch=max_batch,
+            threads=threads,
+            weights=weights,
+            prefix_cache_bytes=prefix_cache_bytes,
+            prefill_share=prefill_share,
+        )
         name = DEFAULT_MODEL_NAME
         if model_dir is None:
             model_dir = default_model_dir(offline=offline)
@@ -385,6 +295,47 @@ class CpuEngine:
         submit: Sequence[GenerationSpec],
         cancel: Sequence[int],
     ) -> list[Update]:
+        updates = self._take(submit, cancel)
+        if not self._slots:
+            self._cache.release()
+            return updates
+        jobs = list(self._slots)
+        rules = PrefillRules(self.prefill_chunk, self.prefill_share)
+        plan = plan_step([job.state_for_plan() for job in jobs], rules, self._prefill_balance)
+        # Room for every slot's next writes; also gives memory back when the
+        # longest jobs have left.
+        self._cache.fit(len(jobs), plan.positions)
+        for job in jobs:
+            if job.restore:
+                self._cache.write(job.slot, 0, torch.cat(job.restore, dim=2))
+                job.restore = []
+        if plan.deferred:
+            self._prefill_deferrals += 1
+
+        step_started = time.perf_counter()
+        rows, row_logits = self._prefill(weights, jobs, plan.chunks, updates)
+        prefill_seconds = time.perf_counter() - step_started
+        decoding = [jobs[i] for i in plan.decode]
+        if decoding:
+            out = self._decode(weights, decoding, updates)
+            if out is not None:
+                rows.extend(decoding)
+                row_logits.append(out)
+        if rows:
+            updates.extend(self._sample(rows, torch.cat(row_logits)))
+        self._prefill_balance = plan.balance_after(
+            self._prefill_balance,
+            self.prefill_share,
+            time.perf_counter() - step_started,
+            prefill_seconds,
+        )
+        if not self._slots:
+            self._cache.release()
+        return updates
+
+    def _take(self, submit: Sequence[GenerationSpec], cancel: Sequence[int]) -> list[Update]:
+        """Apply the cancellations, queue the new jobs (failing those that
+        cannot run), and admit waiting jobs into free slots in arrival order."""
         updates: list[Update] = []
         cancelled = set(cancel)
         if cancelled:
@@ -392,242 +343,104 @@ class CpuEngine:
         for spec in submit:
             if spec.job_id in cancelled:
                 continue  # stopped before it was ever run: no update at all
-            problem = self._spec_problem(spec)
+            if any(job.spec.job_id == spec.job_id for job in self._slots) or any(
+                waiting.job_id == spec.job_id for waiting in self._waiting
+            ):
+                problem: str | None = f"job_id {spec.job_id!r} is already in use"
+            else:
+                problem = spec_problem(
+                    spec, vocab=self._config.vocab_size, context=self._info.context_length
+                )
             if problem is None:
                 self._waiting.append(spec)
             else:
                 updates.append(Failed(spec.job_id, problem))
         while self._waiting and len(self._slots) < self._info.max_batch:
-            self._admit(self._waiting.popleft())
-        if not self._slots:
-            self._cache.release()
-            return updates
-
-        decoding = [job for job in self._slots if job.pending is not None]
-        prefilling = [job for job in self._slots if job.pending is None]
-        # Room for every slot's next writes; also gives memory back when the
-        # longest jobs have left.
-        need = max(
-            job.cached
-            + (
-                1
-                if job.pending is not None
-                else min(self.prefill_chunk, len(job.prompt) - job.cached)
+            job = start_job(
+                self._waiting.popleft(),
+                len(self._slots),
+                tokenizer=self._tokenizer,
+                vocab=self._config.vocab_size,
+                device=self._device,
+                prefix_cache=self._prefix_cache,
             )
-            for job in self._slots
-        )
-        self._cache.fit(len(self._slots), need)
-        for job in prefilling:
-            if job.restore:
-                self._cache.write(job.slot, 0, torch.cat(job.restore, dim=2))
-                job.restore = []
+            self._slots.append(job)
+        return updates
 
-        # Shortest remaining prompt first (arrival order among equals): a short
-        # prompt that arrives while a long one is being prefilled gets its
-        # first token after a step of its own size, not after the long one's
-        # chunks. Which step runs a chunk changes no job's numbers: chunks
-        # keep their boundaries and rows do not depend on each other.
-        prefilling.sort(key=lambda job: len(job.prompt) - job.cached)
-        step_started = time.perf_counter()
-        contended = bool(decoding and prefilling)
-        prefill_seconds = 0.0
-        if contended and self.prefill_share < 1.0 and self._prefill_balance < 0.0:
-            # Prefill has had its share of the time since the contention began:
-            # this step serves the decoding jobs, and prompts short enough to
-            # cost about what a few decode rows do.
-            short = [job for job in prefilling if len(job.prompt) - job.cached <= _SHORT_PREFILL]
-            if len(short) < len(prefilling):
-                self._prefill_deferrals += 1
-            prefilling = short
-
-        rows: list[_Job] = []
+    def _prefill(
+        self,
+        weights: llama.LlamaWeights,
+        jobs: list[CpuJob],
+        chunks: Sequence[Chunk],
+        updates: list[Update],
+    ) -> tuple[list[CpuJob], list[Tensor]]:
+        """Run the plan's prefill chunks; the jobs whose prompt is done, with
+        the logits of their last position. A chunk that fails fails its job."""
+        rows: list[CpuJob] = []
         row_logits: list[Tensor] = []
-        budget = self.prefill_chunk
-        for job in prefilling:
-            # Chunks end at multiples of prefill_chunk whatever else runs, so
-            # that a job's numbers (hence its greedy text) do not depend on
-            # which jobs arrived with it.
-            start = job.cached
-            end = min((start // self.prefill_chunk + 1) * self.prefill_chunk, len(job.prompt))
-            chunk = job.prompt[start:end]
-            if len(chunk) > budget and budget < self.prefill_chunk:
-                break  # a step runs one chunk past its budget only when it is its first
-            budget -= len(chunk)
+        for chunk in chunks:
+            job = jobs[chunk.job]
             try:
                 hidden = llama.forward(
                     weights,
                     self._config,
                     self._cache,
                     self._rope,
-                    torch.tensor([chunk], device=self._device),
-                    torch.arange(start, start + len(chunk), device=self._device)[None],
+                    torch.tensor([job.prompt[chunk.start : chunk.end]], device=self._device),
+                    torch.arange(chunk.start, chunk.end, device=self._device)[None],
                     torch.tensor([job.slot], device=self._device),
                 )
             except RuntimeError as exc:
                 log.exception("prefill of job %s failed", job.spec.job_id)
                 updates.append(self._fail(job, f"the engine failed during prefill: {exc}"))
                 continue
-            job.cached += len(chunk)
-            if job.cached == len(job.prompt):
+            job.cached = chunk.end
+            if chunk.completes:
                 rows.append(job)
                 row_logits.append(llama.logits(weights, hidden))
+        return rows, row_logits
 
-        if contended:
-            prefill_seconds = time.perf_counter() - step_started
-
-        if decoding:
-            try:
-                out = llama.decode_logits(
-                    weights,
-                    self._config,
-                    self._cache,
-                    self._rope,
-                    torch.tensor([job.pending for job in decoding], device=self._device),
-                    torch.tensor([job.cached for job in decoding], device=self._device),
-                    torch.tensor([job.slot for job in decoding], device=self._device),
-                )
-            except RuntimeError as exc:
-                log.exception("decode step of %d jobs failed", len(decoding))
-                for job in decoding:
-                    updates.append(self._fail(job, f"the engine failed during decoding: {exc}"))
-            else:
-                for job in decoding:
-                    job.cached += 1
-                rows.extend(decoding)
-                row_logits.append(out)
-
-        if rows:
-            updates.extend(self._sample_and_emit(rows, torch.cat(row_logits)))
-        if contended:
-            step_seconds = time.perf_counter() - step_started
-            self._prefill_balance = min(
-                0.0, self._prefill_balance + self.prefill_share * step_seconds - prefill_seconds
+    def _decode(
+        self, weights: llama.LlamaWeights, decoding: list[CpuJob], updates: list[Update]
+    ) -> Tensor | None:
+        """Feed each decoding job its pending token in one batched forward;
+        their logits, or None when the forward failed (and failed them)."""
+        try:
+            out = llama.decode_logits(
+                weights,
+                self._config,
+                self._cache,
+                self._rope,
+                torch.tensor([job.pending for job in decoding], device=self._device),
+                torch.tensor([job.cached for job in decoding], device=self._device),
+                torch.tensor([job.slot for job in decoding], device=self._device),
             )
-        if not self._slots:
-            self._cache.release()
+        except RuntimeError as exc:
+            log.exception("decode step of %d jobs failed", len(decoding))
+            for job in decoding:
+                updates.append(self._fail(job, f"the engine failed during decoding: {exc}"))
+            return None
+        for job in decoding:
+            job.cached += 1
+        return out
+
+    def _sample(self, rows: list[CpuJob], logits: Tensor) -> list[Update]:
+        updates: list[Update] = []
+        outcomes = sample_jobs(
+            rows, logits, self._xtc_mask, vocab=self._config.vocab_size, device=self._device
+        )
+        for job, outcome in outcomes:
+            if isinstance(outcome, str):
+                updates.append(self._fail(job, f"sampling failed: {outcome}"))
+                continue
+            update = job.accept(outcome)
+            if isinstance(update, Finished):
+                self._keep_prefix(job)
+                self._free(job)
+            updates.append(update)
         return updates
 
-    def _spec_problem(self, spec: GenerationSpec) -> str | None:
-        vocab = self._config.vocab_size
-        context = self._info.context_length
-        if any(job.spec.job_id == spec.job_id for job in self._slots) or any(
-            waiting.job_id == spec.job_id for waiting in self._waiting
-        ):
-            return f"job_id {spec.job_id!r} is already in use"
-        if not spec.prompt_ids:
-            return "prompt_ids must not be empty"
-        if spec.max_new_tokens < 1:
-            return f"max_new_tokens must be >= 1, got {spec.max_new_tokens!r}"
-        total = len(spec.prompt_ids) + spec.max_new_tokens
-        if total > context:
-            return (
-                f"prompt tokens plus max_new_tokens must be <= the context length {context},"
-                f" got {len(spec.prompt_ids)} + {spec.max_new_tokens} = {total}"
-            )
-        bad = [i for i in spec.prompt_ids if not 0 <= i < vocab]
-        if bad:
-            return f"prompt_ids must be in [0, {vocab}), got {bad[0]!r}"
-        bad = [i for i in spec.banned_ids if not 0 <= i < vocab]
-        if bad:
-            return f"banned_ids must be in [0, {vocab}), got {bad[0]!r}"
-        if any(not s for s in spec.stop_strings):
-            return "stop_strings must not contain an empty string"
-        problem = settings_problem(spec.sampling)
-        if problem is not None:
-            return problem
-        bad = [i for i, _ in spec.sampling.logit_bias if i >= vocab]
-        if bad:
-            return f"logit_bias ids must be in [0, {vocab}), got {bad[0]!r}"
-        return None
-
-    def _admit(self, spec: GenerationSpec) -> None:
-        prompt = spec.prompt_ids
-        vocab = self._config.vocab_size
-        allowed: Tensor | None = None
-        skip_prefix = ""
-        last = prompt[-1]
-        if (
-            spec.token_healing
-            and len(prompt) >= 2
-            and last not in self._tokenizer.special_ids
-            and last < self._tokenizer.vocab_size
-        ):
-            ids = self._tokenizer.ids_with_prefix(self._tokenizer.token_bytes(last))
-            allowed = torch.zeros(vocab, dtype=torch.bool, device=self._device)
-            allowed[[i for i in ids if i < vocab]] = True
-            prompt = prompt[:-1]
-            skip_prefix = _text_in_context(self._tokenizer, spec.prompt_ids)
-        banned: Tensor | None = None
-        if spec.banned_ids:
-            banned = torch.zeros(vocab, dtype=torch.bool, device=self._device)
-            banned[sorted(spec.banned_ids)] = True
-        counts = torch.bincount(torch.tensor(prompt), minlength=vocab).to(
-            device=self._device, dtype=torch.int32
-        )
-        # At least the last prompt token is run: its logits give the first sample.
-        restore = self._prefix_cache.lookup(prompt, len(prompt) - 1)
-        reused = sum(int(block.shape[2]) for block in restore)
-        stream = TextStream(
-            self._tokenizer.decode,
-            spec.stop_strings,
-            context_ids=prompt,
-            skip_prefix=skip_prefix,
-        )
-        sampling = spec.sampling
-        bias = (
-            bias_row(sampling.logit_bias, vocab).to(self._device) if sampling.logit_bias else None
-        )
-        dry = None
-        if sampling.dry:
-            # Breakers are token ids, computed from the strings once per job
-            # (and cached across jobs that send the same strings).
-            breakers = sequence_breaker_ids(self._tokenizer, sampling.dry_sequence_breakers)
-            dry = DryHistory.start(prompt, len(prompt) + spec.max_new_tokens, breakers, vocab)
-        self._slots.append(
-            _Job(
-                spec=spec,
-                prompt=prompt,
-                slot=len(self._slots),
-                stream=stream,
-                generator=make_generator(sampling.seed, self._device),
-                counts=counts,
-                banned=banned,
-                allowed=allowed,
-                bias=bias,
-                dry=dry,
-                cached=reused,
-                tokens=list(prompt),
-                reused=reused,
-                restore=restore,
-            )
-        )
-
-    def _biases(self, rows: list[_Job]) -> tuple[Tensor | None, dict[int, str]]:
-        """The step's additive ``[B, V]`` bias (``logit_bias`` and DRY), or
-        None when no row has one; and the rows whose DRY could not be
-        computed, each with why (they fail alone)."""
-        if all(job.bias is None and job.dry is None for job in rows):
-            return None, {}
-        vocab = self._config.vocab_size
-        bias = torch.zeros((len(rows), vocab), dtype=torch.float32, device=self._device)
-        failed: dict[int, str] = {}
-        for row, job in enumerate(rows):
-            if job.bias is not None:
-                bias[row] += job.bias
-            if job.dry is None:
-                continue
-            try:
-                found = job.dry.penalties(job.spec.sampling)
-            except Exception as exc:
-                log.exception("dry penalties of job %s failed", job.spec.job_id)
-                failed[row] = f"dry failed: {type(exc).__name__}: {exc}"[:200]
-                continue
-            if found is not None:
-                ids, values = found
-                bias[row].index_add_(0, ids.to(self._device), -values.to(self._device))
-        return bias, failed
-
-    def _xtc_mask(self, rows: list[_Job]) -> Tensor | None:
+    def _xtc_mask(self, rows: Sequence[CpuJob]) -> Tensor | None:
         if all(job.spec.sampling.xtc_probability == 0 for job in rows):
             return None
         if self._xtc_protected is None:
@@ -637,109 +450,7 @@ class CpuEngine:
             self._xtc_protected = mask.to(self._device)
         return self._xtc_protected
 
-    def _sample_and_emit(self, rows: list[_Job], logits: Tensor) -> list[Update]:
-        updates: list[Update] = []
-        bias, dry_failed = self._biases(rows)
-        if dry_failed:
-            for row in sorted(dry_failed):
-                updates.append(self._fail(rows[row], f"sampling failed: {dry_failed[row]}"))
-            keep = [row for row in range(len(rows)) if row not in dry_failed]
-            rows = [rows[row] for row in keep]
-            if not rows:
-                return updates
-            index = torch.tensor(keep, device=logits.device)
-            logits = logits.index_select(0, index)
-            assert bias is not None
-            bias = bias.index_select(0, index.to(bias.device))
-        return updates + self._sample_rows(rows, logits, bias)
-
-    def _sample_rows(self, rows: list[_Job], logits: Tensor, bias: Tensor | None) -> list[Update]:
-        vocab = self._config.vocab_size
-        banned = allowed = None
-        if any(job.banned is not None for job in rows):
-            empty = torch.zeros(vocab, dtype=torch.bool, device=self._device)
-            banned = torch.stack([empty if job.banned is None else job.banned for job in rows])
-        if any(job.allowed is not None for job in rows):
-            full = torch.ones(vocab, dtype=torch.bool, device=self._device)
-            allowed = torch.stack([full if job.allowed is None else job.allowed for job in rows])
-        failed: dict[int, str] = {}
-        try:
-            ids = sample(
-                logits,
-                [job.spec.sampling for job in rows],
-                [job.generator for job in rows],
-                counts=torch.stack([job.counts for job in rows]),
-                banned=banned,
-                allowed=allowed,
-                bias=bias,
-                states=[job.state for job in rows],
-                xtc_protected=self._xtc_mask(rows),
-            )
-        except SamplingError as exc:
-            failed = exc.reasons
-            if exc.ids is None:
-                # No row was sampled: every job of the step fails, each with
-                # its own reason where the sampler gave one.
-                return [
-                    self._fail(job, f"sampling failed: {failed.get(row, str(exc))}")
-                    for row, job in enumerate(rows)
-                ]
-            ids = exc.ids
-        updates: list[Update] = []
-        for row, (job, token) in enumerate(zip(rows, ids.tolist(), strict=True)):
-            if row in failed:
-                updates.append(self._fail(job, f"sampling failed: {failed[row]}"))
-                continue
-            job.allowed = None
-            job.pending = token
-            job.tokens.append(token)
-            job.generated += 1
-            job.counts[token] += 1
-            if job.dry is not None:
-                job.dry.append(token)
-            updates.append(self._emit(job, token))
-        return updates
-
-    def _emit(self, job: _Job, token: int) -> Update:
-        spec = job.spec
-        if token in spec.stop_token_ids:
-            # The stop token's own text is never emitted; held text was not a
-            # stop string after all, so it is released.
-            return self._finish(job, job.stream.flush(), "stop_token", stop_token=token)
-        piece = job.stream.push([token])
-        if piece.stop_string is not None:
-            return self._finish(job, piece.text, "stop_string", stop_string=piece.stop_string)
-        if job.generated >= spec.max_new_tokens:
-            text = piece.text + job.stream.flush()
-            if job.stream.stop_string is not None:
-                # The flushed tail completed a stop string after all.
-                return self._finish(job, text, "stop_string", stop_string=job.stream.stop_string)
-            return self._finish(job, text, "max_new_tokens")
-        return TextUpdate(spec.job_id, piece.text, job.stream.held, job.generated)
-
-    def _finish(
-        self,
-        job: _Job,
-        text: str,
-        reason: FinishReason,
-        *,
-        stop_string: str | None = None,
-        stop_token: int | None = None,
-    ) -> Finished:
-        self._keep_prefix(job)
-        self._free(job)
-        return Finished(
-            job_id=job.spec.job_id,
-            text=text,
-            reason=reason,
-            stop_string=stop_string,
-            stop_token=stop_token,
-            prompt_tokens=len(job.prompt),
-            generated_tokens=job.generated,
-            cached_tokens=job.reused,
-        )
-
-    def _fail(self, job: _Job, message: str) -> Failed:
+    def _fail(self, job: CpuJob, message: str) -> Failed:
         self._free(job)
         return Failed(job.spec.job_id, message)
 
@@ -750,7 +461,7 @@ class CpuEngine:
             self._keep_prefix(job)
             self._free(job)
 
-    def _keep_prefix(self, job: _Job) -> None:
+    def _keep_prefix(self, job: CpuJob) -> None:
         """Offer the job's cached positions to the prefix cache (whole blocks)."""
         if job.restore:
             return  # its slot never received the blocks it was to start from
@@ -761,7 +472,7 @@ class CpuEngine:
 
         self._prefix_cache.insert(job.tokens[: job.cached], read)
 
-    def _free(self, job: _Job) -> None:
+    def _free(self, job: CpuJob) -> None:
         """Give the job's slot back, moving the last slot into it so that the
         used slots stay packed at the front of the cache."""
         if job.slot >= len(self._slots) or self._slots[job.slot] is not job:
@@ -771,3 +482,43 @@ class CpuEngine:
             self._cache.move(last.slot, job.slot)
             last.slot = job.slot
             self._slots[job.slot] = last
+
+
+def _checked_device(
+    *,
+    dtype: str,
+    device: str,
+    max_batch: int,
+    threads: int | None,
+    weights: str,
+    prefix_cache_bytes: int,
+    prefill_share: float,
+) -> torch.device:
+    """:meth:`CpuEngine.load`'s checks of its arguments; the torch device.
+    Sets torch's thread count when ``threads`` is given."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(DTYPES)!r}, got {dtype!r}")
+    if weights not in WEIGHT_MODES:
+        raise ConfigError(f"weights must be one of {list(WEIGHT_MODES)!r}, got {weights!r}")
+    if weights in ("q4", "int8") and (dtype != "bfloat16" or device != "cpu"):
+        raise ConfigError(
+            f"weights {weights!r} need dtype 'bfloat16' on device 'cpu',"
+            f" got dtype {dtype!r} on device {device!r}"
+        )
+    try:
+        torch_device = torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigError(f"device {device!r} is not a torch device: {exc}") from exc
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        raise EngineError(f"device {device!r} was asked for but torch has no CUDA here")
+    if max_batch < 1:
+        raise ConfigError(f"max_batch must be >= 1, got {max_batch!r}")
+    if not 0.0 < prefill_share <= 1.0:
+        raise ConfigError(f"prefill_share must be > 0 and <= 1, got {prefill_share!r}")
+    if prefix_cache_bytes < 0:
+        raise ConfigError(f"prefix_cache_bytes must be >= 0, got {prefix_cache_bytes!r}")
+    if threads is not None:
+        if threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {threads!r}")
+        torch.set_num_threads(threads)
+    return torch_device

@@ -1,6 +1,9 @@
 """The parts of the samplers that need more than one step's logits: DRY,
 which reads the job's history, and the token sets that DRY and XTC take from
-the tokenizer.
+the tokenizer; and the steps after the filters (mirostat, which carries its
+mu from step to step in a :class:`RowState`, the temperature after the
+filters, and XTC), which :mod:`trioserve.engine.sampling` applies with
+:func:`after_filters`.
 
 :mod:`trioserve.engine.sampling` samples a batch from its logits; what it
 cannot know -- which earlier tokens a repeat would extend, which ids break a
@@ -30,7 +33,13 @@ from trioserve.engine.tokenizer import Tokenizer
 __all__ = [
     "DRY_MAX_NGRAM",
     "DryHistory",
+    "RowState",
+    "after_filters",
     "bias_row",
+    "follow_surprise",
+    "mirostat_mus",
+    "renormalise",
+    "row_param",
     "sequence_breaker_ids",
     "xtc_protected_ids",
 ]
@@ -161,3 +170,158 @@ class DryHistory:
         ids, counts = torch.unique(followers[length == best], return_counts=True)
         scale = settings.dry_multiplier * settings.dry_base ** (best - settings.dry_allowed_length)
         return ids, counts.to(torch.float32) * scale
+
+
+# --- the steps after the filters ------------------------------------------------
+
+
+@attrs.define(eq=False)
+class RowState:
+    """What the sampler carries for one job from one step to the next."""
+
+    #: Mirostat's cut-off, in bits: None until the job's first mirostat draw,
+    #: which starts from ``2 * mirostat_tau`` as ExLlamaV2 does.
+    mu: float | None = None
+
+
+def mirostat_mus(
+    settings: Sequence[SamplingSettings], states: Sequence[RowState] | None, rows: Sequence[int]
+) -> list[float]:
+    """Each row's mirostat mu (0 for rows without mirostat)."""
+    mus = []
+    for s, row in zip(settings, rows, strict=True):
+        mu = None if states is None else states[row].mu
+        mus.append(0.0 if not s.mirostat else 2.0 * s.mirostat_tau if mu is None else mu)
+    return mus
+
+
+def follow_surprise(
+    probs: torch.Tensor,
+    chosen: torch.Tensor,
+    settings: Sequence[SamplingSettings],
+    mus: Sequence[float],
+    states: Sequence[RowState],
+) -> None:
+    """Mirostat's update after the draw: ``mu += eta * (tau - surprise)``,
+    the surprise being ``-log2 p`` of the drawn token in the distribution it
+    was drawn from."""
+    total = probs.sum(dim=1)
+    picked = probs.gather(1, chosen.unsqueeze(1)).squeeze(1) / total
+    surprise = (-torch.log2(picked)).tolist()
+    for s, mu, state, bits in zip(settings, mus, states, surprise, strict=True):
+        if s.mirostat:
+            state.mu = mu + s.mirostat_eta * (s.mirostat_tau - bits)
+
+
+def after_filters(
+    probs: torch.Tensor,
+    ids: torch.Tensor,
+    settings: Sequence[SamplingSettings],
+    mus: Sequence[float],
+    protected: torch.Tensor | None,
+) -> torch.Tensor:
+    """The steps after the filters, in ExLlamaV2's order: mirostat, the
+    temperature after the filters (``temperature_last`` or dynamic), then
+    XTC. None of them needs the candidates in order: each works on values
+    (a threshold, the row's maximum, its least likely token over a
+    threshold), so rows drawn in id order need no sort for them. Rows that
+    use none of them cost one look at their settings."""
+    if any(s.mirostat for s in settings):
+        probs = _mirostat(probs, settings, mus)
+    if any(s.temperature_last or s.dynamic_temperature for s in settings):
+        probs = _late_temperature(probs, settings)
+    if any(s.xtc_probability > 0 for s in settings):
+        guarded = None if protected is None else protected[ids]
+        probs = _xtc(probs, settings, guarded)
+    return probs
+
+
+def _mirostat(
+    probs: torch.Tensor, settings: Sequence[SamplingSettings], mus: Sequence[float]
+) -> torch.Tensor:
+    """Mirostat v2's cut: keep the tokens whose surprise ``-log2 p`` is at
+    most mu (p >= 2**-mu), and the likeliest token always."""
+    device = probs.device
+    on = torch.tensor([s.mirostat for s in settings], device=device).unsqueeze(1)
+    target = torch.exp2(-torch.tensor(mus, dtype=torch.float64, device=device)).unsqueeze(1)
+    keep = (probs >= target) | (probs == probs.amax(dim=1, keepdim=True)) | ~on
+    return renormalise(probs, keep)
+
+
+def _late_temperature(probs: torch.Tensor, settings: Sequence[SamplingSettings]) -> torch.Tensor:
+    """``p ** (1 / T)``, renormalised, with T the row's temperature
+    (``temperature_last``) or, when ``max_temp > min_temp``, the dynamic one:
+    ``min_temp + (max_temp - min_temp) * (H / ln n) ** temp_exponent``, H the
+    entropy of the kept tokens and n their number. Rows with neither keep
+    their probabilities."""
+    device = probs.device
+    rows: list[float] = []
+    kept = probs > 0
+    normalised: list[float] = []
+    if any(s.dynamic_temperature for s in settings):
+        entropy = -torch.special.xlogy(probs, probs).sum(dim=1)
+        count = kept.sum(dim=1).to(torch.float64)
+        # One kept token: nothing to spread (ExLlamaV2 skips the step there).
+        ratio = torch.where(count > 1, entropy / count.log().clamp(min=1e-300), 0.0)
+        normalised = ratio.clamp(0.0, 1.0).tolist()
+    for i, s in enumerate(settings):
+        if s.dynamic_temperature:
+            h = normalised[i]
+            rows.append(s.min_temp + (s.max_temp - s.min_temp) * h**s.temp_exponent)
+        elif s.temperature_last:
+            rows.append(s.temperature)
+        else:
+            rows.append(1.0)
+    temperature = torch.tensor(rows, dtype=torch.float64, device=device).unsqueeze(1)
+    # In log space against the row's maximum: a tiny temperature sends every
+    # smaller probability to 0 and keeps the maximum, instead of 0/0.
+    log_probs = torch.log(probs)
+    top = log_probs.amax(dim=1, keepdim=True)
+    bent = torch.exp((log_probs - top) / temperature.clamp(min=1e-300))
+    bent = torch.where(kept, bent, 0.0)
+    same = temperature == 1.0
+    return torch.where(same, probs, bent / bent.sum(dim=1, keepdim=True))
+
+
+def _xtc(
+    probs: torch.Tensor, settings: Sequence[SamplingSettings], protected: torch.Tensor | None
+) -> torch.Tensor:
+    """Exclude Top Choices: where at least two tokens (not protected) have
+    ``p >= xtc_threshold``, all of them but the least likely are removed with
+    probability ``xtc_probability``.
+
+    Applied as ExLlamaV2 applies it, to the distribution rather than by a
+    second random number: the row draws from ``(1 - q) * p + q * p'``, p'
+    being p without those tokens, renormalised -- the same distribution as
+    removing them when a coin of probability q says so, and the row still
+    takes one uniform per step."""
+    device = probs.device
+    chance = row_param(settings, "xtc_probability", device)
+    threshold = row_param(settings, "xtc_threshold", device)
+    over = (probs >= threshold) & (probs > 0) & (chance > 0)
+    if protected is not None:
+        over &= ~protected
+    least = torch.where(over, probs, float("inf")).amin(dim=1, keepdim=True)
+    # Every token tied for the least likely over the threshold stays.
+    removed = over & (probs > least)
+    fires = removed.any(dim=1, keepdim=True)
+    if not bool(fires.any()):
+        return probs
+    without = renormalise(probs, ~removed)
+    mixed = (1.0 - chance) * probs + chance * without
+    return torch.where(fires, mixed, probs)
+
+
+def renormalise(probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``probs`` where ``keep`` (``[B, C]`` bool), each row summing to 1."""
+    kept = probs * keep
+    return kept / kept.sum(dim=1, keepdim=True)
+
+
+def row_param(
+    settings: Sequence[SamplingSettings], name: str, device: torch.device
+) -> torch.Tensor:
+    """The setting ``name`` of each row, as a ``[B, 1]`` float64 column."""
+    return torch.tensor(
+        [float(getattr(s, name)) for s in settings], dtype=torch.float64, device=device
+    ).unsqueeze(1)

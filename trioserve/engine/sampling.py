@@ -38,10 +38,17 @@ import secrets
 from collections.abc import Callable, Sequence
 from typing import Literal, TypeAlias
 
-import attrs
 import torch
 
 from trioserve.engine.base import SamplingSettings, setting_bounds
+from trioserve.engine.samplers import (
+    RowState,
+    after_filters,
+    follow_surprise,
+    mirostat_mus,
+    renormalise,
+    row_param,
+)
 from trioserve.errors import EngineError, TrioserveError
 
 __all__ = [
@@ -73,15 +80,6 @@ _BOUNDS = setting_bounds()
 _TINY32 = torch.finfo(torch.float32).tiny
 _FLOAT32_EXP_FLOOR = -100.0
 _NEUTRAL = SamplingSettings(temperature=0.0, rep_pen=1.0)
-
-
-@attrs.define(eq=False)
-class RowState:
-    """What the sampler carries for one job from one step to the next."""
-
-    #: Mirostat's cut-off, in bits: None until the job's first mirostat draw,
-    #: which starts from ``2 * mirostat_tau`` as ExLlamaV2 does.
-    mu: float | None = None
 
 
 class SamplingError(TrioserveError):
@@ -201,12 +199,12 @@ def sample(
             kind: _Kind = kind,
         ) -> None:
             row_settings = [usable[r] for r in part_rows]
-            mus = _mus(row_settings, states, part_rows)
+            mus = mirostat_mus(row_settings, states, part_rows)
             probs, ids = _candidates(part, row_settings, kind, mus, protected)
             picked, chosen = _draw(probs, ids, row_settings, part_uniforms)
             out[torch.tensor(part_rows, dtype=torch.int64, device=device)] = picked
             if states is not None and any(s.mirostat for s in row_settings):
-                _follow_surprise(probs, chosen, row_settings, mus, [states[r] for r in part_rows])
+                follow_surprise(probs, chosen, row_settings, mus, [states[r] for r in part_rows])
 
         _rows_apart(sub, rows, uniforms, draw, reasons)
 
@@ -274,7 +272,7 @@ def distribution(
                 rows_out.scatter_(1, part.argmax(dim=1, keepdim=True), 1.0)
             else:
                 row_settings = [usable[r] for r in part_rows]
-                mus = _mus(row_settings, states, part_rows)
+                mus = mirostat_mus(row_settings, states, part_rows)
                 probs, ids = _candidates(part, row_settings, kind, mus, protected)
                 rows_out.scatter_(1, ids, probs)
             out[torch.tensor(part_rows, dtype=torch.int64, device=x.device)] = rows_out
@@ -292,35 +290,6 @@ def _protected(mask: torch.Tensor | None, vocab: int, device: torch.device) -> t
             f"of {mask.dtype}"
         )
     return None if mask is None else mask.to(device)
-
-
-def _mus(
-    settings: Sequence[SamplingSettings], states: Sequence[RowState] | None, rows: Sequence[int]
-) -> list[float]:
-    """Each row's mirostat mu (0 for rows without mirostat)."""
-    mus = []
-    for s, row in zip(settings, rows, strict=True):
-        mu = None if states is None else states[row].mu
-        mus.append(0.0 if not s.mirostat else 2.0 * s.mirostat_tau if mu is None else mu)
-    return mus
-
-
-def _follow_surprise(
-    probs: torch.Tensor,
-    chosen: torch.Tensor,
-    settings: Sequence[SamplingSettings],
-    mus: Sequence[float],
-    states: Sequence[RowState],
-) -> None:
-    """Mirostat's update after the draw: ``mu += eta * (tau - surprise)``,
-    the surprise being ``-log2 p`` of the drawn token in the distribution it
-    was drawn from."""
-    total = probs.sum(dim=1)
-    picked = probs.gather(1, chosen.unsqueeze(1)).squeeze(1) / total
-    surprise = (-torch.log2(picked)).tolist()
-    for s, mu, state, bits in zip(settings, mus, states, surprise, strict=True):
-        if s.mirostat:
-            state.mu = mu + s.mirostat_eta * (s.mirostat_tau - bits)
 
 
 def penalise(
@@ -478,14 +447,6 @@ def _apply_penalties(
     return x
 
 
-def _row_param(
-    settings: Sequence[SamplingSettings], name: str, device: torch.device
-) -> torch.Tensor:
-    return torch.tensor(
-        [float(getattr(s, name)) for s in settings], dtype=torch.float64, device=device
-    ).unsqueeze(1)
-
-
 def _top_candidates(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest logits of each row and their ids, ordered by value
     descending and, among equal values, by id ascending.
@@ -536,7 +497,7 @@ def _candidates(
         device=device,
     ).unsqueeze(1)
     smoothing = any(s.smoothing_factor > 0 for s in settings)
-    factor = _row_param(settings, "smoothing_factor", device) if smoothing else None
+    factor = row_param(settings, "smoothing_factor", device) if smoothing else None
 
     if kind == "top_k":
         k_max = min(max(s.top_k for s in settings), vocab)
@@ -553,7 +514,7 @@ def _candidates(
             position = torch.arange(k_max, device=device).unsqueeze(0)
             scaled = scaled.masked_fill(position >= top_k, _NEG_INF)
         probs = torch.softmax(scaled, dim=1)
-        return _after(_filter(probs, settings), ids, settings, mus, protected), ids
+        return after_filters(_filter(probs, settings), ids, settings, mus, protected), ids
 
     shifted = _scale(x - x.amax(dim=1, keepdim=True), factor)
     scaled32 = shifted / temperature.to(torch.float32).clamp(min=_TINY32)
@@ -563,9 +524,9 @@ def _candidates(
         # the distribution, so id order saves a full sort (the filters after
         # the others need no order either).
         ids = torch.arange(vocab, device=device).expand(x.shape[0], vocab)
-        return _after(probs_full.to(torch.float64), ids, settings, mus, protected), ids
+        return after_filters(probs_full.to(torch.float64), ids, settings, mus, protected), ids
     probs, ids = _ordered_candidates(x, probs_full, settings)
-    return _after(_filter(probs, settings), ids, settings, mus, protected), ids
+    return after_filters(_filter(probs, settings), ids, settings, mus, protected), ids
 
 
 def _scale(shifted: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
@@ -628,11 +589,6 @@ def _fits(probs: torch.Tensor, s: SamplingSettings) -> bool:
     return threshold > 0 and float(probs[-1]) < threshold
 
 
-def _renormalise(probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    kept = probs * keep
-    return kept / kept.sum(dim=1, keepdim=True)
-
-
 def _filter(probs: torch.Tensor, settings: Sequence[SamplingSettings]) -> torch.Tensor:
     """top_p, top_a, min_p and typical on probabilities whose columns are in
     descending order, so column 0 is each row's argmax. Each filter leaves at
@@ -651,20 +607,20 @@ def _filter(probs: torch.Tensor, settings: Sequence[SamplingSettings]) -> torch.
         before = probs.cumsum(dim=1) - probs
         keep = before < top_p
         keep[:, 0] = True
-        probs = _renormalise(probs, keep)
+        probs = renormalise(probs, keep)
 
     if any(s.top_a > 0 for s in settings):
-        top_a = _row_param(settings, "top_a", device)
+        top_a = row_param(settings, "top_a", device)
         pmax = probs[:, :1]
         keep = probs >= top_a * pmax * pmax
         keep[:, 0] = True
-        probs = _renormalise(probs, keep)
+        probs = renormalise(probs, keep)
 
     if any(s.min_p > 0 for s in settings):
-        min_p = _row_param(settings, "min_p", device)
+        min_p = row_param(settings, "min_p", device)
         keep = probs >= min_p * probs[:, :1]
         keep[:, 0] = True
-        probs = _renormalise(probs, keep)
+        probs = renormalise(probs, keep)
 
     if any(0 < s.typical < 1 for s in settings):
         mass = torch.tensor(
@@ -684,108 +640,9 @@ def _filter(probs: torch.Tensor, settings: Sequence[SamplingSettings]) -> torch.
         keep_in_order = before < mass
         keep_in_order[:, 0] = True
         keep = torch.zeros_like(keep_in_order).scatter_(1, order, keep_in_order)
-        probs = _renormalise(probs, keep)
+        probs = renormalise(probs, keep)
 
     return probs
-
-
-def _after(
-    probs: torch.Tensor,
-    ids: torch.Tensor,
-    settings: Sequence[SamplingSettings],
-    mus: Sequence[float],
-    protected: torch.Tensor | None,
-) -> torch.Tensor:
-    """The steps after the filters, in ExLlamaV2's order: mirostat, the
-    temperature after the filters (``temperature_last`` or dynamic), then
-    XTC. None of them needs the candidates in order: each works on values
-    (a threshold, the row's maximum, its least likely token over a
-    threshold), so rows drawn in id order need no sort for them. Rows that
-    use none of them cost one look at their settings."""
-    if any(s.mirostat for s in settings):
-        probs = _mirostat(probs, settings, mus)
-    if any(s.temperature_last or s.dynamic_temperature for s in settings):
-        probs = _late_temperature(probs, settings)
-    if any(s.xtc_probability > 0 for s in settings):
-        guarded = None if protected is None else protected[ids]
-        probs = _xtc(probs, settings, guarded)
-    return probs
-
-
-def _mirostat(
-    probs: torch.Tensor, settings: Sequence[SamplingSettings], mus: Sequence[float]
-) -> torch.Tensor:
-    """Mirostat v2's cut: keep the tokens whose surprise ``-log2 p`` is at
-    most mu (p >= 2**-mu), and the likeliest token always."""
-    device = probs.device
-    on = torch.tensor([s.mirostat for s in settings], device=device).unsqueeze(1)
-    target = torch.exp2(-torch.tensor(mus, dtype=torch.float64, device=device)).unsqueeze(1)
-    keep = (probs >= target) | (probs == probs.amax(dim=1, keepdim=True)) | ~on
-    return _renormalise(probs, keep)
-
-
-def _late_temperature(probs: torch.Tensor, settings: Sequence[SamplingSettings]) -> torch.Tensor:
-    """``p ** (1 / T)``, renormalised, with T the row's temperature
-    (``temperature_last``) or, when ``max_temp > min_temp``, the dynamic one:
-    ``min_temp + (max_temp - min_temp) * (H / ln n) ** temp_exponent``, H the
-    entropy of the kept tokens and n their number. Rows with neither keep
-    their probabilities."""
-    device = probs.device
-    rows: list[float] = []
-    kept = probs > 0
-    normalised: list[float] = []
-    if any(s.dynamic_temperature for s in settings):
-        entropy = -torch.special.xlogy(probs, probs).sum(dim=1)
-        count = kept.sum(dim=1).to(torch.float64)
-        # One kept token: nothing to spread (ExLlamaV2 skips the step there).
-        ratio = torch.where(count > 1, entropy / count.log().clamp(min=1e-300), 0.0)
-        normalised = ratio.clamp(0.0, 1.0).tolist()
-    for i, s in enumerate(settings):
-        if s.dynamic_temperature:
-            h = normalised[i]
-            rows.append(s.min_temp + (s.max_temp - s.min_temp) * h**s.temp_exponent)
-        elif s.temperature_last:
-            rows.append(s.temperature)
-        else:
-            rows.append(1.0)
-    temperature = torch.tensor(rows, dtype=torch.float64, device=device).unsqueeze(1)
-    # In log space against the row's maximum: a tiny temperature sends every
-    # smaller probability to 0 and keeps the maximum, instead of 0/0.
-    log_probs = torch.log(probs)
-    top = log_probs.amax(dim=1, keepdim=True)
-    bent = torch.exp((log_probs - top) / temperature.clamp(min=1e-300))
-    bent = torch.where(kept, bent, 0.0)
-    same = temperature == 1.0
-    return torch.where(same, probs, bent / bent.sum(dim=1, keepdim=True))
-
-
-def _xtc(
-    probs: torch.Tensor, settings: Sequence[SamplingSettings], protected: torch.Tensor | None
-) -> torch.Tensor:
-    """Exclude Top Choices: where at least two tokens (not protected) have
-    ``p >= xtc_threshold``, all of them but the least likely are removed with
-    probability ``xtc_probability``.
-
-    Applied as ExLlamaV2 applies it, to the distribution rather than by a
-    second random number: the row draws from ``(1 - q) * p + q * p'``, p'
-    being p without those tokens, renormalised -- the same distribution as
-    removing them when a coin of probability q says so, and the row still
-    takes one uniform per step."""
-    device = probs.device
-    chance = _row_param(settings, "xtc_probability", device)
-    threshold = _row_param(settings, "xtc_threshold", device)
-    over = (probs >= threshold) & (probs > 0) & (chance > 0)
-    if protected is not None:
-        over &= ~protected
-    least = torch.where(over, probs, float("inf")).amin(dim=1, keepdim=True)
-    # Every token tied for the least likely over the threshold stays.
-    removed = over & (probs > least)
-    fires = removed.any(dim=1, keepdim=True)
-    if not bool(fires.any()):
-        return probs
-    without = _renormalise(probs, ~removed)
-    mixed = (1.0 - chance) * probs + chance * without
-    return torch.where(fires, mixed, probs)
 
 
 def _uniform(generator: torch.Generator) -> float:
@@ -805,7 +662,7 @@ def _draw(
     device = probs.device
     u = torch.tensor(list(uniforms), dtype=torch.float64, device=device).unsqueeze(1)
     if any(s.skew != 0 for s in settings):
-        u = u ** torch.exp(-_row_param(settings, "skew", device))
+        u = u ** torch.exp(-row_param(settings, "skew", device))
     cdf = probs.cumsum(dim=1)
     total = cdf[:, -1:].contiguous()
     index = torch.searchsorted(cdf, u * total, right=True)

@@ -1,0 +1,324 @@
+"""The CPU engine's jobs: what each running job holds, how a spec is checked
+and turned into one, and how a step's rows are sampled.
+
+:class:`~trioserve.engine.cpu.CpuEngine` owns the slots and the KV cache;
+everything here works on one job, or on the rows of one step, and touches
+neither.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import attrs
+import torch
+from torch import Tensor
+
+from trioserve.engine.base import Finished, FinishReason, GenerationSpec, TextUpdate
+from trioserve.engine.plan import JobState
+from trioserve.engine.prefix import PrefixCache
+from trioserve.engine.samplers import DryHistory, bias_row, sequence_breaker_ids
+from trioserve.engine.sampling import (
+    RowState,
+    SamplingError,
+    make_generator,
+    sample,
+    settings_problem,
+)
+from trioserve.engine.text import TextStream
+from trioserve.engine.tokenizer import Tokenizer
+
+__all__ = ["CpuJob", "sample_jobs", "spec_problem", "start_job", "text_in_context"]
+
+log = logging.getLogger("trioserve.engine")
+
+#: Prompt ids decoded before the healed token to give it its context.
+_HEALING_CONTEXT = 8
+
+
+@attrs.define(eq=False)
+class CpuJob:
+    """A job that holds a slot."""
+
+    spec: GenerationSpec
+    #: The prompt actually run (token healing drops the last id).
+    prompt: tuple[int, ...]
+    slot: int
+    stream: TextStream
+    generator: torch.Generator
+    #: How often each id occurs in the job's context, for the penalties. [V]
+    counts: Tensor
+    banned: Tensor | None  # [V] bool
+    #: Token healing's constraint on the first sample. [V] bool
+    allowed: Tensor | None
+    #: ``logit_bias`` as a row to add to the logits. [V] float32
+    bias: Tensor | None = None
+    #: The context as DRY reads it, when the job uses DRY.
+    dry: DryHistory | None = None
+    #: What the sampler keeps between steps (mirostat's mu).
+    state: RowState = attrs.field(factory=RowState)
+    #: Positions written to the KV cache so far.
+    cached: int = 0
+    #: The last sampled id, to be fed at the next decode step.
+    pending: int | None = None
+    generated: int = 0
+    #: The prompt, then every sampled id: ``tokens[:cached]`` are the ids
+    #: whose keys and values the slot holds.
+    tokens: list[int] = attrs.field(factory=list)
+    #: Prompt tokens served from the prefix cache.
+    reused: int = 0
+    #: The prefix cache's blocks still to be copied into the slot (at the
+    #: job's first step, once the cache has room).
+    restore: list[Tensor] = attrs.field(factory=list)
+
+    def state_for_plan(self) -> JobState:
+        return JobState(len(self.prompt), self.cached, decoding=self.pending is not None)
+
+    def accept(self, token: int) -> TextUpdate | Finished:
+        """Take the sampled ``token`` (it is fed at the next decode step) and
+        say what it gives: more text, or the job's end (the engine then
+        frees its slot)."""
+        self.allowed = None
+        self.pending = token
+        self.tokens.append(token)
+        self.generated += 1
+        self.counts[token] += 1
+        if self.dry is not None:
+            self.dry.append(token)
+        spec = self.spec
+        if token in spec.stop_token_ids:
+            # The stop token's own text is never emitted; held text was not a
+            # stop string after all, so it is released.
+            return self._finished(self.stream.flush(), "stop_token", stop_token=token)
+        piece = self.stream.push([token])
+        if piece.stop_string is not None:
+            return self._finished(piece.text, "stop_string", stop_string=piece.stop_string)
+        if self.generated >= spec.max_new_tokens:
+            text = piece.text + self.stream.flush()
+            if self.stream.stop_string is not None:
+                # The flushed tail completed a stop string after all.
+                return self._finished(text, "stop_string", stop_string=self.stream.stop_string)
+            return self._finished(text, "max_new_tokens")
+        return TextUpdate(spec.job_id, piece.text, self.stream.held, self.generated)
+
+    def _finished(
+        self,
+        text: str,
+        reason: FinishReason,
+        *,
+        stop_string: str | None = None,
+        stop_token: int | None = None,
+    ) -> Finished:
+        return Finished(
+            job_id=self.spec.job_id,
+            text=text,
+            reason=reason,
+            stop_string=stop_string,
+            stop_token=stop_token,
+            prompt_tokens=len(self.prompt),
+            generated_tokens=self.generated,
+            cached_tokens=self.reused,
+        )
+
+
+def text_in_context(tokenizer: Tokenizer, prompt: Sequence[int]) -> str:
+    """The text the prompt's last token adds after the ids before it.
+
+    Decoded alone, a token can lose what only its context gives it: a
+    SentencePiece-style decoder drops the leading space of the first token it
+    sees (``"▁lazy"`` alone is ``"lazy"``, after ``"▁the"`` it is ``" lazy"``).
+    The healed token is decoded after the same context the text stream gives
+    the generated ids, so that the prefix it drops is the one they produce.
+    """
+    context = list(prompt[-1 - _HEALING_CONTEXT : -1])
+    before = tokenizer.decode(context)
+    after = tokenizer.decode([*context, prompt[-1]])
+    if context and after.startswith(before):
+        return after[len(before) :]
+    # The context ends inside a character that the last token completes:
+    # there is no clean split, so fall back to the token alone.
+    return tokenizer.decode(prompt[-1:])
+
+
+def spec_problem(spec: GenerationSpec, *, vocab: int, context: int) -> str | None:
+    """What makes ``spec`` impossible to run (one lowercase sentence), or
+    None. (Whether its job_id is in use is the engine's to check.)"""
+    if not spec.prompt_ids:
+        return "prompt_ids must not be empty"
+    if spec.max_new_tokens < 1:
+        return f"max_new_tokens must be >= 1, got {spec.max_new_tokens!r}"
+    total = len(spec.prompt_ids) + spec.max_new_tokens
+    if total > context:
+        return (
+            f"prompt tokens plus max_new_tokens must be <= the context length {context},"
+            f" got {len(spec.prompt_ids)} + {spec.max_new_tokens} = {total}"
+        )
+    bad = [i for i in spec.prompt_ids if not 0 <= i < vocab]
+    if bad:
+        return f"prompt_ids must be in [0, {vocab}), got {bad[0]!r}"
+    bad = [i for i in spec.banned_ids if not 0 <= i < vocab]
+    if bad:
+        return f"banned_ids must be in [0, {vocab}), got {bad[0]!r}"
+    if any(not s for s in spec.stop_strings):
+        return "stop_strings must not contain an empty string"
+    problem = settings_problem(spec.sampling)
+    if problem is not None:
+        return problem
+    bad = [i for i, _ in spec.sampling.logit_bias if i >= vocab]
+    if bad:
+        return f"logit_bias ids must be in [0, {vocab}), got {bad[0]!r}"
+    return None
+
+
+def start_job(
+    spec: GenerationSpec,
+    slot: int,
+    *,
+    tokenizer: Tokenizer,
+    vocab: int,
+    device: torch.device,
+    prefix_cache: PrefixCache,
+) -> CpuJob:
+    """A new job in ``slot`` for a checked ``spec``: token healing's
+    constraint, the penalties' counts, the sampler's rows, and the prefix
+    cache's blocks it starts from."""
+    prompt = spec.prompt_ids
+    allowed: Tensor | None = None
+    skip_prefix = ""
+    last = prompt[-1]
+    if (
+        spec.token_healing
+        and len(prompt) >= 2
+        and last not in tokenizer.special_ids
+        and last < tokenizer.vocab_size
+    ):
+        ids = tokenizer.ids_with_prefix(tokenizer.token_bytes(last))
+        allowed = torch.zeros(vocab, dtype=torch.bool, device=device)
+        allowed[[i for i in ids if i < vocab]] = True
+        prompt = prompt[:-1]
+        skip_prefix = text_in_context(tokenizer, spec.prompt_ids)
+    banned: Tensor | None = None
+    if spec.banned_ids:
+        banned = torch.zeros(vocab, dtype=torch.bool, device=device)
+        banned[sorted(spec.banned_ids)] = True
+    counts = torch.bincount(torch.tensor(prompt), minlength=vocab).to(
+        device=device, dtype=torch.int32
+    )
+    # At least the last prompt token is run: its logits give the first sample.
+    restore = prefix_cache.lookup(prompt, len(prompt) - 1)
+    reused = sum(int(block.shape[2]) for block in restore)
+    stream = TextStream(
+        tokenizer.decode, spec.stop_strings, context_ids=prompt, skip_prefix=skip_prefix
+    )
+    sampling = spec.sampling
+    bias = bias_row(sampling.logit_bias, vocab).to(device) if sampling.logit_bias else None
+    dry = None
+    if sampling.dry:
+        # Breakers are token ids, computed from the strings once per job
+        # (and cached across jobs that send the same strings).
+        breakers = sequence_breaker_ids(tokenizer, sampling.dry_sequence_breakers)
+        dry = DryHistory.start(prompt, len(prompt) + spec.max_new_tokens, breakers, vocab)
+    return CpuJob(
+        spec=spec,
+        prompt=prompt,
+        slot=slot,
+        stream=stream,
+        generator=make_generator(sampling.seed, device),
+        counts=counts,
+        banned=banned,
+        allowed=allowed,
+        bias=bias,
+        dry=dry,
+        cached=reused,
+        tokens=list(prompt),
+        reused=reused,
+        restore=restore,
+    )
+
+
+def sample_jobs(
+    rows: list[CpuJob],
+    logits: Tensor,
+    xtc_protected: Callable[[Sequence[CpuJob]], Tensor | None],
+    *,
+    vocab: int,
+    device: torch.device,
+) -> list[tuple[CpuJob, int | str]]:
+    """One token for each row of ``logits`` (``[B, V]``, row i is job
+    ``rows[i]``), or why the job cannot be sampled: each job once, in the
+    order its update is to be given (the jobs whose DRY failed first).
+
+    ``xtc_protected`` gives the XTC mask for the rows sampled (None when no
+    row uses XTC). The jobs are not changed (see :meth:`CpuJob.accept`).
+    """
+    outcomes: list[tuple[CpuJob, int | str]] = []
+    bias, dry_failed = _biases(rows, vocab, device)
+    if dry_failed:
+        for row in sorted(dry_failed):
+            outcomes.append((rows[row], dry_failed[row]))
+        keep = [row for row in range(len(rows)) if row not in dry_failed]
+        rows = [rows[row] for row in keep]
+        if not rows:
+            return outcomes
+        index = torch.tensor(keep, device=logits.device)
+        logits = logits.index_select(0, index)
+        assert bias is not None
+        bias = bias.index_select(0, index.to(bias.device))
+    banned = allowed = None
+    if any(job.banned is not None for job in rows):
+        empty = torch.zeros(vocab, dtype=torch.bool, device=device)
+        banned = torch.stack([empty if job.banned is None else job.banned for job in rows])
+    if any(job.allowed is not None for job in rows):
+        full = torch.ones(vocab, dtype=torch.bool, device=device)
+        allowed = torch.stack([full if job.allowed is None else job.allowed for job in rows])
+    failed: dict[int, str] = {}
+    try:
+        ids = sample(
+            logits,
+            [job.spec.sampling for job in rows],
+            [job.generator for job in rows],
+            counts=torch.stack([job.counts for job in rows]),
+            banned=banned,
+            allowed=allowed,
+            bias=bias,
+            states=[job.state for job in rows],
+            xtc_protected=xtc_protected(rows),
+        )
+    except SamplingError as exc:
+        failed = exc.reasons
+        if exc.ids is None:
+            # No row was sampled: every job of the step fails, each with its
+            # own reason where the sampler gave one.
+            return outcomes + [(job, failed.get(row, str(exc))) for row, job in enumerate(rows)]
+        ids = exc.ids
+    for row, (job, token) in enumerate(zip(rows, ids.tolist(), strict=True)):
+        outcomes.append((job, failed.get(row, token)))
+    return outcomes
+
+
+def _biases(
+    rows: list[CpuJob], vocab: int, device: torch.device
+) -> tuple[Tensor | None, dict[int, str]]:
+    """The step's additive ``[B, V]`` bias (``logit_bias`` and DRY), or None
+    when no row has one; and the rows whose DRY could not be computed, each
+    with why (they fail alone)."""
+    if all(job.bias is None and job.dry is None for job in rows):
+        return None, {}
+    bias = torch.zeros((len(rows), vocab), dtype=torch.float32, device=device)
+    failed: dict[int, str] = {}
+    for row, job in enumerate(rows):
+        if job.bias is not None:
+            bias[row] += job.bias
+        if job.dry is None:
+            continue
+        try:
+            found = job.dry.penalties(job.spec.sampling)
+        except Exception as exc:
+            log.exception("dry penalties of job %s failed", job.spec.job_id)
+            failed[row] = f"dry failed: {type(exc).__name__}: {exc}"[:200]
+            continue
+        if found is not None:
+            ids, values = found
+            bias[row].index_add_(0, ids.to(device), -values.to(device))
+    return bias, failed
