@@ -53,7 +53,8 @@ SENTENCES: list[tuple[str, str]] = [
     ),
     (
         "docs/protocol.md",
-        f"frames up to 16 bytes per token of the context, at least {default_max_message_bytes(1) // KiB} KiB",
+        "frames up to 16 bytes per token of the context, at least "
+        f"{default_max_message_bytes(1) // KiB} KiB",
     ),
     ("docs/protocol.md", f"at most {L['max_id_bytes']:,} bytes (as compact JSON)"),
     ("docs/protocol.md", f"(any JSON value of at most {L['max_tag_bytes'] // KiB} KiB)"),
@@ -89,7 +90,8 @@ SENTENCES: list[tuple[str, str]] = [
     ),
     (
         "docs/http.md",
-        f"16 bytes per token of context, at least {default_max_message_bytes(1) // KiB} KiB (`--max-message-bytes`)",
+        "16 bytes per token of context, at least "
+        f"{default_max_message_bytes(1) // KiB} KiB (`--max-message-bytes`)",
     ),
     # openai.md
     ("docs/openai.md", f"a request head larger than {H.max_head_bytes // KiB} KiB"),
