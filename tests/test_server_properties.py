@@ -238,7 +238,7 @@ class ServerMachine(RuleBasedStateMachine):
 
     @rule(conn=connections, pick=st.integers(0, 1000), targeted=st.booleans())
     def stop(self, conn: Conn, pick: int, targeted: bool) -> None:
-        if conn.closed or conn not in self.open:
+        if conn.closed or conn not in self.open or self.drained:
             return
         request_id = self._new_id("s")
         frame: dict[str, Any] = {"action": "stop", "request_id": request_id}
@@ -254,7 +254,7 @@ class ServerMachine(RuleBasedStateMachine):
 
     @rule(conn=connections)
     def echo(self, conn: Conn) -> None:
-        if conn.closed or conn not in self.open:
+        if conn.closed or conn not in self.open or self.drained:
             return
         request_id = self._new_id("e")
         conn.sent.append(("echo", request_id, None))
@@ -333,6 +333,14 @@ class ServerMachine(RuleBasedStateMachine):
             # (after a drain too: the server closes a connection only after
             # its requests were answered).
             for conn in self.open:
+                if self.drained:
+                    # The drain answers what the server had read, then closes
+                    # every connection (1001): a frame still in flight then
+                    # gets no answer, and the client sees the close.
+                    self._run(wait_until, lambda conn=conn: conn.closed, 60)
+                    check_connection(conn, complete=False)
+                    check_started_requests_ended(conn)
+                    continue
                 self._run(wait_until, lambda conn=conn: answered_all(conn), 60)
                 check_connection(conn, complete=True)
             # Every HTTP request is answered (or was abandoned by its client).
@@ -386,6 +394,14 @@ def check_call(call: HttpCall) -> None:
         return
     reasons = [c["finish_reason"] for e in payloads for c in e["choices"] if c["finish_reason"]]
     assert len(reasons) == 1, payloads
+
+
+def check_started_requests_ended(conn: Conn) -> None:
+    """Every infer the server answered at all got its terminal frame."""
+    for kind, rid, _ in conn.sent:
+        own = [f for f in conn.frames if f.get("request_id") == rid]
+        if kind == "infer" and own:
+            assert any(is_terminal(f) for f in own), f"{rid}: started, never ended"
 
 
 def answered_all(conn: Conn) -> bool:
