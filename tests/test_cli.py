@@ -272,6 +272,7 @@ def test_bad_options_are_one_usage_error(args: list[str], env: dict[str, str], s
     assert result.stderr.rstrip("\n").endswith(line)
 
 
+@pytest.mark.slow
 def test_cuda_without_cuda_is_refused_before_loading() -> None:
     import torch
 
@@ -299,6 +300,7 @@ def exllamav2_may_run() -> bool:
     return torch.cuda.is_available()
 
 
+@pytest.mark.slow
 def test_exllamav2_without_a_gpu_is_one_clear_error() -> None:
     if exllamav2_may_run():
         pytest.skip("exllamav2 and CUDA are here: the engine would load")
@@ -370,6 +372,7 @@ async def started(
             await process.wait()
 
 
+@pytest.mark.slow
 async def test_start_answer_and_sigint(tmp_path: Path, model_dir: Path) -> None:
     # Settings from the environment, as a container or a systemd unit gives them.
     env = clean_env(
@@ -413,6 +416,7 @@ async def test_start_answer_and_sigint(tmp_path: Path, model_dir: Path) -> None:
     assert listening["startup_s"] >= ends["load"]["duration_s"]
 
 
+@pytest.mark.slow
 async def test_sigterm_during_infers_sends_their_final_frames(
     tmp_path: Path, model_dir: Path
 ) -> None:

@@ -211,6 +211,7 @@ async def test_api_key(cpu_engine: CpuEngine) -> None:
             assert await client.estimate_token("hello") >= 1
 
 
+@pytest.mark.slow
 async def test_server_shutdown_closes_the_client_with_1001(cpu_engine: CpuEngine) -> None:
     async with serving(cpu_engine) as (server, listening), open_client(listening.url) as client:
         await client.echo()
@@ -241,6 +242,7 @@ async def run_chat(
         )
 
 
+@pytest.mark.slow
 async def test_chat_cli_answers_once(cpu_engine: CpuEngine) -> None:
     async with running_server(cpu_engine, api_key="k") as listening:
         # An http:// URL is taken for the ws:// one at the same address.

@@ -164,6 +164,7 @@ def test_chat_answer_names_paris_and_ends_on_eos(cpu_engine: CpuEngine) -> None:
     assert end.prompt_tokens == len(cpu_engine.encode(chat("What is the capital of France?")))
 
 
+@pytest.mark.slow
 def test_greedy_is_deterministic(cpu_engine: CpuEngine) -> None:
     prompt = chat("Give me three tips for staying healthy.")
     first = run_one(cpu_engine, make_spec(cpu_engine, prompt, 20))
@@ -222,6 +223,7 @@ def test_held_text_is_flushed_at_max_new_tokens(cpu_engine: CpuEngine) -> None:
     assert outcome.finished.text.endswith(reference.text[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", ["🎉🎉🎉🎉🎉", "中国的首都是", "日本語: こんにちは、"])
 def test_multibyte_output_never_streams_replacement_characters(
     cpu_engine: CpuEngine, model_dir: Path, prompt: str
@@ -238,6 +240,7 @@ def test_multibyte_output_never_streams_replacement_characters(
     assert any(ord(ch) > 0x2E80 for ch in outcome.text)
 
 
+@pytest.mark.slow
 def test_text_alone_equals_text_beside_seven_others(cpu_engine: CpuEngine) -> None:
     """Holds in bfloat16 (the default): each job's greedy tokens do not depend
     on the other rows of its batch."""
@@ -483,6 +486,7 @@ def test_a_reused_prefix_gives_the_same_greedy_text(cpu_engine: CpuEngine) -> No
     assert 0 < after.bytes <= after.capacity_bytes
 
 
+@pytest.mark.slow
 def test_a_chats_next_turn_reuses_the_answer_and_matches_a_cold_run(
     cpu_engine: CpuEngine, model_dir: Path
 ) -> None:
@@ -507,6 +511,7 @@ def test_a_chats_next_turn_reuses_the_answer_and_matches_a_cold_run(
     assert warm.chunks == cold.chunks
 
 
+@pytest.mark.slow
 def test_reuse_keeps_batch_invariance(cpu_engine: CpuEngine) -> None:
     """Eight jobs sharing a long first part run together (nothing cached yet
     for them), then each alone (served from the cache): same greedy text."""
@@ -624,6 +629,7 @@ def _tokens_streamed_during_prefill(engine: CpuEngine, salt: int) -> tuple[int, 
     return streamed, chunks, outcome
 
 
+@pytest.mark.slow
 def test_prefill_takes_its_share_and_the_streams_keep_decoding(cpu_engine: CpuEngine) -> None:
     """With the default share (0.5), a long prompt's chunks alternate with
     steps that decode the running stream alone; with a share of 1, every step
@@ -651,6 +657,7 @@ def test_prefill_share_must_be_a_share(model_dir: Path) -> None:
             CpuEngine.load(model_dir, prefill_share=share)
 
 
+@pytest.mark.slow
 def test_a_short_prompt_is_not_queued_behind_a_long_ones_chunks(cpu_engine: CpuEngine) -> None:
     """A short prompt that arrives while a long one is being prefilled gets its
     first token from the next step, which runs no chunk of the long one; the
@@ -702,6 +709,7 @@ def longest_repeat(ids: Sequence[int]) -> int:
     return longest
 
 
+@pytest.mark.slow
 def test_dry_stops_a_greedy_loop(cpu_engine: CpuEngine) -> None:
     prompt = "I like cats. I like dogs. I like"
     loop = run_one(cpu_engine, make_spec(cpu_engine, prompt, 48)).text
@@ -773,6 +781,7 @@ def sampled_surprises(
     return surprises
 
 
+@pytest.mark.slow
 def test_mirostat_keeps_the_surprise_near_tau(
     cpu_engine: CpuEngine, model: tuple[llama.LlamaConfig, llama.LlamaWeights]
 ) -> None:
@@ -788,6 +797,7 @@ def test_mirostat_keeps_the_surprise_near_tau(
         assert abs(sum(surprises) / len(surprises) - tau) < 0.3, (tau, seed)
 
 
+@pytest.mark.slow
 def test_xtc_removes_the_top_choice_when_it_fires(
     cpu_engine: CpuEngine, model: tuple[llama.LlamaConfig, llama.LlamaWeights]
 ) -> None:

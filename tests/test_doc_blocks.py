@@ -467,6 +467,7 @@ async def _post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
     return await trio.to_thread.run_sync(post)
 
 
+@pytest.mark.slow
 async def test_commands_against_one_server(model_dir: Path) -> None:
     """openai.md's SDK snippet, curl command and error; quickstart.md's
     ``--once`` command and its output; the Python clients of quickstart.md

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pytest
 import trio
 import trio_websocket
 
@@ -43,6 +44,7 @@ async def test_readme_frames_are_what_the_server_sends(cpu_engine: CpuEngine) ->
     assert got == shown
 
 
+@pytest.mark.slow
 def test_skips_say_why_in_the_default_session(tmp_path: Path) -> None:
     """pytest as the project configures it (pyproject.toml, which nox's
     session uses) prints each skip's reason."""
@@ -119,6 +121,7 @@ def _shape(line: str) -> str:
     return re.sub(r"\d+(\.\d+)?", "N", line)
 
 
+@pytest.mark.slow
 async def test_the_quickstart_startup_log_is_what_a_start_writes(
     model_dir: Path, tmp_path: Path
 ) -> None:

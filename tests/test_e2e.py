@@ -108,6 +108,7 @@ async def test_greedy_answer_in_every_mode(cpu_engine: CpuEngine, mode: str) -> 
             assert frames[-2]["response"] == final["response"]
 
 
+@pytest.mark.slow
 async def test_stop_string_found_in_one_run_cuts_the_next_there(cpu_engine: CpuEngine) -> None:
     async with serving(cpu_engine) as (_, listening), raw_client(listening.url) as ws:
         first = await ws.request(infer(TIPS, 60, temperature=0))
@@ -128,6 +129,7 @@ async def test_stop_string_found_in_one_run_cuts_the_next_there(cpu_engine: CpuE
     )
 
 
+@pytest.mark.slow
 async def test_stop_token_and_banned_tokens(cpu_engine: CpuEngine) -> None:
     the = cpu_engine.encode("The")
     assert len(the) == 1
@@ -143,6 +145,7 @@ async def test_stop_token_and_banned_tokens(cpu_engine: CpuEngine) -> None:
         assert stopped["usage"]["generated_tokens"] == 2
 
 
+@pytest.mark.slow
 async def test_seed_makes_sampling_reproducible(cpu_engine: CpuEngine) -> None:
     async with serving(cpu_engine) as (_, listening), raw_client(listening.url) as ws:
         runs = [
@@ -153,6 +156,7 @@ async def test_seed_makes_sampling_reproducible(cpu_engine: CpuEngine) -> None:
     assert runs[0]["response"] != runs[2]["response"]
 
 
+@pytest.mark.slow
 async def test_new_samplers_over_the_socket(cpu_engine: CpuEngine) -> None:
     """DRY, logit_bias and mirostat through ``infer``; a bad value of each
     is an ``invalid_request`` naming the field, and the connection goes on."""

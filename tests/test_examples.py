@@ -30,6 +30,7 @@ def example_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path}
 
 
+@pytest.mark.slow
 def test_embed_serves_answers_and_shuts_down(model_dir: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / "embed.py")],
@@ -53,6 +54,7 @@ def test_embed_serves_answers_and_shuts_down(model_dir: Path) -> None:
     assert log[-1] == "INFO embed: the server has shut down"
 
 
+@pytest.mark.slow
 def test_batch_uses_the_scheduler_alone(model_dir: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / "batch.py")],

@@ -123,6 +123,7 @@ without_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the 
 # -- probing and importing -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_importing_the_engine_module_does_not_import_exllamav2() -> None:
     # A fresh interpreter: this one may have imported exllamav2 for gpu tests.
     code = (
@@ -1088,6 +1089,7 @@ def test_reference_greedy_answer_passes_its_own_check(
     assert problem.startswith(f"generated token {confident} is {wrong[confident]}")
 
 
+@pytest.mark.slow
 def test_float16_rounding_stays_within_a_near_tie(
     reference: GreedyReference, tokenizer: Tokenizer
 ) -> None:

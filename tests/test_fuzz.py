@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+import pytest
+
 from tests.fuzz.__main__ import bystander_frame
 from tests.fuzz.http import run_http_fuzz
 from tests.fuzz.run import run_fuzz
@@ -26,6 +28,7 @@ FRAMES = 2500
 HTTP_REQUESTS = 600
 
 
+@pytest.mark.slow
 async def test_a_few_thousand_fuzzed_frames_each_get_one_answer(cpu_engine: CpuEngine) -> None:
     seed = int(os.environ.get("TRIOSERVE_FUZZ_SEED", "8"))
     async with serving(cpu_engine) as (server, listening):
@@ -51,6 +54,7 @@ async def test_a_few_thousand_fuzzed_frames_each_get_one_answer(cpu_engine: CpuE
     assert report.replies["error:invalid_json"] and report.replies["infer:full"]
 
 
+@pytest.mark.slow
 async def test_fuzzed_openai_bodies_never_get_a_server_error(cpu_engine: CpuEngine) -> None:
     """The OpenAI door under hostile bodies (tests/fuzz/http.py): each is a
     200, or a 4xx/503 in OpenAI's error shape; never a 500, never a dropped

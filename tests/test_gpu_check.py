@@ -312,6 +312,7 @@ def _steps(out: Path) -> dict[str, tuple[int, int, str]]:
     return {name: (int(cap), int(seconds), rc) for name, cap, seconds, rc in rows}
 
 
+@pytest.mark.slow
 def test_dry_run_with_the_prebuilt_extension_compiles_nothing(tmp_path: Path) -> None:
     dry = DryRun(tmp_path)
     rc, out = dry.call("build", DRY_COMPILE="exit 99")
@@ -358,6 +359,7 @@ def test_dry_run_with_the_prebuilt_extension_compiles_nothing(tmp_path: Path) ->
     assert not (out / "pytest-nographs.txt").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prebuilt", ["does not import", "not staged"])
 def test_dry_run_compiles_only_without_a_working_prebuilt(tmp_path: Path, prebuilt: str) -> None:
     dry = DryRun(tmp_path, prebuilt=prebuilt == "does not import")
@@ -370,6 +372,7 @@ def test_dry_run_compiles_only_without_a_working_prebuilt(tmp_path: Path, prebui
     assert "/prebuilt:" not in (dry.stage / "env.sh").read_text()
 
 
+@pytest.mark.slow
 def test_dry_run_compile_past_its_cap_is_cut_and_reported(tmp_path: Path) -> None:
     dry = DryRun(tmp_path)
     lock = dry.stage / "torch_extensions" / "exllamav2_ext" / "lock"
@@ -392,6 +395,7 @@ def test_dry_run_compile_past_its_cap_is_cut_and_reported(tmp_path: Path) -> Non
     assert (summary["status"], summary["why"]) == ("failed", "no working ExLlamaV2 extension")
 
 
+@pytest.mark.slow
 def test_dry_run_call_2_tells_a_failed_call_1_from_a_cold_machine(tmp_path: Path) -> None:
     dry = DryRun(tmp_path)
     rc, out = dry.call("build", DRY_WHEELS="echo 'no matching distribution'; exit 1")
@@ -416,6 +420,7 @@ def test_dry_run_call_1_refuses_without_the_device_time_for_both_calls(tmp_path:
     assert (rc, summary["why"]) == (1, "not enough device time left for the check")
 
 
+@pytest.mark.slow
 def test_dry_run_call_2_sizes_its_steps_to_the_device_time_left(tmp_path: Path) -> None:
     dry = DryRun(tmp_path)
     assert dry.call("build")[0] == 0
@@ -428,6 +433,7 @@ def test_dry_run_call_2_sizes_its_steps_to_the_device_time_left(tmp_path: Path) 
     assert steps["bench"][0] <= 85 - steps["pytest"][1]
 
 
+@pytest.mark.slow
 def test_dry_run_call_2_cut_during_pytest_leaves_the_provisional_summary(tmp_path: Path) -> None:
     dry = DryRun(tmp_path)
     assert dry.call("build")[0] == 0

@@ -540,6 +540,7 @@ def long_text() -> str:
     return random_words(2_700_000)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("action", ["estimate_token", "lefttrim_token", "infer"])
 async def test_a_long_text_does_not_stall_other_connections(
     cpu_engine: CpuEngine, long_text: str, action: str
@@ -591,6 +592,7 @@ def stop_string_setup(request: pytest.FixtureRequest) -> tuple[Any, str, float]:
     return engine, STORY, 4.0
 
 
+@pytest.mark.slow
 async def test_300k_stop_strings_are_refused_or_cost_no_one_else(
     stop_string_setup: tuple[Any, str, float],
 ) -> None:
@@ -648,6 +650,7 @@ async def test_300k_stop_strings_are_refused_or_cost_no_one_else(
 # --- defect 7: memory held for clients that do not read -------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_client_that_does_not_read_is_closed_and_memory_stays_bounded() -> None:
     """Issue 8, defect 7: every chunk frame repeats the request's tag and the
     result channels were unbounded: two connections with 8 streams each, a
@@ -705,6 +708,7 @@ async def test_a_client_that_does_not_read_is_closed_and_memory_stays_bounded() 
     assert all(code in (1008, 1013) for code in closes), closes
 
 
+@pytest.mark.slow
 async def test_a_slow_but_live_reader_is_not_dropped_by_keepalive() -> None:
     """Issue 8, defect 7: a reader blocked on the outgoing buffer stopped pong
     processing, so keepalive dropped a client that was slow but alive. This
@@ -955,6 +959,7 @@ async def test_rfc6455_violations_get_the_rfc_close_code(violation: str) -> None
         await still_serves(listening.url)
 
 
+@pytest.mark.slow
 async def test_a_violation_while_replies_are_queued_closes_with_its_code(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -878,6 +878,7 @@ heads = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=heads)
 async def test_malformed_heads_never_crash(data: bytes) -> None:

@@ -39,6 +39,7 @@ def _curl(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 async def test_curl_prometheus_and_the_openai_sdk_against_the_cli() -> None:
     args = ["--context-length", "512", "--log-format", "json"]
     async with open_server_process(args) as server:

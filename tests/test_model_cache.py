@@ -48,6 +48,7 @@ def smollm2_gguf(smollm2_wheel: Path, tmp_path_factory: pytest.TempPathFactory) 
     return out
 
 
+@pytest.mark.slow
 def test_the_wheel_is_deleted_once_the_model_is_converted(
     smollm2_wheel: Path, tmp_path: Path
 ) -> None:
@@ -104,6 +105,7 @@ def test_a_failed_download_is_one_readable_line(tmp_path: Path) -> None:
     assert len(said) == 1 and " INFO trioserve.engine: " in said[0]
 
 
+@pytest.mark.slow
 async def test_serve_a_gguf_file_converted_once(smollm2_gguf: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     env = clean_env(TRIOSERVE_CACHE=str(cache))
@@ -164,6 +166,7 @@ def test_a_gguf_that_is_not_llama_is_one_error(tmp_path: Path) -> None:
     assert "gguf architecture 'mamba' is not supported; supported: 'llama'" in line
 
 
+@pytest.mark.slow
 def test_the_embedded_models_gguf_named_by_path_is_not_converted_again(
     smollm2_wheel: Path, smollm2_gguf: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -495,6 +495,7 @@ def png_size(data: bytes) -> tuple[int, int]:
 MODEL_ARGS = ("--context-length", "1024", "--threads", "1")
 
 
+@pytest.mark.slow
 async def test_chat_stop_and_new_chat_in_chromium(chromium: str) -> None:
     """A person's first session: send a message and watch it stream, read the
     statistics, stop a long answer, reload for a new chat."""
@@ -632,6 +633,7 @@ async def model_server(port: int, key: str) -> AsyncIterator[ServerProcess]:
 NOTICE = "document.getElementById('notice').textContent"
 
 
+@pytest.mark.slow
 async def test_api_key_prompt_and_reconnect_after_a_restart(chromium: str) -> None:
     """With --api-key the page asks for the key and says when it is wrong; a server
     that dies mid-answer and comes back loses nothing the person typed."""

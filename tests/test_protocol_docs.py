@@ -258,6 +258,7 @@ def field_and_value(draw: st.DrawFn) -> tuple[str, Any]:
     return name, value
 
 
+@pytest.mark.slow
 @settings(max_examples=500)
 @given(field_and_value())
 def test_the_codec_accepts_what_the_doc_allows(case: tuple[str, Any]) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import openai
+import pytest
 import trio
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
@@ -291,6 +292,7 @@ async def test_a_non_streamed_request_whose_client_leaves_is_cancelled() -> None
         await idle(served.scheduler)
 
 
+@pytest.mark.slow
 async def test_overload_is_503_with_retry_after() -> None:
     engine = ScriptedEngine(step_delay=0.02, max_batch=1)
     async with serving(engine, max_waiting=1) as served:

@@ -372,6 +372,7 @@ async def test_disconnect_frees_the_engine() -> None:
             ] == "ok"
 
 
+@pytest.mark.slow
 async def test_echo_is_answered_while_a_slow_step_runs() -> None:
     engine = ScriptedEngine(step_delay=1.0)
     async with running_server(engine) as server:
@@ -509,6 +510,7 @@ async def _origin_accepted(url: str, origin: bytes) -> bool:
     return False
 
 
+@pytest.mark.slow
 async def test_origin_check() -> None:
     loopback = (
         b"http://localhost:3000",
@@ -608,6 +610,7 @@ async def test_shutdown_interrupts_what_outlives_the_grace_period() -> None:
     assert engine.running_jobs == 0
 
 
+@pytest.mark.slow
 async def test_keepalive_keeps_live_peers_and_closes_silent_ones() -> None:
     import wsproto
     from wsproto.events import AcceptConnection, Request
