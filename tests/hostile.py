@@ -20,10 +20,17 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Final
 
 import trio
 import trio_websocket
+
+#: The well-behaved client's address, for a server that trusts loopback as
+#: its proxy (the hostile bench): the attackers come from another, so that
+#: the server's per-client fairness tells them apart as it would in
+#: production. A server without --trusted-proxy ignores the header.
+WELL_BEHAVED: Final = [(b"X-Forwarded-For", b"192.0.2.1")]
+ATTACKER: Final = [(b"X-Forwarded-For", b"198.51.100.66")]
 
 __all__ = ["Bystander", "EchoProbe", "open_bystander", "open_echo_probe", "random_words"]
 
@@ -62,7 +69,9 @@ class Bystander:
 
     async def run(self) -> None:
         try:
-            async with trio_websocket.open_websocket_url(self.url) as ws:
+            async with trio_websocket.open_websocket_url(
+                self.url, extra_headers=WELL_BEHAVED
+            ) as ws:
                 serial = 0
                 while not self._stopping:
                     serial += 1
@@ -169,7 +178,9 @@ class EchoProbe:
 
     async def run(self) -> None:
         try:
-            async with trio_websocket.open_websocket_url(self.url) as ws:
+            async with trio_websocket.open_websocket_url(
+                self.url, extra_headers=WELL_BEHAVED
+            ) as ws:
                 self.started.set()
                 serial = 0
                 while True:

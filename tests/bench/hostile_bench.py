@@ -62,7 +62,7 @@ from tests.bench.server_bench import (  # noqa: E402
     percentile,
     raise_fd_limit,
 )
-from tests.hostile import random_words  # noqa: E402
+from tests.hostile import ATTACKER, random_words  # noqa: E402
 from tests.serverproc import ServerProcess, open_server_process  # noqa: E402
 
 __all__ = [
@@ -135,7 +135,7 @@ class RoundResult:
 
 
 async def _echo_loop(url: str, result: RoundResult, until: float) -> None:
-    async with trio_websocket.open_websocket_url(url) as ws:
+    async with trio_websocket.open_websocket_url(url, extra_headers=ATTACKER) as ws:
         serial = 0
         while time.perf_counter() < until:
             serial += 1
@@ -150,7 +150,7 @@ async def _echo_loop(url: str, result: RoundResult, until: float) -> None:
 
 
 async def _infer_loop(url: str, result: RoundResult, until: float, tokens: int) -> None:
-    async with trio_websocket.open_websocket_url(url) as ws:
+    async with trio_websocket.open_websocket_url(url, extra_headers=ATTACKER) as ws:
         serial = 0
         while time.perf_counter() < until:
             serial += 1
@@ -253,7 +253,7 @@ async def _send_and_wait(
     while True:
         try:
             async with trio_websocket.open_websocket_url(
-                server.url, max_message_size=64 * MiB
+                server.url, max_message_size=64 * MiB, extra_headers=ATTACKER
             ) as ws:
                 while True:
                     await ws.send_message(frame)
@@ -300,7 +300,12 @@ async def attack_non_reader(
     hogs = []
     try:
         for _ in range(2):
-            hog = await wire.open_raw_websocket(server.host, server.port, receive_buffer=16384)
+            hog = await wire.open_raw_websocket(
+                server.host,
+                server.port,
+                receive_buffer=16384,
+                headers=(("X-Forwarded-For", "198.51.100.66"),),
+            )
             hogs.append(hog)
             for _ in range(8):
                 await hog.send_json(
@@ -320,7 +325,7 @@ async def attack_flood(server: ServerProcess, state: AttackState, facts: dict[st
     frame = json.dumps(infer(PROMPT, 64, stream=True, temperature=0, bann_bann=[EOS_ID]))
     while True:
         try:
-            async with trio_websocket.open_websocket_url(server.url) as ws:
+            async with trio_websocket.open_websocket_url(server.url, extra_headers=ATTACKER) as ws:
                 for _ in range(32):
                     await ws.send_message(frame)
                     state.actions += 1
@@ -413,7 +418,7 @@ class HostileResults:
 
 
 async def _facts(server: ServerProcess) -> dict[str, Any]:
-    async with trio_websocket.open_websocket_url(server.url) as ws:
+    async with trio_websocket.open_websocket_url(server.url, extra_headers=ATTACKER) as ws:
         await ws.send_message(json.dumps({"action": "info"}))
         info = json.loads(await ws.get_message())
     return {"max_message_bytes": int(info["limits"]["max_message_bytes"])}
@@ -466,7 +471,11 @@ async def run_hostile_bench(
     huge_text = random_words(8 * MiB)
     results: list[AttackResult] = []
     while names:
-        async with open_server_process(server_args) as server:
+        # Loopback is the trusted proxy: the attackers and the well-behaved
+        # client are told apart by X-Forwarded-For, as different machines
+        # behind a proxy are (on loopback alone they would be one client).
+        proxied = ["--trusted-proxy", "127.0.0.1", *server_args]
+        async with open_server_process(proxied) as server:
             facts = {**(await _facts(server)), "huge_text": huge_text}
             say(f"hostile bench: server pid {server.pid}, limits {facts['max_message_bytes']} B")
             # Warm-up: the first requests' one-time costs are no attack's.

@@ -983,7 +983,10 @@ async def run_server_bench(
         )
     begun = time.perf_counter()
     timed = TimedEngine(engine)
-    server = Server(timed, ServerConfig(host="127.0.0.1", port=0), engine_thread=engine_thread)
+    # Every bench client is on loopback, so all are one client to the server:
+    # let that client hold every slot, as the engine-alone runs do.
+    config = ServerConfig(host="127.0.0.1", port=0, max_running_per_client=engine.info.max_batch)
+    server = Server(timed, config, engine_thread=engine_thread)
     throughput: list[ThroughputResult] = []
     stops: list[StopResult] = []
     echoes: list[EchoResult] = []
