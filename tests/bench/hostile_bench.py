@@ -62,7 +62,7 @@ from tests.bench.server_bench import (  # noqa: E402
     percentile,
     raise_fd_limit,
 )
-from tests.hostile import ATTACKER, random_words  # noqa: E402
+from tests.hostile import ATTACKER, WELL_BEHAVED, random_words  # noqa: E402
 from tests.serverproc import ServerProcess, open_server_process  # noqa: E402
 
 __all__ = [
@@ -135,7 +135,7 @@ class RoundResult:
 
 
 async def _echo_loop(url: str, result: RoundResult, until: float) -> None:
-    async with trio_websocket.open_websocket_url(url, extra_headers=ATTACKER) as ws:
+    async with trio_websocket.open_websocket_url(url, extra_headers=WELL_BEHAVED) as ws:
         serial = 0
         while time.perf_counter() < until:
             serial += 1
@@ -150,7 +150,7 @@ async def _echo_loop(url: str, result: RoundResult, until: float) -> None:
 
 
 async def _infer_loop(url: str, result: RoundResult, until: float, tokens: int) -> None:
-    async with trio_websocket.open_websocket_url(url, extra_headers=ATTACKER) as ws:
+    async with trio_websocket.open_websocket_url(url, extra_headers=WELL_BEHAVED) as ws:
         serial = 0
         while time.perf_counter() < until:
             serial += 1
