@@ -311,7 +311,7 @@ def test_fields_that_ask_for_nothing_are_accepted(fields: dict[str, Any]) -> Non
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
         ({"logprobs": True}, "logprobs"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"modalities": ["text", "audio"]}, "modalities"),

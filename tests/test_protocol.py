@@ -368,6 +368,17 @@ BAD_INFER_FIELDS: list[tuple[str, str]] = [
     ("freq_pen", "1e30"),
     ("skew", "1e308"),
     ("top_a", "1e308"),
+    # Constraints (issue 18): the right type and within their bounds.
+    ("json_schema", "[]"),
+    ("json_schema", '"{}"'),
+    ("json_schema", "null"),
+    ("regex", '""'),
+    ("regex", "5"),
+    ("choice", "[]"),
+    ("choice", '"yes"'),
+    ("grammar", '""'),
+    ("grammar", "null"),
+    ("grammar", "{}"),
 ]
 
 
@@ -389,6 +400,35 @@ def test_each_bad_infer_field_is_named(field: str, bad: str) -> None:
     check_error_frame(error, json.loads(frame))
 
 
+@pytest.mark.parametrize(
+    ("field", "bad", "said"),
+    [
+        (
+            "json_schema",
+            '{"enum": [' + ",".join(["12345678"] * 8000) + "]}",
+            "more than 65536 bytes",
+        ),
+        ("regex", '"' + "a" * 4097 + '"', "4097 characters"),
+        ("grammar", '"' + "g" * 65537 + '"', "65537 characters"),
+        ("choice", "[" + ",".join(['"x"'] * 1025) + "]", "1025"),
+        ("choice", '["' + "y" * 257 + '"]', "257 characters"),
+    ],
+)
+def test_constraints_beyond_their_bounds_are_named(field: str, bad: str, said: str) -> None:
+    frame = f'{{"action": "infer", "text": "hi", "max_new_tokens": 8, "{field}": {bad}}}'
+    error = decode_error(frame)
+    assert error.error_type == "invalid_request"
+    assert error.field in (f"$.{field}", f"$.{field}[0]")
+    assert "must " in error.message and error.message.endswith(f"got {said}")
+
+
+def test_two_constraints_are_refused_naming_both() -> None:
+    frame = '{"action": "infer", "text": "hi", "max_new_tokens": 8, "regex": "a+", "choice": ["b"]}'
+    error = decode_error(frame)
+    assert (error.error_type, error.field) == ("invalid_request", "$.choice")
+    assert "regex and choice" in error.message
+
+
 def test_every_infer_field_has_a_bad_value_case() -> None:
     assert {field for field, _ in BAD_INFER_FIELDS} == set(p.INFER_FIELDS)
     assert set(p.INFER_FIELDS) == {
@@ -397,6 +437,10 @@ def test_every_infer_field_has_a_bad_value_case() -> None:
         *p.INFER_DEFAULTS,
         "seed",
         "messages",
+        "json_schema",
+        "regex",
+        "choice",
+        "grammar",
     }
 
 
@@ -408,6 +452,8 @@ def test_every_infer_field_has_a_bad_value_case() -> None:
         ("stop_conditions", ["x", True], "$.stop_conditions[1]"),
         ("bann_bann", [1, 2.5], "$.bann_bann[1]"),
         ("bann_bann", [False], "$.bann_bann[0]"),
+        ("choice", ["a", ""], "$.choice[1]"),
+        ("choice", ["a", 5], "$.choice[1]"),
     ],
 )
 def test_bad_list_elements_are_named_by_index(field: str, bad: list[Any], path: str) -> None:

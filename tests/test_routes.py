@@ -400,7 +400,12 @@ UNSUPPORTED: list[tuple[str, dict[str, Any], str]] = [
     ("chat", {"n": 2}, "n"),
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"prompt": ["one", "two"]}, "prompt"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
+    (
+        "completions",
+        {"structured_outputs": {"structural_tag": "t"}},
+        "structured_outputs.structural_tag",
+    ),
     ("completions", {"suffix": "end"}, "suffix"),
     ("chat", {"modalities": ["text", "audio"]}, "modalities"),
     ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
@@ -428,6 +433,17 @@ async def test_unsupported_features_are_refused_as_the_docs_say() -> None:
             assert status == 400, (fields, answer)
             error = answer["error"]
             assert (error["code"], error["param"]) == ("unsupported_parameter", param), fields
+
+
+async def test_a_constraint_to_an_engine_without_grammars_is_a_400_naming_it() -> None:
+    # The scripted engine enforces no constraint: the request is refused
+    # before any work, naming the field the client used.
+    async with serving(ScriptedEngine(), template=ChatTemplate.from_string(SAY_TEMPLATE)) as served:
+        body = {"model": "m", "messages": USER, "response_format": {"type": "json_object"}}
+        status, answer = await post_json(served.port, "/v1/chat/completions", body)
+        assert status == 400
+        assert answer["error"]["param"] == "response_format"
+        assert "does not enforce json_schema constraints" in answer["error"]["message"]
 
 
 async def test_bad_requests_and_the_key() -> None:

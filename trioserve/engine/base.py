@@ -28,15 +28,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Final, Literal, Protocol, TypeAlias, runtime_checkable
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypeAlias, runtime_checkable
 
 import attrs
+
+if TYPE_CHECKING:
+    from trioserve.engine.grammars import CompiledGrammar, Grammars
 
 __all__ = [
     "DRY_SEQUENCE_BREAKERS",
     "RANGE",
     "WEIGHT_MODES",
     "Bound",
+    "ConstrainedEngine",
     "Engine",
     "EngineInfo",
     "Failed",
@@ -88,6 +92,9 @@ class EngineInfo:
     #: The model's Hugging Face directory, when it has one: the server reads
     #: its chat template from there.
     model_dir: str | None = None
+    #: The constraint kinds the engine enforces (``json_schema``, ``regex``,
+    #: ``choice``, ``grammar``); empty when it enforces none.
+    constraints: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -361,6 +368,10 @@ class GenerationSpec:
     #: Drop the prompt's last token and constrain the first sample to extend
     #: its text; only the new part is emitted.
     token_healing: bool = False
+    #: The output must match this grammar (a JSON schema, a regex, a choice,
+    #: a grammar), compiled by the engine's :class:`Grammars`; each job gets
+    #: its own matcher. Never together with ``token_healing``.
+    constraint: CompiledGrammar | None = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen
@@ -378,8 +389,9 @@ class TextUpdate:
     generated_tokens: int
 
 
-#: Why a job ended: a stop token, a stop string, or ``max_new_tokens``.
-FinishReason: TypeAlias = Literal["stop_token", "stop_string", "max_new_tokens"]
+#: Why a job ended: a stop token, a stop string, ``max_new_tokens``, or its
+#: constraint is complete (its grammar allows nothing more but the end).
+FinishReason: TypeAlias = Literal["stop_token", "stop_string", "max_new_tokens", "constraint"]
 
 
 @attrs.frozen
@@ -442,3 +454,12 @@ class Engine(Protocol):
     def close(self) -> None:
         """Free the model and caches. Idempotent."""
         ...
+
+
+@runtime_checkable
+class ConstrainedEngine(Engine, Protocol):
+    """An engine that enforces constraints (:attr:`GenerationSpec.constraint`):
+    its :class:`Grammars` compiles them for its model, off its own thread."""
+
+    @property
+    def grammars(self) -> Grammars: ...

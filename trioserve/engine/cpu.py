@@ -44,7 +44,9 @@ from trioserve.engine.base import (
     GenerationSpec,
     Update,
 )
+from trioserve.engine.constraint import CONSTRAINT_KINDS
 from trioserve.engine.cpu_jobs import CpuJob, sample_jobs, spec_problem, start_job
+from trioserve.engine.grammars import Grammars, MaskRows
 from trioserve.engine.models import DEFAULT_MODEL_NAME, default_model_dir
 from trioserve.engine.plan import Chunk, PrefillRules, plan_step
 from trioserve.engine.prefix import PrefixCache, PrefixCacheStatistics
@@ -131,6 +133,10 @@ class CpuEngine:
     _weight_bytes: int = 0
     #: The ids XTC never removes, built when a job first uses XTC. [V] bool
     _xtc_protected: Tensor | None = None
+    #: Compiles the requests' constraints for this model (off this thread).
+    _grammars: Grammars | None = None
+    #: The step's constraint bitmask, allocated once.
+    _masks: MaskRows | None = None
 
     @classmethod
     def load(
@@ -214,6 +220,7 @@ class CpuEngine:
             batching=True,
             max_token_chars=tokenizer.max_token_bytes,
             model_dir=str(model_dir),
+            constraints=CONSTRAINT_KINDS,
         )
         log.info(
             "cpu engine: %s, %s on %s (linear layers: %s; %.0f MiB of weights),"
@@ -238,6 +245,10 @@ class CpuEngine:
             device=torch_device,
             prefill_share=prefill_share,
             weight_bytes=model.nbytes,
+            grammars=Grammars.for_model(
+                model_dir, vocab_size=config.vocab_size, eos_ids=tokenizer.eos_token_ids
+            ),
+            masks=MaskRows(config.vocab_size, max_batch),
         )
 
     @property
@@ -247,6 +258,14 @@ class CpuEngine:
     @property
     def tokenizer(self) -> Tokenizer:
         return self._tokenizer
+
+    @property
+    def grammars(self) -> Grammars:
+        """Compiles constraints for this model (see :mod:`trioserve.engine.constraints`)."""
+        if self._grammars is None:
+            # AttributeError: then it is not a ConstrainedEngine at all.
+            raise AttributeError("this cpu engine was built without grammars")
+        return self._grammars
 
     @property
     def cache_bytes(self) -> int:
@@ -427,7 +446,12 @@ class CpuEngine:
     def _sample(self, rows: list[CpuJob], logits: Tensor) -> list[Update]:
         updates: list[Update] = []
         outcomes = sample_jobs(
-            rows, logits, self._xtc_mask, vocab=self._config.vocab_size, device=self._device
+            rows,
+            logits,
+            self._xtc_mask,
+            vocab=self._config.vocab_size,
+            device=self._device,
+            masks=self._masks,
         )
         for job, outcome in outcomes:
             if isinstance(outcome, str):

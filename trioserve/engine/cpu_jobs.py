@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import torch
 from torch import Tensor
 
 from trioserve.engine.base import Finished, FinishReason, GenerationSpec, TextUpdate
+from trioserve.engine.grammars import MaskRows
 from trioserve.engine.plan import JobState
 from trioserve.engine.prefix import PrefixCache
 from trioserve.engine.samplers import DryHistory, bias_row, sequence_breaker_ids
@@ -71,6 +73,14 @@ class CpuJob:
     #: The prefix cache's blocks still to be copied into the slot (at the
     #: job's first step, once the cache has room).
     restore: list[Tensor] = attrs.field(factory=list)
+    #: The job's own llguidance matcher, when its spec has a constraint.
+    matcher: Any = None
+
+    def constraint_problem(self) -> str | None:
+        """Why the job's matcher can go no further, or None."""
+        if self.matcher is None or not self.matcher.is_error():
+            return None
+        return f"the constraint failed: {self.matcher.get_error()}"[:500]
 
     def state_for_plan(self) -> JobState:
         return JobState(len(self.prompt), self.cached, decoding=self.pending is not None)
@@ -80,6 +90,11 @@ class CpuJob:
         say what it gives: more text, or the job's end (the engine then
         frees its slot)."""
         self.allowed = None
+        matcher = self.matcher
+        if matcher is not None and token not in self.spec.stop_token_ids:
+            # A stop token ends the job whatever the matcher says; it allowed
+            # one only in an accepting state.
+            matcher.consume_token(token)
         self.pending = token
         self.tokens.append(token)
         self.generated += 1
@@ -94,12 +109,15 @@ class CpuJob:
         piece = self.stream.push([token])
         if piece.stop_string is not None:
             return self._finished(piece.text, "stop_string", stop_string=piece.stop_string)
-        if self.generated >= spec.max_new_tokens:
+        complete = matcher is not None and matcher.is_stopped() and not matcher.is_error()
+        if complete or self.generated >= spec.max_new_tokens:
             text = piece.text + self.stream.flush()
             if self.stream.stop_string is not None:
                 # The flushed tail completed a stop string after all.
                 return self._finished(text, "stop_string", stop_string=self.stream.stop_string)
-            return self._finished(text, "max_new_tokens")
+            # A complete value ends the job at once: its grammar allows only
+            # the end now, so sampling that end would cost a forward for nothing.
+            return self._finished(text, "constraint" if complete else "max_new_tokens")
         return TextUpdate(spec.job_id, piece.text, self.stream.held, self.generated)
 
     def _finished(
@@ -165,6 +183,8 @@ def spec_problem(spec: GenerationSpec, *, vocab: int, context: int) -> str | Non
     problem = settings_problem(spec.sampling)
     if problem is not None:
         return problem
+    if spec.constraint is not None and spec.token_healing:
+        return "token_healing cannot be used with a constraint (it would bypass it)"
     bad = [i for i, _ in spec.sampling.logit_bias if i >= vocab]
     if bad:
         return f"logit_bias ids must be in [0, {vocab}), got {bad[0]!r}"
@@ -220,6 +240,7 @@ def start_job(
         breakers = sequence_breaker_ids(tokenizer, sampling.dry_sequence_breakers)
         dry = DryHistory.start(prompt, len(prompt) + spec.max_new_tokens, breakers, vocab)
     return CpuJob(
+        matcher=None if spec.constraint is None else spec.constraint.matcher(),
         spec=spec,
         prompt=prompt,
         slot=slot,
@@ -244,27 +265,38 @@ def sample_jobs(
     *,
     vocab: int,
     device: torch.device,
+    masks: MaskRows | None = None,
 ) -> list[tuple[CpuJob, int | str]]:
     """One token for each row of ``logits`` (``[B, V]``, row i is job
     ``rows[i]``), or why the job cannot be sampled: each job once, in the
-    order its update is to be given (the jobs whose DRY failed first).
+    order its update is to be given (the jobs whose DRY or constraint failed
+    first).
 
     ``xtc_protected`` gives the XTC mask for the rows sampled (None when no
-    row uses XTC). The jobs are not changed (see :meth:`CpuJob.accept`).
+    row uses XTC); ``masks`` fills the constrained rows' allowed tokens. The
+    jobs are not changed (see :meth:`CpuJob.accept`), but their matchers
+    compute their next mask.
     """
     outcomes: list[tuple[CpuJob, int | str]] = []
-    bias, dry_failed = _biases(rows, vocab, device)
-    if dry_failed:
-        for row in sorted(dry_failed):
-            outcomes.append((rows[row], dry_failed[row]))
-        keep = [row for row in range(len(rows)) if row not in dry_failed]
+    constrained = _constraint_masks(rows, masks or MaskRows(vocab, len(rows)), device)
+    bias, failed_early = _biases(rows, vocab, device)
+    for row, job in enumerate(rows):
+        problem = job.constraint_problem()
+        if problem is not None:
+            failed_early.setdefault(row, problem)
+    if failed_early:
+        for row in sorted(failed_early):
+            outcomes.append((rows[row], failed_early[row]))
+        keep = [row for row in range(len(rows)) if row not in failed_early]
         rows = [rows[row] for row in keep]
         if not rows:
             return outcomes
         index = torch.tensor(keep, device=logits.device)
         logits = logits.index_select(0, index)
-        assert bias is not None
-        bias = bias.index_select(0, index.to(bias.device))
+        if bias is not None:
+            bias = bias.index_select(0, index.to(bias.device))
+        if constrained is not None:
+            constrained = constrained.index_select(0, index.to(constrained.device))
     banned = allowed = None
     if any(job.banned is not None for job in rows):
         empty = torch.zeros(vocab, dtype=torch.bool, device=device)
@@ -272,6 +304,8 @@ def sample_jobs(
     if any(job.allowed is not None for job in rows):
         full = torch.ones(vocab, dtype=torch.bool, device=device)
         allowed = torch.stack([full if job.allowed is None else job.allowed for job in rows])
+    if constrained is not None:
+        allowed = constrained if allowed is None else allowed & constrained
     failed: dict[int, str] = {}
     try:
         ids = sample(
@@ -295,6 +329,20 @@ def sample_jobs(
     for row, (job, token) in enumerate(zip(rows, ids.tolist(), strict=True)):
         outcomes.append((job, failed.get(row, token)))
     return outcomes
+
+
+def _constraint_masks(rows: list[CpuJob], masks: MaskRows, device: torch.device) -> Tensor | None:
+    """The ``[B, V]`` allowed tokens of the step's rows (all True for rows
+    without a constraint), or None when no row has one. Each matcher
+    computes its mask here, on the engine thread: tens of microseconds for a
+    usual grammar, bounded by the parser limits for a hostile one."""
+    constrained = [row for row, job in enumerate(rows) if job.matcher is not None]
+    if not constrained:
+        return None
+    allowed = torch.ones((len(rows), masks.vocab_size), dtype=torch.bool)
+    filled = masks.fill([rows[row].matcher for row in constrained])
+    allowed[torch.tensor(constrained)] = filled
+    return allowed.to(device)
 
 
 def _biases(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, Final, Literal, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypeAlias
 
 import attrs
 import trio
@@ -35,9 +35,13 @@ from trioserve.engine.base import (
     SamplingSettings,
     TextUpdate,
 )
+from trioserve.engine.constraint import Constraint, ConstraintError
 from trioserve.errors import TrioserveError
 
 from .scheduler import Job, QueueFull, Scheduler, SchedulerClosed
+
+if TYPE_CHECKING:  # llguidance and torch load with the engine, not with this module
+    from trioserve.engine.grammars import CompiledGrammar, Grammars
 
 __all__ = [
     "Fit",
@@ -66,20 +70,28 @@ class InvalidGeneration(TrioserveError):
 
     ``field`` is the request's field by its neutral name (``prompt``,
     ``messages``, ``max_new_tokens``, ``stop_token_ids``, ``banned_ids``,
-    ``logit_bias``); ``index`` the element of a list field; each door names it
-    in its own wire terms. ``code`` is a machine-readable reason where one
-    helps a client (``context_length_exceeded``, ``no_chat_template``,
-    ``chat_template_error``).
+    ``logit_bias``, ``constraint``); ``index`` the element of a list field;
+    each door names it in its own wire terms. ``code`` is a machine-readable
+    reason where one helps a client (``context_length_exceeded``,
+    ``no_chat_template``, ``chat_template_error``). ``wire_name`` is the field
+    as the client wrote it, when the request knows it (a constraint's).
     """
 
     def __init__(
-        self, message: str, field: str, *, index: int | None = None, code: str | None = None
+        self,
+        message: str,
+        field: str,
+        *,
+        index: int | None = None,
+        code: str | None = None,
+        wire_name: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
         self.index = index
         self.code = code
+        self.wire_name = wire_name
 
 
 class Overloaded(TrioserveError):
@@ -122,6 +134,8 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()
     banned_ids: tuple[int, ...] = ()
     token_healing: bool = False
+    #: The output must match this (at most one constraint per request).
+    constraint: Constraint | None = None
 
     @property
     def prompt_field(self) -> str:
@@ -179,6 +193,22 @@ def check_request(
             "messages",
             code="no_chat_template",
         )
+    constraint = request.constraint
+    if constraint is not None:
+        if constraint.kind not in info.constraints:
+            supported = ", ".join(info.constraints) or "none"
+            raise InvalidGeneration(
+                f"the {info.engine} engine does not enforce {constraint.kind} constraints"
+                f" (it enforces: {supported})",
+                "constraint",
+                wire_name=constraint.field,
+            )
+        if request.token_healing:
+            raise InvalidGeneration(
+                "token_healing cannot be used with a constraint: it would let the first token"
+                " bypass it",
+                "token_healing",
+            )
 
 
 def trim_prompt(ids: Sequence[int], keep: int, *, keep_first: bool) -> list[int]:
@@ -253,9 +283,10 @@ def build_spec(
     info: EngineInfo,
     *,
     max_new_tokens: int,
+    constraint: CompiledGrammar | None = None,
 ) -> GenerationSpec:
     """The engine's job for ``request`` with its fitted prompt ids and
-    ``max_new_tokens`` (:func:`fit_prompt`)."""
+    ``max_new_tokens`` (:func:`fit_prompt`), and its constraint compiled."""
     return GenerationSpec(
         job_id=job_id,
         prompt_ids=tuple(prompt_ids),
@@ -265,6 +296,7 @@ def build_spec(
         stop_strings=request.stop_strings,
         banned_ids=frozenset(request.banned_ids),
         token_healing=request.token_healing,
+        constraint=constraint,
     )
 
 
@@ -340,6 +372,11 @@ class Generations:
     observer: GenerationObserver | None = None
     is_draining: Callable[[], bool] = lambda: False
     max_requests_per_client: int = 64
+    #: The engine's grammar compiler, when it enforces constraints.
+    grammars: Grammars | None = None
+    #: Grammars compile in worker threads of their own limiter: one at a
+    #: time, so that a burst of hostile schemas takes one core at most.
+    compiling: trio.CapacityLimiter = attrs.field(factory=lambda: trio.CapacityLimiter(1))
     _in_flight: collections.Counter[Hashable] = attrs.field(factory=collections.Counter, init=False)
 
     @property
@@ -464,6 +501,7 @@ class Generation:
             raise Overloaded(
                 f"{scheduler.max_waiting} jobs are already waiting for the engine; retry later"
             )
+        compiled = await self._compile()
         await self._prepare()
         spec = build_spec(
             scheduler.new_job_id(),
@@ -471,6 +509,7 @@ class Generation:
             self._prompt_ids,
             generations.info,
             max_new_tokens=self._max_new_tokens,
+            constraint=compiled,
         )
         if generations.is_draining():
             raise Overloaded("the server is shutting down and takes no new requests", draining=True)
@@ -492,6 +531,32 @@ class Generation:
                 return
         # The job was cancelled under us (a shutdown past its grace).
         self.interrupt()
+
+    async def _compile(self) -> CompiledGrammar | None:
+        """The request's constraint compiled for the model: from the cache,
+        or in a worker thread (never on the event loop or the engine
+        thread). Raises :class:`InvalidGeneration` naming the field."""
+        constraint = self.request.constraint
+        grammars = self.generations.grammars
+        if constraint is None:
+            return None
+        if grammars is None:  # check_request refuses it first; kept for callers that skip it
+            raise InvalidGeneration(
+                "this engine does not enforce constraints", "constraint", wire_name=constraint.field
+            )
+        compiled = grammars.cached(constraint)
+        if compiled is not None:
+            return compiled
+        try:
+            return await trio.to_thread.run_sync(
+                grammars.compile, constraint, limiter=self.generations.compiling
+            )
+        except ConstraintError as exc:
+            raise InvalidGeneration(
+                f"the {constraint.kind.replace('_', ' ')} cannot be used: {exc}",
+                "constraint",
+                wire_name=constraint.field,
+            ) from None
 
     async def _prepare(self) -> None:
         """Render, tokenize and fit: protocol.md 3.4."""

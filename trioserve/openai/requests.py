@@ -15,8 +15,12 @@ What is accepted (``docs/openai.md`` has the table):
   defaults, not the WebSocket protocol's: ``temperature`` 1, ``top_p`` 1, and
   no top_k, min_p, typical, top_a, skew or repetition penalty unless the
   request sets one of those ExLlamaV2 extension fields.
+* Structured output (``response_format``, ``json_schema``, ``grammar``,
+  vLLM's ``structured_outputs`` and ``guided_*``, TabbyAPI's
+  ``regex_pattern`` and ``grammar_string``) becomes one constraint
+  (:mod:`trioserve.openai.constraints`).
 * Fields that would change the output in a way this server cannot honour
-  (``logprobs``, ``tools``, ``response_format`` other than text, ``n`` > 1,
+  (``logprobs``, ``tools``, ``n`` > 1,
   ``logit_bias``, ``suffix``, audio ...) are refused with a 400 naming the
   field, unless their value asks for nothing (``n: 1``, ``tools: []``,
   ``logprobs: false``, ``tool_choice: "none"`` ...).
@@ -47,9 +51,11 @@ from cattrs.errors import (
 from cattrs.gen import make_dict_structure_fn, override
 
 from trioserve.engine.base import Range, SamplingSettings
+from trioserve.engine.constraint import Constraint
 from trioserve.protocol._fields import MAX_TOKEN_ID, BadValue, Rule, as_int
 from trioserve.protocol._json import STRICT_DECODER
 
+from .constraints import CONSTRAINT_PARAMS, read_constraint
 from .errors import OpenAIError
 from .errors import invalid as _invalid
 from .fields import (
@@ -119,6 +125,10 @@ class _Generation:
     #: its declared rule); the rest take :data:`OPENAI_DEFAULTS` or
     #: :class:`SamplingSettings`' defaults.
     sampler: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
+    #: Structured output: the one constraint of ``response_format``,
+    #: ``json_schema``, ``grammar``, ``structured_outputs``, ``guided_*`` ...
+    #: (:mod:`trioserve.openai.constraints`).
+    constraint: Constraint | None = None
 
     def sampling_settings(self) -> SamplingSettings:
         values = {**OPENAI_DEFAULTS, **self.sampler}
@@ -160,6 +170,8 @@ class ChatCompletionRequest(_Generation):
 
 
 UNSUPPORTED: Final = "unsupported_parameter"
+#: Where :func:`_preprocess` puts a body's constraint fields (not a field name).
+_CONSTRAINTS: Final = " constraints"
 #: Content part types of other models (images, audio, files): unsupported,
 #: not malformed.
 _MEDIA_PARTS: Final = frozenset({"image_url", "input_audio", "file", "audio", "image"})
@@ -447,9 +459,6 @@ _REFUSED: Final[Mapping[str, Callable[[str, Any], None]]] = {
     "function_call": _harmless(
         _none_or("none", "auto"), "must be 'none' or 'auto': function calls are not implemented"
     ),
-    "response_format": _harmless(
-        _none_or({"type": "text"}), "must be {'type': 'text'}: structured output is not supported"
-    ),
     "suffix": _harmless(_none_or(""), "is not supported: insertion is not implemented"),
     "modalities": _harmless(
         _none_or(["text"]), "must be ['text']: this model reads and writes text only"
@@ -589,6 +598,9 @@ def _preprocess(obj: dict[str, Any], fields: frozenset[str]) -> dict[str, Any]:
         if key in _REFUSED:
             _REFUSED[key](key, value)
             continue
+        if key in CONSTRAINT_PARAMS:
+            payload.setdefault(_CONSTRAINTS, {})[key] = value
+            continue
         if key in _ALIASES:
             target = _alias(obj, key)
             if target is None:
@@ -697,8 +709,9 @@ def parse_completion_request(
     :class:`OpenAIError` (400, naming the field) for anything wrong."""
     obj = _parse_body(body)
     payload = _preprocess(obj, _FIELDS_COMMON | {"prompt", "echo"})
+    constraint = read_constraint(payload.pop(_CONSTRAINTS, {}))
     request: CompletionRequest = _structure(payload, _parsers(limits).completion, "prompt")
-    return request
+    return request if constraint is None else attrs.evolve(request, constraint=constraint)
 
 
 def parse_chat_request(body: bytes, limits: OpenAILimits = DEFAULT_LIMITS) -> ChatCompletionRequest:
@@ -706,5 +719,6 @@ def parse_chat_request(body: bytes, limits: OpenAILimits = DEFAULT_LIMITS) -> Ch
     :class:`OpenAIError` (400, naming the field) for anything wrong."""
     obj = _parse_body(body)
     payload = _preprocess(obj, _FIELDS_COMMON | {"messages"})
+    constraint = read_constraint(payload.pop(_CONSTRAINTS, {}))
     request: ChatCompletionRequest = _structure(payload, _parsers(limits).chat, "messages")
-    return request
+    return request if constraint is None else attrs.evolve(request, constraint=constraint)

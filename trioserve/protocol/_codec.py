@@ -170,6 +170,8 @@ class _ActionSpec:
     #: Group name -> wire names of which exactly one must be given.
     groups: Mapping[str, tuple[str, ...]]
     structure: Callable[[dict[str, Any]], Any]
+    #: Set name -> wire names of which at most one may be given.
+    exclusive: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)
 
     def wire_name(self, attribute: str) -> str:
         for name, field in self.fields.items():
@@ -190,14 +192,17 @@ def _make_spec(cls: type[Any], id_keys: tuple[str, ...] = _ID_KEYS) -> _ActionSp
         cls, _converter, **overrides, echoed=override(struct_hook=_passthrough)
     )
     groups: dict[str, tuple[str, ...]] = {}
+    exclusive: dict[str, tuple[str, ...]] = {}
     for name, f in fields.items():
         if f.wire.group is not None:
             groups[f.wire.group] = (*groups.get(f.wire.group, ()), name)
+        if f.wire.exclusive is not None:
+            exclusive[f.wire.exclusive] = (*exclusive.get(f.wire.exclusive, ()), name)
 
     def structure(payload: dict[str, Any]) -> Any:
         return fn(payload, cls)
 
-    return _ActionSpec(cls, id_keys, fields, groups, structure)
+    return _ActionSpec(cls, id_keys, fields, groups, structure, exclusive)
 
 
 def _structure_stop(payload: dict[str, Any]) -> StopRequest:
@@ -403,6 +408,15 @@ def _structure(obj: Any, *, depth_checked: bool) -> Request:
         given = [name for name in names if name in payload]
         if len(given) != 1:
             raise _group_error(names, given, spec, action, echoed)
+    for names in spec.exclusive.values():
+        given = [name for name in names if name in payload and payload[name] is not None]
+        if len(given) > 1:
+            raise _invalid(
+                f"give at most one of {', '.join(names)}; got {' and '.join(given)}",
+                f"$.{given[-1]}",
+                action,
+                echoed,
+            )
     payload[_ECHOED] = echoed
     try:
         return cast(Request, spec.structure(payload))

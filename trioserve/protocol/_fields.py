@@ -39,6 +39,7 @@ __all__ = [
     "Bool",
     "Float",
     "Int",
+    "JsonObject",
     "LogitBias",
     "Messages",
     "Rule",
@@ -307,16 +308,27 @@ class TokenIds(Rule):
 
 
 class StrList(Rule):
-    """A list of strings, bounded in count and in characters (``dry_sequence_breakers``)."""
+    """A list of strings, bounded in count and in characters
+    (``dry_sequence_breakers``, ``choice``); ``limit_names`` name the two
+    bounds in ``info``'s limits."""
 
-    def __init__(self, bound: Strings) -> None:
+    def __init__(
+        self,
+        bound: Strings,
+        limit_names: tuple[str, str] = (
+            "max_dry_sequence_breakers",
+            "max_dry_sequence_breaker_chars",
+        ),
+        *,
+        min_count: int = 0,
+    ) -> None:
         self.bound = bound
+        self.min_count = min_count
         self.item_allowed = f"a string of 1 to {bound.max_chars} characters"
         self.allowed = bound.describe()
-        self.limits = {
-            "max_dry_sequence_breakers": bound.max_count,
-            "max_dry_sequence_breaker_chars": bound.max_chars,
-        }
+        if min_count:
+            self.allowed = self.allowed.replace("at most", f"{min_count} to", 1)
+        self.limits = {limit_names[0]: bound.max_count, limit_names[1]: bound.max_chars}
 
     def item(self, value: Any) -> str:
         if not isinstance(value, str) or not value:
@@ -332,6 +344,8 @@ class StrList(Rule):
         # of them is looked at.
         if len(value) > self.bound.max_count:
             raise BadValue(f"must hold at most {self.bound.max_count} strings, got {len(value)}")
+        if len(value) < self.min_count:
+            raise self.bad(value)
         out = []
         for index, element in enumerate(value):
             try:
@@ -414,6 +428,23 @@ class AnyJson(Rule):
         return value
 
 
+class JsonObject(Rule):
+    """A JSON object of at most ``max_bytes`` as compact JSON (a JSON
+    schema)."""
+
+    def __init__(self, max_bytes: int, limit_name: str) -> None:
+        self.max_bytes = max_bytes
+        self.allowed = f"an object of at most {max_bytes} bytes as compact json"
+        self.limits = {limit_name: max_bytes}
+
+    def read(self, value: Any) -> Any:
+        if not isinstance(value, dict):
+            raise self.bad(value)
+        if json_size_exceeds(value, self.max_bytes):
+            raise BadValue(f"must be {self.allowed}, got more than {self.max_bytes} bytes")
+        return value
+
+
 class Messages(Rule):
     """A chat: a list of ``{"role": str, "content": str}`` objects, read into
     instances of ``message_class`` (whose fields are ``role`` and
@@ -491,6 +522,8 @@ class Wire:
     group: str | None = None
     #: The docs table's default column for a field without a default value.
     default_doc: str | None = None
+    #: Fields of one exclusive set: at most one may be given (constraints).
+    exclusive: str | None = None
 
 
 def wire_field(
@@ -502,6 +535,7 @@ def wire_field(
     extension: bool = False,
     group: str | None = None,
     default_doc: str | None = None,
+    exclusive: str | None = None,
 ) -> Any:
     """An attrs field that is also a wire field. ``name`` is the wire name
     when it differs from the attribute's (``customBos``); ``""`` stands for
@@ -513,8 +547,9 @@ def wire_field(
         extension=extension,
         group=group,
         default_doc=default_doc,
+        exclusive=exclusive,
     )
-    hashable = not isinstance(rule, AnyJson)
+    hashable = not isinstance(rule, (AnyJson, JsonObject))
     return attrs.field(default=default, metadata={WIRE: wire}, hash=hashable)
 
 

@@ -12,7 +12,8 @@ from typing import Any, Final, Literal, TypeAlias
 
 import attrs
 
-from trioserve.engine.base import SamplingSettings
+from trioserve.engine.base import SamplingSettings, Strings
+from trioserve.engine.constraint import CONSTRAINT_LIMITS, Constraint
 from trioserve.errors import TrioserveError
 
 from ._fields import (
@@ -20,10 +21,12 @@ from ._fields import (
     AnyJson,
     Bool,
     Int,
+    JsonObject,
     Messages,
     Rule,
     StopConditions,
     Str,
+    StrList,
     TokenIds,
     Wire,
     sampler_field,
@@ -215,6 +218,19 @@ _BANNED = TokenIds(max_count=65536, limit_name="max_banned_ids")
 #: ``messages``: OpenAI's API takes at most 2,048 messages; roles are short
 #: names ("system", "user", "assistant", "tool", "ipython").
 _MESSAGES = Messages(ChatMessage, max_count=2048, max_role_chars=64)
+#: Constraints: their bounds are declared once, with the engine's
+#: (:data:`~trioserve.engine.constraints.CONSTRAINT_LIMITS`), and the OpenAI
+#: door reads the same.
+_SCHEMA = JsonObject(CONSTRAINT_LIMITS.max_schema_bytes, "max_schema_bytes")
+_REGEX = Str(CONSTRAINT_LIMITS.max_regex_chars, min_chars=1)
+_REGEX.limits = {"max_regex_chars": CONSTRAINT_LIMITS.max_regex_chars}
+_GRAMMAR = Str(CONSTRAINT_LIMITS.max_grammar_chars, min_chars=1)
+_GRAMMAR.limits = {"max_grammar_chars": CONSTRAINT_LIMITS.max_grammar_chars}
+_CHOICE = StrList(
+    Strings(CONSTRAINT_LIMITS.max_choices, CONSTRAINT_LIMITS.max_choice_chars),
+    ("max_choices", "max_choice_chars"),
+    min_count=1,
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -348,6 +364,39 @@ class InferRequest:
         extension=True,
         default_doc="`{}`",
     )
+    json_schema: Mapping[str, Any] | None = wire_field(
+        _SCHEMA,
+        "the output is JSON valid against this schema (`{}` is no constraint); "
+        '`{"type": "object"}` is any JSON object',
+        default=None,
+        extension=True,
+        exclusive="constraint",
+        default_doc="absent",
+    )
+    regex: str | None = wire_field(
+        _REGEX,
+        "the whole output matches this regular expression (Rust `regex` syntax)",
+        default=None,
+        extension=True,
+        exclusive="constraint",
+        default_doc="absent",
+    )
+    choice: tuple[str, ...] | None = wire_field(
+        _CHOICE,
+        "the output is exactly one of these strings",
+        default=None,
+        extension=True,
+        exclusive="constraint",
+        default_doc="absent",
+    )
+    grammar: str | None = wire_field(
+        _GRAMMAR,
+        "the output follows this grammar: GBNF (llama.cpp's) when it holds `::=`, else Lark",
+        default=None,
+        extension=True,
+        exclusive="constraint",
+        default_doc="absent",
+    )
     messages: tuple[ChatMessage, ...] | None = wire_field(
         _MESSAGES,
         "a chat instead of `text`, rendered with the model's chat template (a model without "
@@ -391,6 +440,19 @@ class InferRequest:
         """The int entries of ``stop_conditions`` (the model's EOS ids are
         added by the server, not here)."""
         return frozenset(c for c in self.stop_conditions if isinstance(c, int))
+
+    def constraint(self) -> Constraint | None:
+        """The request's constraint (at most one is given), or None; an
+        empty schema ``{}`` is none."""
+        if self.json_schema is not None and self.json_schema != {}:
+            return Constraint.json_schema(self.json_schema, "$.json_schema")
+        if self.regex is not None:
+            return Constraint("regex", self.regex, "$.regex")
+        if self.choice is not None:
+            return Constraint.choice(self.choice, "$.choice")
+        if self.grammar is not None:
+            return Constraint("grammar", self.grammar, "$.grammar")
+        return None
 
     def sampling_settings(self) -> SamplingSettings:
         """The sampler part of the request, for the engine."""
@@ -520,7 +582,8 @@ class Timing:
 
 
 StopReason: TypeAlias = Literal["eos", "num_tokens", "interrupted"]
-EosReason: TypeAlias = Literal["stop_token", "stop_string"]
+#: ``constraint``: the request's constraint was complete (its value ended).
+EosReason: TypeAlias = Literal["stop_token", "stop_string", "constraint"]
 
 
 @attrs.frozen(kw_only=True)
@@ -564,6 +627,10 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     max_batch: int
     batching: bool
+    #: The constraint fields this engine enforces (``json_schema``,
+    #: ``regex``, ``choice``, ``grammar``); an engine without any answers
+    #: ``invalid_request`` to them.
+    constraints: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -587,6 +654,11 @@ class Limits:
     max_logit_bias: int = FIELD_LIMITS["max_logit_bias"]
     max_dry_sequence_breakers: int = FIELD_LIMITS["max_dry_sequence_breakers"]
     max_dry_sequence_breaker_chars: int = FIELD_LIMITS["max_dry_sequence_breaker_chars"]
+    max_schema_bytes: int = FIELD_LIMITS["max_schema_bytes"]
+    max_regex_chars: int = FIELD_LIMITS["max_regex_chars"]
+    max_grammar_chars: int = FIELD_LIMITS["max_grammar_chars"]
+    max_choices: int = FIELD_LIMITS["max_choices"]
+    max_choice_chars: int = FIELD_LIMITS["max_choice_chars"]
 
 
 @attrs.frozen

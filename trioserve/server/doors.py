@@ -50,6 +50,7 @@ def from_infer(request: p.InferRequest) -> GenerationRequest:
         stop_token_ids=tuple(c for c in request.stop_conditions if isinstance(c, int)),
         banned_ids=tuple(request.bann_bann),
         token_healing=request.token_healing,
+        constraint=request.constraint(),
     )
 
 
@@ -78,6 +79,7 @@ def from_openai(request: oa.CompletionRequest | oa.ChatCompletionRequest) -> Gen
         stop_token_ids=request.stop_token_ids,
         banned_ids=request.bann_bann,
         token_healing=request.token_healing,
+        constraint=request.constraint,
     )
 
 
@@ -89,6 +91,8 @@ _WEBSOCKET_NAMES: Final = {
 
 def websocket_path(error: InvalidGeneration, request: p.InferRequest) -> str:
     """The JSON path of the ``infer`` field ``error`` is about."""
+    if error.wire_name:
+        return error.wire_name
     if error.field == "stop_token_ids":
         # The ids are the int entries of stop_conditions: name the entry.
         ints = [i for i, c in enumerate(request.stop_conditions) if isinstance(c, int)]
@@ -143,6 +147,8 @@ _OPENAI_NAMES: Final = {
 
 def openai_param(error: InvalidGeneration) -> str:
     """OpenAI's ``param`` for the field ``error`` is about."""
+    if error.wire_name:
+        return error.wire_name
     name = _OPENAI_NAMES.get(error.field, error.field)
     if error.index is not None and error.field not in ("prompt", "logit_bias"):
         return f"{name}[{error.index}]"

@@ -30,7 +30,7 @@ from trio_websocket import WebSocketConnection
 from trioserve import protocol as p
 from trioserve._version import __version__
 from trioserve.chat_template import ChatTemplate, NoChatTemplate, load_chat_template
-from trioserve.engine.base import Engine, EngineInfo
+from trioserve.engine.base import ConstrainedEngine, Engine, EngineInfo
 from trioserve.errors import ConfigError, ListenError, TrioserveError
 from trioserve.generation import Generations, Tokenizing
 from trioserve.generation.engine_thread import EngineThread, open_loaded_engine
@@ -259,6 +259,7 @@ class Server:
             observer=self.metrics,
             is_draining=lambda: self._draining,
             max_requests_per_client=config.max_requests_per_client,
+            grammars=engine.grammars if isinstance(engine, ConstrainedEngine) else None,
         )
         self.identity = ClientIdentity(
             keyed=config.api_key is not None,
@@ -322,6 +323,7 @@ class Server:
                 eos_token_ids=tuple(sorted(info.eos_token_ids)),
                 max_batch=info.max_batch,
                 batching=info.batching,
+                constraints=info.constraints,
             ),
             p.Limits(
                 max_message_bytes=self.max_message_bytes,
