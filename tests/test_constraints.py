@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import torch
 
@@ -373,3 +374,131 @@ def test_regex_outputs_match_in_full(grammars: Grammars) -> None:
     other = compiled.matcher()
     assert not other.consume_tokens(tokenizer.tokenize_str("12a"))
     assert other.is_error()
+
+
+# --------------------------------------------------------------------------
+# The CPU engine: one matcher per job, failures alone
+
+
+def _spec(engine: Any, job_id: int, prompt: str, **fields: Any) -> Any:
+    from trioserve.engine.base import GenerationSpec, SamplingSettings
+
+    return GenerationSpec(
+        job_id=job_id,
+        prompt_ids=tuple(engine.encode(prompt)),
+        max_new_tokens=fields.pop("max_new_tokens", 100),
+        sampling=fields.pop("sampling", SamplingSettings(temperature=0)),
+        stop_token_ids=frozenset(engine.info.eos_token_ids),
+        **fields,
+    )
+
+
+def _run(engine: Any, specs: list[Any]) -> dict[int, tuple[str, Any]]:
+    from trioserve.engine.base import Failed, Finished, TextUpdate
+
+    texts: dict[int, str] = {spec.job_id: "" for spec in specs}
+    ends: dict[int, Any] = {}
+    pending = specs
+    while len(ends) < len(specs):
+        for update in engine.step(pending, []):
+            if isinstance(update, TextUpdate | Finished):
+                texts[update.job_id] += update.text
+            if isinstance(update, Finished | Failed):
+                ends[update.job_id] = update
+        pending = []
+    return {job: (texts[job], ends[job]) for job in ends}
+
+
+PROMPT = (
+    "<|im_start|>system\nYou are a careful assistant. You answer every question with one JSON"
+    " object and nothing else, and you never add comments, explanations or markdown around it."
+    " Keep names short, and keep every answer on one line, with the fields in the order the"
+    " schema gives them, because the program that reads your answers is strict about it.<|im_end|>\n"
+    "<|im_start|>user\nDescribe a cat as JSON.<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+CAT = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 30},
+    },
+    "required": ["name", "age"],
+}
+
+
+def test_a_job_whose_masks_cost_too_much_fails_alone(cpu_engine: Any) -> None:
+    from trioserve.engine.base import Failed, Finished
+    from trioserve.engine.grammars import MaskBudget
+
+    costly = Grammars.for_model(
+        Path(cpu_engine.info.model_dir),
+        vocab_size=cpu_engine.info.vocab_size,
+        eos_ids=cpu_engine.info.eos_token_ids,
+        budget=MaskBudget(window=2, seconds_per_token=0.0),
+    ).compile(Constraint("regex", "[a-z ]{1,100}"))
+    fine = cpu_engine.grammars.compile(Constraint("regex", "[a-z ]{1,100}"))
+    plain_alone = _run(cpu_engine, [_spec(cpu_engine, 1, PROMPT, constraint=fine)])[1]
+    out = _run(
+        cpu_engine,
+        [
+            _spec(cpu_engine, 2, PROMPT, constraint=costly),
+            _spec(cpu_engine, 3, PROMPT, constraint=fine),
+        ],
+    )
+    failed = out[2][1]
+    assert isinstance(failed, Failed)
+    assert failed.message.startswith("the constraint is too costly to enforce")
+    # The other job of the same batch is the same as alone (greedy).
+    assert isinstance(out[3][1], Finished) and out[3][0] == plain_alone[0]
+
+
+def test_constrained_greedy_text_is_the_same_alone_beside_others_and_from_the_prefix_cache(
+    cpu_engine: Any,
+) -> None:
+    from trioserve.engine.base import Finished, SamplingSettings
+
+    schema = cpu_engine.grammars.compile(Constraint.json_schema(CAT))
+    alone = _run(cpu_engine, [_spec(cpu_engine, 10, PROMPT, constraint=schema)])[10]
+    beside = _run(
+        cpu_engine,
+        [
+            _spec(cpu_engine, 11, PROMPT, sampling=SamplingSettings(temperature=1.0, seed=3)),
+            _spec(cpu_engine, 12, PROMPT, constraint=schema),
+            _spec(
+                cpu_engine,
+                13,
+                PROMPT,
+                constraint=cpu_engine.grammars.compile(Constraint.choice(["a", "b"])),
+            ),
+        ],
+    )
+    again = _run(cpu_engine, [_spec(cpu_engine, 14, PROMPT, constraint=schema)])[14]
+    assert alone[0] == beside[12][0] == again[0]
+    assert isinstance(again[1], Finished) and again[1].cached_tokens > 0
+    assert isinstance(alone[1], Finished) and alone[1].reason == "constraint"
+    value = json.loads(alone[0])
+    jsonschema.validate(value, CAT)
+    assert list(value)[:2] == ["name", "age"]
+    assert beside[13][0] in ("a", "b")
+
+
+def test_a_cancelled_constrained_job_leaves_nothing_behind(cpu_engine: Any) -> None:
+    schema = cpu_engine.grammars.compile(Constraint.json_schema(CAT))
+    spec = _spec(cpu_engine, 20, PROMPT, constraint=schema, max_new_tokens=100)
+    cpu_engine.step([spec], [])
+    cpu_engine.step([], [])
+    assert cpu_engine.step([], [20]) == []
+    assert cpu_engine.statistics().running_jobs == 0
+    # The same grammar serves a new job from its start.
+    out = _run(cpu_engine, [_spec(cpu_engine, 21, PROMPT, constraint=schema)])
+    assert json.loads(out[21][0])["name"]
+
+
+def test_token_healing_with_a_constraint_fails_the_job_at_the_engine(cpu_engine: Any) -> None:
+    from trioserve.engine.base import Failed
+
+    compiled = cpu_engine.grammars.compile(Constraint("regex", "[a-z]+"))
+    out = _run(cpu_engine, [_spec(cpu_engine, 30, PROMPT, constraint=compiled, token_healing=True)])
+    assert isinstance(out[30][1], Failed) and "token_healing" in out[30][1].message

@@ -1075,3 +1075,92 @@ async def test_every_attack_leaves_no_job_behind() -> None:
             within=20,
         )
         await still_serves(listening.url)
+
+
+# --- issue 18: hostile constraints ---------------------------------------------------------------
+
+
+def _deep_schema(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+HOSTILE_CONSTRAINTS: list[tuple[str, Any]] = [
+    # 13,000 enum entries: the most a 64 KiB schema holds.
+    ("json_schema", {"enum": list(range(10**4, 10**4 + 13_000))}),
+    # 100,000 entries: beyond max_schema_bytes, refused before any work.
+    ("json_schema", {"enum": list(range(100_000))}),
+    # As deep as a frame nests (64 levels of JSON, 30 of schema objects).
+    ("json_schema", _deep_schema(30)),
+    # An automaton that explodes: a new lexer state at every token.
+    ("regex", "(a|aa)*" * 50 + "b{1000}"),
+    ("json_schema", {"type": "string", "pattern": "(x+x+)+y"}),
+    # Left recursion: fine for an Earley parser.
+    ("grammar", 'root ::= root "a" | "a"'),
+    # 64 KiB of grammar rules.
+    ("grammar", "\n".join(f'r{i} ::= "w{i}"' for i in range(3000)) + "\nroot ::= r0 | r2999"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "value"), HOSTILE_CONSTRAINTS, ids=lambda v: str(v)[:30])
+async def test_hostile_constraints_are_refused_or_bounded(
+    cpu_engine: CpuEngine, kind: str, value: Any
+) -> None:
+    """Issue 18: a pathological schema, regex or grammar is refused (naming
+    the field) or runs within bounds: compiled off the event loop (another
+    connection's echo never waits long), and its per-step masks never cut
+    another client's decode rate below 0.4 of what it is beside a simple
+    constrained request (a job whose masks cost too much fails alone)."""
+    window = 4.0
+    benign = infer(STORY, 400, temperature=1.0, seed=1, regex="[a-z ]{1,400}", request_id="b")
+    # Temperature 1000 draws nearly uniformly among the allowed tokens: the
+    # walk through the grammar's states that costs the most masks.
+    attack = infer(
+        STORY, 400, temperature=1000.0, top_k=0, top_p=1.0, seed=1, request_id="h", **{kind: value}
+    )
+    async with serving(cpu_engine, max_message_bytes=8 * MiB) as (_, listening):
+        async with open_echo_probe(listening.url) as probe, raw_client(listening.url) as victim:
+            await victim.send(
+                infer(STORY, 3000, stream=True, temperature=0, bann_bann=[SMOL_EOS], request_id="v")
+            )
+            await victim.recv(within=120)
+
+            async def rate() -> float:
+                start, count = time.perf_counter(), 0
+                with trio.move_on_after(window):
+                    while True:
+                        frame = await victim.recv(within=120)
+                        assert frame["response_type"] == "chunk", frame
+                        count += 1
+                return count / (time.perf_counter() - start)
+
+            async with raw_client(listening.url) as other:
+                await other.send(benign)
+                before = await rate()
+                await other.send({"action": "stop", "target": "b"})
+                await other.until("stop", within=120)
+                probe.reset()
+                await other.send(attack)
+                during = await rate()
+                stall = probe.longest()
+                await other.send({"action": "stop", "target": "h"})
+                _, frames = await other.until("stop", within=300)
+            (reply,) = [f for f in frames if f.get("request_id") == "h"]
+            await victim.send({"action": "stop"})
+            await victim.until("stop", within=120)
+    print(
+        f"{kind} {str(value)[:40]!r}: {reply['response_type']}, victim {before:.1f} -> {during:.1f} tok/s, echo stall {stall * 1000:.0f} ms"
+    )
+    assert stall < STALL_BOUND, f"another connection's echo waited {stall:.2f} s"
+    if reply["response_type"] == "error":
+        assert reply["error"]["type"] in ("invalid_request", "internal"), reply
+        if reply["error"]["type"] == "invalid_request":
+            assert reply["error"]["field"] == f"$.{kind}", reply
+        else:
+            assert "the constraint is too costly" in reply["error"]["message"], reply
+    else:
+        assert reply["response_type"] == "full", reply
+    assert during >= 0.4 * before, f"the victim fell from {before:.1f} to {during:.1f} tok/s"

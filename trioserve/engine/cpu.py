@@ -455,7 +455,11 @@ class CpuEngine:
         )
         for job, outcome in outcomes:
             if isinstance(outcome, str):
-                updates.append(self._fail(job, f"sampling failed: {outcome}"))
+                # A constraint's own failure says so; the sampler's gets its prefix.
+                constraint = outcome.startswith("the constraint")
+                updates.append(
+                    self._fail(job, outcome if constraint else f"sampling failed: {outcome}")
+                )
                 continue
             update = job.accept(outcome)
             if isinstance(update, Finished):

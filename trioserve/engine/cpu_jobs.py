@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import attrs
+import numpy as np
 import torch
 from torch import Tensor
 
 from trioserve.engine.base import Finished, FinishReason, GenerationSpec, TextUpdate
-from trioserve.engine.grammars import MaskRows
+from trioserve.engine.grammars import JobMatcher, MaskRows
 from trioserve.engine.plan import JobState
 from trioserve.engine.prefix import PrefixCache
 from trioserve.engine.samplers import DryHistory, bias_row, sequence_breaker_ids
@@ -73,14 +73,8 @@ class CpuJob:
     #: The prefix cache's blocks still to be copied into the slot (at the
     #: job's first step, once the cache has room).
     restore: list[Tensor] = attrs.field(factory=list)
-    #: The job's own llguidance matcher, when its spec has a constraint.
-    matcher: Any = None
-
-    def constraint_problem(self) -> str | None:
-        """Why the job's matcher can go no further, or None."""
-        if self.matcher is None or not self.matcher.is_error():
-            return None
-        return f"the constraint failed: {self.matcher.get_error()}"[:500]
+    #: The job's own matcher, when its spec has a constraint.
+    matcher: JobMatcher | None = None
 
     def state_for_plan(self) -> JobState:
         return JobState(len(self.prompt), self.cached, decoding=self.pending is not None)
@@ -94,7 +88,7 @@ class CpuJob:
         if matcher is not None and token not in self.spec.stop_token_ids:
             # A stop token ends the job whatever the matcher says; it allowed
             # one only in an accepting state.
-            matcher.consume_token(token)
+            matcher.consume(token)
         self.pending = token
         self.tokens.append(token)
         self.generated += 1
@@ -109,7 +103,7 @@ class CpuJob:
         piece = self.stream.push([token])
         if piece.stop_string is not None:
             return self._finished(piece.text, "stop_string", stop_string=piece.stop_string)
-        complete = matcher is not None and matcher.is_stopped() and not matcher.is_error()
+        complete = matcher is not None and matcher.complete
         if complete or self.generated >= spec.max_new_tokens:
             text = piece.text + self.stream.flush()
             if self.stream.stop_string is not None:
@@ -240,7 +234,7 @@ def start_job(
         breakers = sequence_breaker_ids(tokenizer, sampling.dry_sequence_breakers)
         dry = DryHistory.start(prompt, len(prompt) + spec.max_new_tokens, breakers, vocab)
     return CpuJob(
-        matcher=None if spec.constraint is None else spec.constraint.matcher(),
+        matcher=None if spec.constraint is None else JobMatcher.start(spec.constraint),
         spec=spec,
         prompt=prompt,
         slot=slot,
@@ -281,7 +275,7 @@ def sample_jobs(
     constrained = _constraint_masks(rows, masks or MaskRows(vocab, len(rows)), device)
     bias, failed_early = _biases(rows, vocab, device)
     for row, job in enumerate(rows):
-        problem = job.constraint_problem()
+        problem = None if job.matcher is None else job.matcher.problem()
         if problem is not None:
             failed_early.setdefault(row, problem)
     if failed_early:
@@ -335,14 +329,18 @@ def _constraint_masks(rows: list[CpuJob], masks: MaskRows, device: torch.device)
     """The ``[B, V]`` allowed tokens of the step's rows (all True for rows
     without a constraint), or None when no row has one. Each matcher
     computes its mask here, on the engine thread: tens of microseconds for a
-    usual grammar, bounded by the parser limits for a hostile one."""
-    constrained = [row for row, job in enumerate(rows) if job.matcher is not None]
-    if not constrained:
+    usual grammar; a costly one is charged for it and fails over its budget
+    (:class:`~trioserve.engine.grammars.MaskBudget`)."""
+    matchers = {row: job.matcher for row, job in enumerate(rows) if job.matcher is not None}
+    if not matchers:
         return None
-    allowed = torch.ones((len(rows), masks.vocab_size), dtype=torch.bool)
-    filled = masks.fill([rows[row].matcher for row in constrained])
-    allowed[torch.tensor(constrained)] = filled
-    return allowed.to(device)
+    filled = masks.fill(list(matchers.values()))
+    if len(matchers) == len(rows):
+        return filled.to(device)
+    # Assembled in numpy: one thread (see MaskRows).
+    allowed = np.ones((len(rows), masks.vocab_size), dtype=np.bool_)
+    allowed[list(matchers)] = filled.numpy()
+    return torch.from_numpy(allowed).to(device)
 
 
 def _biases(

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import llguidance
+import numpy as np
 import torch
 
 from trioserve.engine.constraint import Constraint, ConstraintError, grammar_syntax
@@ -46,9 +47,12 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 __all__ = [
+    "MASK_BUDGET",
     "PARSER_LIMITS",
     "CompiledGrammar",
     "Grammars",
+    "JobMatcher",
+    "MaskBudget",
     "MaskRows",
     "grammar_of",
 ]
@@ -116,6 +120,32 @@ def _one_line(message: str, limit: int = 500) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+@attrs.frozen
+class MaskBudget:
+    """How much CPU time a job's masks may take: at most ``window *
+    seconds_per_token`` over its last ``window`` steps.
+
+    A usual grammar's mask costs tens of microseconds; a step that meets a
+    lexer state never seen before walks the whole token trie once (about
+    10 ms for 49,152 ids on this project's CPUs), which a usual grammar does
+    a few times per answer. A hostile one (a regex whose automaton explodes)
+    does it at every step, and the step of every other job waits for it: so a
+    job over the budget fails, alone, with the figure. The engine thread's
+    own CPU time is measured (not wall time), so a busy machine does not
+    fail a job for others' work.
+    """
+
+    window: int = 32
+    seconds_per_token: float = 0.004
+
+    @property
+    def seconds(self) -> float:
+        return self.window * self.seconds_per_token
+
+
+MASK_BUDGET: Final = MaskBudget()
+
+
 @attrs.frozen(eq=False)
 class CompiledGrammar:
     """A constraint compiled for one model's tokenizer. The matcher it
@@ -127,6 +157,8 @@ class CompiledGrammar:
     compile_seconds: float
     #: What the cache charges for it: the constraint's and the grammar's text.
     nbytes: int
+    #: What its jobs' masks may cost.
+    budget: MaskBudget = MASK_BUDGET
 
     def matcher(self) -> llguidance.LLMatcher:
         """A fresh matcher at the start of the output (a copy: cheap)."""
@@ -151,8 +183,10 @@ class Grammars:
         vocab_size: int,
         eos_ids: Iterable[int],
         cache_bytes: int = 16 * 2**20,
+        budget: MaskBudget = MASK_BUDGET,
     ) -> None:
         self._tokenizer_json = tokenizer_json
+        self.budget = budget
         self.vocab_size = vocab_size
         self.eos_ids = sorted(set(eos_ids))
         self.cache_bytes = cache_bytes
@@ -221,6 +255,7 @@ class Grammars:
             matcher,
             compile_seconds=time.perf_counter() - started,
             nbytes=constraint.nbytes + len(grammar),
+            budget=self.budget,
         )
         self._keep(compiled)
         return compiled
@@ -245,27 +280,85 @@ class Grammars:
             return len(self._cache), self._cached_bytes
 
 
+@attrs.define(eq=False)
+class JobMatcher:
+    """One job's matcher and what its masks cost."""
+
+    matcher: llguidance.LLMatcher
+    budget: MaskBudget = MASK_BUDGET
+    #: Mask CPU seconds of the job so far, and of its last ``budget.window`` steps.
+    seconds: float = 0.0
+    recent: collections.deque[float] = attrs.field(init=False)
+    steps: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        self.recent = collections.deque(maxlen=self.budget.window)
+
+    @classmethod
+    def start(cls, compiled: CompiledGrammar) -> JobMatcher:
+        return cls(compiled.matcher(), compiled.budget)
+
+    def charge(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.steps += 1
+        self.recent.append(seconds)
+
+    def problem(self) -> str | None:
+        """Why the job cannot go on (the matcher failed, or its masks are
+        over the budget), or None."""
+        if self.matcher.is_error():
+            return f"the constraint failed: {_one_line(self.matcher.get_error(), 400)}"
+        spent = sum(self.recent)
+        if spent > self.budget.seconds:
+            return (
+                f"the constraint is too costly to enforce: its masks took {spent * 1000:.0f} ms"
+                f" of CPU time over its last {len(self.recent)} tokens (the limit is"
+                f" {self.budget.seconds * 1000:.0f} ms over {self.budget.window}); simplify it"
+            )
+        return None
+
+    def consume(self, token: int) -> None:
+        """Advance past the sampled ``token`` (an error state shows in :meth:`problem`)."""
+        self.matcher.consume_token(token)
+
+    @property
+    def complete(self) -> bool:
+        """The value is complete: nothing but the end may follow."""
+        return self.matcher.is_stopped() and not self.matcher.is_error()
+
+
 class MaskRows:
     """One preallocated bitmask for a step's constrained rows (32 tokens per
     int32 word, as llguidance writes it), and its expansion to the
-    sampler's ``[rows, vocab]`` bool mask."""
+    sampler's ``[rows, vocab]`` bool mask.
+
+    The expansion runs in numpy, on one thread: torch would split a tensor
+    of this size over its thread pool, and waking the pool costs more than
+    the work (tens of milliseconds on a busy two-core machine, against tens
+    of microseconds)."""
 
     def __init__(self, vocab_size: int, rows: int) -> None:
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
-        self._bits = torch.zeros((max(1, rows), self.words), dtype=torch.int32)
-        self._shifts = torch.arange(32, dtype=torch.int32)
+        self._bits = np.zeros((max(1, rows), self.words), dtype=np.int32)
 
-    def fill(self, matchers: Sequence[llguidance.LLMatcher]) -> torch.Tensor:
+    def fill(self, matchers: Sequence[llguidance.LLMatcher | JobMatcher]) -> torch.Tensor:
         """The allowed tokens of each matcher: ``[len(matchers), vocab]``
-        bool. A matcher in error allows nothing (check ``is_error()``)."""
+        bool. A matcher in error allows nothing (check ``is_error()``); a
+        :class:`JobMatcher` is charged its mask's CPU time."""
         if len(matchers) > self._bits.shape[0]:
-            self._bits = torch.zeros((len(matchers), self.words), dtype=torch.int32)
+            self._bits = np.zeros((len(matchers), self.words), dtype=np.int32)
         bits = self._bits[: len(matchers)]
         row_bytes = self.words * 4
         for row, matcher in enumerate(matchers):
-            target = bits[row]
+            target = bits[row].ctypes.data
+            started = time.thread_time()
             # llguidance writes the row in place, without the GIL.
-            matcher.unsafe_compute_mask_ptr(target.data_ptr(), row_bytes)
-        expanded = (bits.unsqueeze(-1) >> self._shifts) & 1
-        return expanded.reshape(len(matchers), self.words * 32)[:, : self.vocab_size].bool()
+            if isinstance(matcher, JobMatcher):
+                matcher.matcher.unsafe_compute_mask_ptr(target, row_bytes)
+                matcher.charge(time.thread_time() - started)
+            else:
+                matcher.unsafe_compute_mask_ptr(target, row_bytes)
+        # Bit i of word j is token 32 * j + i (little-endian words and bits).
+        unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
+        return torch.from_numpy(unpacked[:, : self.vocab_size].view(np.bool_))
