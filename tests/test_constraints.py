@@ -413,7 +413,8 @@ PROMPT = (
     "<|im_start|>system\nYou are a careful assistant. You answer every question with one JSON"
     " object and nothing else, and you never add comments, explanations or markdown around it."
     " Keep names short, and keep every answer on one line, with the fields in the order the"
-    " schema gives them, because the program that reads your answers is strict about it.<|im_end|>\n"
+    " schema gives them, because the program that reads your answers is strict."
+    "<|im_end|>\n"
     "<|im_start|>user\nDescribe a cat as JSON.<|im_end|>\n<|im_start|>assistant\n"
 )
 
