@@ -1152,7 +1152,8 @@ async def test_hostile_constraints_are_refused_or_bounded(
             await victim.send({"action": "stop"})
             await victim.until("stop", within=120)
     print(
-        f"{kind} {str(value)[:40]!r}: {reply['response_type']}, victim {before:.1f} -> {during:.1f} tok/s, echo stall {stall * 1000:.0f} ms"
+        f"{kind} {str(value)[:40]!r}: {reply['response_type']}, victim {before:.1f} ->"
+        f" {during:.1f} tok/s, echo stall {stall * 1000:.0f} ms"
     )
     assert stall < STALL_BOUND, f"another connection's echo waited {stall:.2f} s"
     if reply["response_type"] == "error":
