@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from .helpers import raw_client, running_server
+from .serverproc import open_server_process
 
 if TYPE_CHECKING:
     from trioserve.engine.cpu import CpuEngine
@@ -219,6 +220,65 @@ async def test_the_openai_sdk_parses_structured_answers(cpu_engine: CpuEngine) -
             assert "missing" in body["message"]
 
         await trio.to_thread.run_sync(use_the_sdk)
+
+
+@pytest.mark.slow
+async def test_every_kind_on_both_doors_through_the_cli() -> None:
+    """``python -m trioserve`` as users run it: each kind of constraint through
+    the WebSocket and the OpenAI door, and a bad schema refused on both."""
+    async with open_server_process(["--context-length", "1024"]) as server:
+        async with raw_client(server.url) as ws:
+            for n, (kind, value, question) in enumerate(CASES):
+                await ws.send(
+                    {
+                        "action": "infer",
+                        "request_id": n,
+                        "messages": [{"role": "user", "content": question}],
+                        "max_new_tokens": 120,
+                        "temperature": 0.8,
+                        "seed": n,
+                        kind: value,
+                    }
+                )
+                (final,) = await ws.recv_until_final(request_id=n)
+                assert final["stop_reason"] == "eos", final
+                assert _valid(kind, value, final["response"]), (kind, final["response"])
+            await ws.send({"action": "infer", "text": "x", "max_new_tokens": 3, "regex": "(a"})
+            error = await ws.recv()
+            assert (error["error"]["type"], error["error"]["field"]) == (
+                "invalid_request",
+                "$.regex",
+            )
+        base = f"http://127.0.0.1:{server.port}/v1"
+
+        def through_the_sdk() -> None:
+            client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+            openai_names = {
+                "json_schema": "json_schema",
+                "regex": "regex_pattern",
+                "choice": "guided_choice",
+                "grammar": "grammar",
+            }
+            for n, (kind, value, question) in enumerate(CASES):
+                answer = client.chat.completions.create(
+                    model="m",
+                    messages=[{"role": "user", "content": question}],
+                    max_tokens=120,
+                    temperature=0.8,
+                    seed=n,
+                    extra_body={openai_names[kind]: value},
+                )
+                choice = answer.choices[0]
+                assert choice.finish_reason == "stop"
+                assert _valid(kind, value, choice.message.content or ""), (kind, choice)
+            with pytest.raises(openai.BadRequestError) as info:
+                client.completions.create(
+                    model="m", prompt="x", extra_body={"guided_grammar": "root ::= undefined"}
+                )
+            assert isinstance(info.value.body, dict)
+            assert info.value.body["param"] == "guided_grammar"
+
+        await trio.to_thread.run_sync(through_the_sdk)
 
 
 # --------------------------------------------------------------------------
