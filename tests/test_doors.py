@@ -26,6 +26,7 @@ from tests.serverproc import open_server_process
 from trioserve import openai as oa
 from trioserve import protocol as p
 from trioserve.engine.base import EngineInfo, SamplingSettings, setting_ranges
+from trioserve.engine.constraint import CONSTRAINT_KINDS
 from trioserve.generation import GenerationRequest, InvalidGeneration
 from trioserve.generation.generation import build_spec, check_request, fit_prompt, trim_prompt
 from trioserve.openai.fields import OPENAI_RANGES, SHARED_FIELDS
@@ -46,6 +47,7 @@ INFO = EngineInfo(
     bos_token_id=None,
     eos_token_ids=frozenset({2}),
     max_batch=4,
+    constraints=CONSTRAINT_KINDS,
 )
 
 
@@ -113,6 +115,43 @@ def test_both_doors_give_the_same_verdict(field: str, value: Any) -> None:
     if ws is not None:
         assert ws.startswith(f"$.{field}"), ws
         assert openai is not None and openai.startswith(NAMES[field]), openai
+
+
+#: The constraint fields of infer and the OpenAI door's field that is read by
+#: the same rule (llama.cpp's json_schema and grammar, TabbyAPI's
+#: regex_pattern, vLLM's guided_choice).
+CONSTRAINT_NAMES = {
+    "json_schema": "json_schema",
+    "grammar": "grammar",
+    "regex": "regex_pattern",
+    "choice": "guided_choice",
+}
+
+
+def constraint_values() -> st.SearchStrategy[Any]:
+    texts = st.text(max_size=8)
+    return st.one_of(
+        values(),
+        st.just(""),
+        st.just({}),
+        texts,
+        st.lists(texts, max_size=4),
+        st.dictionaries(st.sampled_from(["type", "enum", "properties"]), texts, max_size=3),
+        st.just("x" * 70_000),
+        st.just(["c"] * 1025),
+        st.just({"enum": ["x" * 100] * 700}),
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(field=st.sampled_from(sorted(CONSTRAINT_NAMES)), value=constraint_values())
+def test_both_doors_give_constraints_the_same_verdict(field: str, value: Any) -> None:
+    ws = websocket_verdict(field, value)
+    openai = openai_verdict(CONSTRAINT_NAMES[field], value)
+    assert (ws is None) == (openai is None), (field, value, ws, openai)
+    if ws is not None:
+        assert ws.startswith(f"$.{field}"), ws
+        assert openai is not None and openai.startswith(CONSTRAINT_NAMES[field]), openai
 
 
 def test_the_overrides_are_narrower() -> None:

@@ -53,11 +53,11 @@ def _read(param: str, rule: Rule, value: Any) -> Any:
         raise _invalid(f"{param} {exc}", param) from None
 
 
-def _schema(param: str, value: Any) -> Constraint | None:
-    """A JSON schema given as an object, or as a JSON string (vLLM takes
-    both); ``{}`` is no constraint."""
+def _schema(param: str, value: Any, *, text: bool = False) -> Constraint | None:
+    """A JSON schema given as an object, or (with ``text``: vLLM's fields
+    take both) as its JSON text; ``{}`` is no constraint."""
     rule = _rule("json_schema")
-    if isinstance(value, str):
+    if text and isinstance(value, str):
         limit = rule.max_bytes  # type: ignore[attr-defined]
         if len(value) > limit:
             raise _invalid(
@@ -70,6 +70,10 @@ def _schema(param: str, value: Any) -> Constraint | None:
             raise _invalid(f"{param} is a string that is not JSON: {exc}", param) from None
     schema = _read(param, rule, value)
     return None if schema == {} else Constraint.json_schema(schema, param)
+
+
+def _schema_or_text(param: str, value: Any) -> Constraint | None:
+    return _schema(param, value, text=True)
 
 
 def _regex(param: str, value: Any) -> Constraint:
@@ -171,7 +175,7 @@ def _structured_outputs(param: str, value: Any) -> list[Constraint]:
         return []
     body = _object(param, value)
     readers: dict[str, Callable[[str, Any], Constraint | None]] = {
-        "json": _schema,
+        "json": _schema_or_text,
         "regex": _regex,
         "choice": _choice,
         "grammar": _grammar,
@@ -224,7 +228,7 @@ _READERS: Final[Mapping[str, Callable[[str, Any], list[Constraint]]]] = {
     "json_schema": _one(_schema),
     "grammar": _one(_grammar),
     "structured_outputs": _structured_outputs,
-    "guided_json": _one(_schema),
+    "guided_json": _one(_schema_or_text),
     "guided_regex": _one(_regex),
     "guided_choice": _one(_choice),
     "guided_grammar": _one(_grammar),
