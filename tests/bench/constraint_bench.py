@@ -125,9 +125,9 @@ def run(results: list[dict[str, Any]], *, say: Callable[[str], None] = print) ->
                             constraint=compiled,
                         )
                     specs.append(spec)
-                rates[side], ids = _decode_rate(engine, specs)
+                rates[side], produced = _decode_rate(engine, specs)
                 if side == "constrained":
-                    outputs.extend(ids.values())
+                    outputs.extend(produced.values())
             ratios.append(rates["constrained"] / rates["plain"])
             plain_rates.append(rates["plain"])
             constrained_rates.append(rates["constrained"])
@@ -146,9 +146,9 @@ def run(results: list[dict[str, Any]], *, say: Callable[[str], None] = print) ->
     # The masks the constrained jobs needed, replayed over their own tokens.
     masks = MaskRows(engine.info.vocab_size, 1)
     times: list[float] = []
-    for ids in outputs:
+    for output in outputs:
         matcher = compiled.matcher()
-        for token in ids:
+        for token in output:
             started = time.thread_time()
             masks.fill([matcher])
             times.append(time.thread_time() - started)
