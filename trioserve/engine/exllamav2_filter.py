@@ -162,9 +162,14 @@ class GrammarMask:
         forbidden tokens at -inf, changed in place."""
         if self.closed or self._open:
             return logits
-        width = logits.shape[-1]
-        allowed = self._allowed(width)
-        logits.masked_fill_(~allowed, -math.inf)
+        # The sampler may run in the generator's sampling_pool, outside the
+        # engine thread's inference mode (thread-local); the logits are a view
+        # of its pinned buffer (not an inference tensor), but should a
+        # release hand an inference tensor, an in-place change outside
+        # inference mode would raise.
+        with torch.inference_mode():
+            allowed = self._allowed(logits.shape[-1])
+            logits.masked_fill_(~allowed, -math.inf)
         return logits
 
     def _allowed(self, width: int) -> torch.Tensor:
