@@ -436,7 +436,8 @@ def test_real_filter_is_an_exllamav2_filter(real_jobs: RealJobs, compiled: Any) 
 
 def test_real_sampler_draws_only_allowed_tokens(real_jobs: RealJobs, compiled: Any) -> None:
     """ExLlamaV2Sampler.sample's mask path with the filter, over many draws
-    of its C++ sampler: every token is one the grammar allows."""
+    of its C++ sampler at points of a JSON value where one token or
+    thousands are allowed: every token is one the grammar allows."""
     from exllamav2.generator import ExLlamaV2Sampler
 
     from trioserve.engine.exllamav2_filter import filter_class
@@ -447,9 +448,11 @@ def test_real_sampler_draws_only_allowed_tokens(real_jobs: RealJobs, compiled: A
     for name, value in sampler_fields(sampling, real_jobs.tokenizer, VOCAB).items():
         setattr(settings, name, value)
     generator = torch.Generator().manual_seed(7)
+    prefixes = ["", '{"name": "', '{"name": "ab", "ok": ', '{"name": "a", "ok": true, "n": 1']
     for n in range(40):
+        prefix = real_jobs.tokenizer.encode(prefixes[n % len(prefixes)])
         f = filter_class()(None, real_jobs.host.tokenizer, compiled["json_schema"].matcher(), VOCAB)
-        allowed = _allowed(GrammarMask(compiled["json_schema"].matcher(), VOCAB))
+        _feed(f, prefix)
         logits = torch.randn((1, 1, VOCAB), generator=generator) * 4
         token, *_, end_filter = ExLlamaV2Sampler.sample(
             logits,
@@ -462,7 +465,10 @@ def test_real_sampler_draws_only_allowed_tokens(real_jobs: RealJobs, compiled: A
             filters=[f],
             filter_prefer_eos=True,
         )
-        assert int(token) in allowed
+        # llguidance itself, on a matcher of its own, takes the token.
+        oracle = compiled["json_schema"].matcher()
+        assert oracle.consume_tokens(prefix)
+        assert oracle.consume_token(int(token)), (prefixes[n % len(prefixes)], int(token))
         # The mask path reports no filter end (end_tokens is None there).
         assert end_filter is False
 
