@@ -24,6 +24,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -2253,3 +2254,138 @@ async def test_gpu_server_stop_interrupts_a_stream(served_engine: Any) -> None:
     assert frames[-1]["stopped"] == 1
     streamed = "".join(f["chunk"] for f in frames if f.get("response_type") == "chunk")
     assert finals[0]["response"].startswith(streamed)
+
+
+# -- constraints on the GPU (issue 18; the CPU half is tests/test_exllamav2_filter.py) --
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.gpu
+def test_gpu_constrained_jobs_in_one_batch(xengine: Any) -> None:
+    """Constrained jobs (sampled JSON, a greedy choice, a regex) and plain ones
+    in one batch, through ExLlamaV2's dynamic generator with the filter on
+    its mask path: every output is valid, a complete value ends with reason
+    constraint, the plain jobs are unaffected, and no mask is left queued."""
+    import jsonschema
+
+    from trioserve.engine.constraint import CONSTRAINT_KINDS, Constraint
+
+    assert xengine.info.constraints == CONSTRAINT_KINDS
+    grammars = xengine.grammars
+    # The bitmask covers the sampler's padded logits exactly.
+    assert (grammars.vocab_size + 31) // 32 * 32 == xengine._generator.padded_vocab_size
+    person = grammars.compile(Constraint.json_schema(PERSON))
+    cities = ["Paris", "London", "Rome"]
+    city = grammars.compile(Constraint.choice(cities))
+    number = grammars.compile(Constraint("regex", "[0-9]{1,3}"))
+    sampled = SamplingSettings(temperature=0.9, top_p=0.95, rep_pen=1.0)
+    specs = [
+        *(
+            _chat_spec(
+                xengine,
+                300 + n,
+                "Describe a person as JSON with a name and an age.",
+                sampling=attrs.evolve(sampled, seed=n),
+                constraint=person,
+                max_new_tokens=64,
+            )
+            for n in range(4)
+        ),
+        _chat_spec(xengine, 310, "What is the capital of France?", constraint=city),
+        _chat_spec(xengine, 311, "How many legs has a spider?", constraint=number),
+        _chat_spec(xengine, 312, "Name a colour.", max_new_tokens=16),
+        _chat_spec(xengine, 313, "Count to five.", max_new_tokens=16),
+    ]
+    alone = {
+        spec.job_id: _released(_generate(xengine, [spec])[spec.job_id])
+        for spec in specs
+        if spec.constraint is None
+    }
+    got = _generate(xengine, [attrs.evolve(spec, job_id=spec.job_id + 100) for spec in specs])
+    for spec in specs:
+        updates = got[spec.job_id + 100]
+        end = updates[-1]
+        assert isinstance(end, Finished), updates
+        text = _released(updates)
+        if spec.constraint is person:
+            assert end.reason == "constraint", (end, text)
+            jsonschema.validate(json.loads(text), PERSON)
+        elif spec.constraint is city:
+            assert (end.reason, text in cities) == ("constraint", True), (end, text)
+        elif spec.constraint is number:
+            assert end.reason in ("constraint", "stop_token"), (end, text)
+            assert re.fullmatch("[0-9]{1,3}", text), text
+        else:
+            # Greedy, batched with constrained jobs or alone: the same text.
+            assert text == alone[spec.job_id]
+    generator = xengine._generator
+    assert generator.num_remaining_jobs() == 0
+    assert not generator.filter_queue
+    assert xengine.step([], []) == []
+
+
+@pytest.mark.gpu
+def test_gpu_cancelled_constrained_job_leaves_nothing_behind(xengine: Any) -> None:
+    from trioserve.engine.constraint import Constraint
+
+    person = xengine.grammars.compile(Constraint.json_schema(PERSON))
+    spec = _chat_spec(xengine, 330, "Describe a person as JSON.", constraint=person)
+    updates = xengine.step([spec], [])
+    for _ in range(50):
+        if any(isinstance(u, TextUpdate) for u in updates):
+            break
+        updates = xengine.step([], [])
+    mask = xengine._jobs[330].mask
+    assert mask is not None
+    assert xengine.step([], [330]) == []
+    assert mask.closed and mask.background_result is None
+    assert all(f is not mask for f, _ in xengine._generator.filter_queue)
+    assert xengine._generator.num_remaining_jobs() == 0
+    # The next constrained job runs as usual.
+    after = _generate(xengine, [attrs.evolve(spec, job_id=331)])[331]
+    end = after[-1]
+    assert isinstance(end, Finished) and end.reason == "constraint", after
+    json.loads(_released(after))
+
+
+@pytest.mark.gpu
+def test_gpu_constraint_with_token_healing_is_refused(xengine: Any) -> None:
+    from trioserve.engine.constraint import Constraint
+
+    city = xengine.grammars.compile(Constraint.choice(["Paris", "Rome"]))
+    spec = _chat_spec(xengine, 340, "Capital?", constraint=city, token_healing=True)
+    (update,) = xengine.step([spec], [])
+    assert isinstance(update, Failed) and "token_healing" in update.message
+
+
+@pytest.mark.gpu
+async def test_gpu_server_json_schema(served_engine: Any) -> None:
+    """The infer door's json_schema on both engines, streamed and sampled."""
+    import jsonschema
+
+    from tests.helpers import chunks_of, running_server
+
+    async with running_server(served_engine) as listening:
+        frames = await _infer(
+            listening.url,
+            text=CHAT.format(question="Describe a person as JSON with a name and an age."),
+            max_new_tokens=64,
+            stream=True,
+            temperature=0.8,
+            seed=5,
+            json_schema=PERSON,
+        )
+    final = frames[-1]
+    assert final["response_type"] == "full", json.dumps(final)
+    assert "".join(chunks_of(frames)) == final["response"]
+    assert final["eos_reason"] == "constraint", json.dumps(final)
+    jsonschema.validate(json.loads(final["response"]), PERSON)
