@@ -2269,14 +2269,26 @@ PERSON = {
 }
 
 
+def _is_person(text: str) -> bool:
+    """Whether ``text`` is valid against PERSON (written out: the GPU image
+    has no jsonschema)."""
+    value = json.loads(text)
+    return (
+        isinstance(value, dict)
+        and set(value) == {"name", "age"}
+        and isinstance(value["name"], str)
+        and len(value["name"]) <= 24
+        and type(value["age"]) is int
+        and 0 <= value["age"] <= 150
+    )
+
+
 @pytest.mark.gpu
 def test_gpu_constrained_jobs_in_one_batch(xengine: Any) -> None:
     """Constrained jobs (sampled JSON, a greedy choice, a regex) and plain ones
     in one batch, through ExLlamaV2's dynamic generator with the filter on
     its mask path: every output is valid, a complete value ends with reason
     constraint, the plain jobs are unaffected, and no mask is left queued."""
-    import jsonschema
-
     from trioserve.engine.constraint import CONSTRAINT_KINDS, Constraint
 
     assert xengine.info.constraints == CONSTRAINT_KINDS
@@ -2318,7 +2330,7 @@ def test_gpu_constrained_jobs_in_one_batch(xengine: Any) -> None:
         text = _released(updates)
         if spec.constraint is person:
             assert end.reason == "constraint", (end, text)
-            jsonschema.validate(json.loads(text), PERSON)
+            assert _is_person(text), text
         elif spec.constraint is city:
             assert (end.reason, text in cities) == ("constraint", True), (end, text)
         elif spec.constraint is number:
@@ -2354,7 +2366,7 @@ def test_gpu_cancelled_constrained_job_leaves_nothing_behind(xengine: Any) -> No
     after = _generate(xengine, [attrs.evolve(spec, job_id=331)])[331]
     end = after[-1]
     assert isinstance(end, Finished) and end.reason == "constraint", after
-    json.loads(_released(after))
+    assert _is_person(_released(after))
 
 
 @pytest.mark.gpu
@@ -2370,8 +2382,6 @@ def test_gpu_constraint_with_token_healing_is_refused(xengine: Any) -> None:
 @pytest.mark.gpu
 async def test_gpu_server_json_schema(served_engine: Any) -> None:
     """The infer door's json_schema on both engines, streamed and sampled."""
-    import jsonschema
-
     from tests.helpers import chunks_of, running_server
 
     async with running_server(served_engine) as listening:
@@ -2388,4 +2398,4 @@ async def test_gpu_server_json_schema(served_engine: Any) -> None:
     assert final["response_type"] == "full", json.dumps(final)
     assert "".join(chunks_of(frames)) == final["response"]
     assert final["eos_reason"] == "constraint", json.dumps(final)
-    jsonschema.validate(json.loads(final["response"]), PERSON)
+    assert _is_person(final["response"]), final["response"]
