@@ -14,7 +14,12 @@ tokens and token healing; this module translates:
   once (:func:`~trioserve.engine.exllamav2_jobs.updates_from_result`). The
   text comes from the sampled tokens, decoded and cut at stop strings by the
   CPU engine's own rules (:class:`~trioserve.engine.text.TextStream`), not
-  from ExLlamaV2's text: the same tokens give the same text on both engines.
+  from ExLlamaV2's text: the same tokens give the same text on both engines;
+* a job with a constraint gets its own ``ExLlamaV2Filter`` over llguidance
+  (:mod:`~trioserve.engine.exllamav2_filter`, on ExLlamaV2's mask path), and
+  the CPU engine's rules for it (:func:`~trioserve.engine.exllamav2_jobs.constrained_update`):
+  a complete value ends the job with reason ``constraint``, a failed matcher
+  fails that job alone. docs/gpu.md says what a constrained job costs the batch.
 
 The generator is not thread-safe and its asyncio wrapper blocks the event
 loop, so neither is used from trio: ``enqueue``, ``cancel`` and ``iterate`` are
@@ -46,13 +51,16 @@ which thread that is, or that it is the thread that loaded the model:
   torch, and are safe from any thread at any time.
 
 ``exllamav2`` is imported only by :func:`probe_exllamav2` and
-:meth:`ExLlamaV2Engine.load`, never when this module is imported: on a machine
+:meth:`ExLlamaV2Engine.load` (and, after a load, by
+:func:`~trioserve.engine.exllamav2_filter.filter_class` for the first
+constrained job), never when this module is imported: on a machine
 without CUDA the import fails (its C++/CUDA extension cannot be built), and
 where it works it compiles that extension on first use, which takes minutes.
 Everything else is pure, tested on a CPU, and lives in modules of its own that
 never import exllamav2: :mod:`~trioserve.engine.exllamav2_plan` (the options
 and attention mode a load builds), :mod:`~trioserve.engine.exllamav2_jobs`
-(jobs in, typed updates out) and :mod:`~trioserve.engine.exllamav2_build`
+(jobs in, typed updates out), :mod:`~trioserve.engine.exllamav2_filter`
+(the constraint's mask) and :mod:`~trioserve.engine.exllamav2_build`
 (the bounded wait for torch's build lock of the extension).
 """
 
