@@ -55,7 +55,7 @@ from trioserve.engine.constraint import CONSTRAINT_KINDS, Constraint
 from trioserve.engine.exllamav2_filter import GrammarMask
 from trioserve.engine.exllamav2_jobs import JobState, constrained_update, refusal
 from trioserve.engine.exllamav2_plan import PAGE_SIZE, plan_load
-from trioserve.engine.grammars import CompiledGrammar, Grammars
+from trioserve.engine.grammars import CompiledGrammar, Grammars, JobMatcher, MaskBudget
 from trioserve.engine.models import default_model_dir
 from trioserve.engine.tokenizer import Tokenizer
 
@@ -118,13 +118,17 @@ def _complete(mask: GrammarMask) -> bool:
     return mask.complete
 
 
+def _problem(mask: GrammarMask) -> str | None:
+    return mask.problem
+
+
 # -- the mask, with real matchers -------------------------------------------------------
 
 
 def test_mask_allows_what_the_grammar_allows(
     tokenizer: Tokenizer, compiled: dict[str, CompiledGrammar]
 ) -> None:
-    mask = GrammarMask(compiled["choice"].matcher(), VOCAB)
+    mask = GrammarMask(JobMatcher.start(compiled["choice"]), VOCAB)
     allowed = _allowed(mask)
     texts = {tokenizer.decode([i]) for i in allowed}
     assert allowed and all(any(c.startswith(t) for c in CHOICES) for t in texts), texts
@@ -141,7 +145,7 @@ def test_mask_allows_what_the_grammar_allows(
 def test_a_complete_value_allows_only_the_end(
     tokenizer: Tokenizer, compiled: dict[str, CompiledGrammar]
 ) -> None:
-    mask = GrammarMask(compiled["json_schema"].matcher(), VOCAB)
+    mask = GrammarMask(JobMatcher.start(compiled["json_schema"]), VOCAB)
     _feed(mask, tokenizer.encode('{"name": "ab", "ok": true, "n": 7'))
     assert not _complete(mask)
     _feed(mask, tokenizer.encode("}"))
@@ -152,7 +156,7 @@ def test_a_complete_value_allows_only_the_end(
 def test_an_accepting_regex_is_not_complete(
     tokenizer: Tokenizer, compiled: dict[str, CompiledGrammar]
 ) -> None:
-    mask = GrammarMask(compiled["regex"].matcher(), VOCAB)
+    mask = GrammarMask(JobMatcher.start(compiled["regex"]), VOCAB)
     _feed(mask, tokenizer.encode("ab1"))
     # One to three digits: the end or another digit.
     assert not mask.complete
@@ -165,7 +169,7 @@ def test_an_accepting_regex_is_not_complete(
 def test_a_refused_token_is_the_jobs_problem_and_opens_the_mask(
     tokenizer: Tokenizer, compiled: dict[str, CompiledGrammar]
 ) -> None:
-    mask = GrammarMask(compiled["choice"].matcher(), VOCAB)
+    mask = GrammarMask(JobMatcher.start(compiled["choice"]), VOCAB)
     (bad,) = tokenizer.encode("x")
     assert bad not in _allowed(mask)
     mask.feed(torch.tensor([[bad]]))
@@ -180,10 +184,26 @@ def test_a_refused_token_is_the_jobs_problem_and_opens_the_mask(
     assert mask.problem == problem
 
 
+def test_masks_over_the_budget_are_the_jobs_problem(tokenizer: Tokenizer) -> None:
+    """The CPU engine's mask budget applies: a job whose masks took more CPU
+    time than its budget fails (here a budget no mask can meet)."""
+    tight = Grammars.for_model(
+        default_model_dir(offline=True),
+        vocab_size=VOCAB,
+        eos_ids=tokenizer.eos_token_ids,
+        budget=MaskBudget(window=2, seconds_per_token=1e-9),
+    )
+    mask = GrammarMask(JobMatcher.start(tight.compile(Constraint.choice(CHOICES))), VOCAB)
+    assert mask.problem is None
+    assert _allowed(mask) == set(range(VOCAB))  # over the budget at once: opened
+    problem = _problem(mask)
+    assert problem is not None and "too costly" in problem, problem
+
+
 def test_a_closed_mask_computes_and_masks_nothing(compiled: dict[str, CompiledGrammar]) -> None:
-    mask = GrammarMask(compiled["choice"].matcher(), VOCAB)
+    mask = GrammarMask(JobMatcher.start(compiled["choice"]), VOCAB)
     mask.close()
-    assert mask.matcher is None and mask.closed
+    assert mask.job is None and mask.closed
     assert mask.prepare_logit_mask() is True
     logits = torch.randn(VOCAB)
     assert torch.equal(mask.mask_logits(logits.clone()), logits)
@@ -192,16 +212,16 @@ def test_a_closed_mask_computes_and_masks_nothing(compiled: dict[str, CompiledGr
 
 
 def test_next_lists_the_masks_tokens(compiled: dict[str, CompiledGrammar]) -> None:
-    mask = GrammarMask(compiled["choice"].matcher(), VOCAB)
-    expected = _allowed(GrammarMask(compiled["choice"].matcher(), VOCAB))
+    mask = GrammarMask(JobMatcher.start(compiled["choice"]), VOCAB)
+    expected = _allowed(GrammarMask(JobMatcher.start(compiled["choice"]), VOCAB))
     assert mask.next() == (expected, set())
 
 
 def test_each_job_has_its_own_matcher(
     tokenizer: Tokenizer, compiled: dict[str, CompiledGrammar]
 ) -> None:
-    first = GrammarMask(compiled["choice"].matcher(), VOCAB)
-    second = GrammarMask(compiled["choice"].matcher(), VOCAB)
+    first = GrammarMask(JobMatcher.start(compiled["choice"]), VOCAB)
+    second = GrammarMask(JobMatcher.start(compiled["choice"]), VOCAB)
     _feed(first, tokenizer.encode("red"))
     assert first.complete and not second.complete
     assert tokenizer.encode("green")[0] in _allowed(second)
@@ -226,7 +246,7 @@ def test_constrained_update_follows_the_cpu_rule(
     tokenizer: Tokenizer, compiled: dict[str, CompiledGrammar]
 ) -> None:
     spec = GenerationSpec(job_id=1, prompt_ids=PROMPT, max_new_tokens=8, stop_strings=("zz",))
-    mask = GrammarMask(compiled["choice"].matcher(), VOCAB)
+    mask = GrammarMask(JobMatcher.start(compiled["choice"]), VOCAB)
     state = _state(tokenizer, spec)
     # Mid-value: the update is unchanged.
     text = TextUpdate(job_id=1, text="gr", held="", generated_tokens=1)
@@ -252,7 +272,7 @@ def test_constrained_update_fails_the_job_of_a_failed_constraint(
     tokenizer: Tokenizer, compiled: dict[str, CompiledGrammar]
 ) -> None:
     spec = GenerationSpec(job_id=1, prompt_ids=PROMPT, max_new_tokens=8)
-    mask = GrammarMask(compiled["choice"].matcher(), VOCAB)
+    mask = GrammarMask(JobMatcher.start(compiled["choice"]), VOCAB)
     mask.feed(torch.tensor([[tokenizer.encode("x")[0]]]))
     text = TextUpdate(job_id=1, text="x", held="", generated_tokens=1)
     failed = constrained_update(text, _result(), _state(tokenizer, spec), mask)
@@ -433,7 +453,7 @@ def test_real_filter_is_an_exllamav2_filter(real_jobs: RealJobs, compiled: Any) 
 
     cls: Any = filter_class()
     assert issubclass(cls, ExLlamaV2Filter) and issubclass(cls, GrammarMask)
-    f = cls(None, real_jobs.host.tokenizer, compiled["choice"].matcher(), VOCAB)
+    f = cls(None, real_jobs.host.tokenizer, JobMatcher.start(compiled["choice"]), VOCAB)
     assert f.background_result is None and f.can_mask_logits() and f.use_background_worker()
     with pytest.raises(NotImplementedError):
         f.clone()
@@ -456,7 +476,9 @@ def test_real_sampler_draws_only_allowed_tokens(real_jobs: RealJobs, compiled: A
     prefixes = ["", '{"name": "', '{"name": "ab", "ok": ', '{"name": "a", "ok": true, "n": 1']
     for n in range(40):
         prefix = real_jobs.tokenizer.encode(prefixes[n % len(prefixes)])
-        f = filter_class()(None, real_jobs.host.tokenizer, compiled["json_schema"].matcher(), VOCAB)
+        f = filter_class()(
+            None, real_jobs.host.tokenizer, JobMatcher.start(compiled["json_schema"]), VOCAB
+        )
         _feed(f, prefix)
         logits = torch.randn((1, 1, VOCAB), generator=generator) * 4
         token, *_, end_filter = ExLlamaV2Sampler.sample(
@@ -540,8 +562,8 @@ def test_real_failed_constraint_fails_its_job_alone(
     # Break one job's matcher from outside, as a hostile grammar running out
     # of llguidance's parser limits would: a token its grammar refuses.
     running = engine._jobs[51]
-    running.mask.matcher.consume_token(real_jobs.tokenizer.encode("x")[0])
-    assert running.mask.matcher.is_error()
+    running.mask.job.matcher.consume_token(real_jobs.tokenizer.encode("x")[0])
+    assert running.mask.job.matcher.is_error()
     for _ in range(200):
         for update in engine.step([], []):
             got[update.job_id].append(update)
@@ -573,7 +595,7 @@ def test_real_cancelled_job_leaves_nothing_behind(
     # ExLlamaV2 queued it.
     assert [f for f, _ in generator.filter_queue] == [cancelled]
     engine.step([], [60])
-    assert cancelled.closed and cancelled.matcher is None
+    assert cancelled.closed and cancelled.job is None
     assert cancelled.background_result is None
     assert cancelled not in generator.scheduled
     assert 60 not in engine._jobs and 60 in generator.cancelled
@@ -595,7 +617,9 @@ def test_real_job_that_exllamav2_ends_leaves_its_filter_queued(
         tokenizer=real_jobs.host.tokenizer, padded_vocab_size=real_jobs.host.padded_vocab_size
     )
     try:
-        f = filter_class()(None, real_jobs.host.tokenizer, compiled["choice"].matcher(), VOCAB)
+        f = filter_class()(
+            None, real_jobs.host.tokenizer, JobMatcher.start(compiled["choice"]), VOCAB
+        )
         spec = _spec(real_jobs, 70, None)
         job = real_jobs.job_class(
             input_ids=torch.tensor([spec.prompt_ids], dtype=torch.long),

@@ -90,7 +90,7 @@ from trioserve.engine.exllamav2_jobs import (
     updates_from_result,
 )
 from trioserve.engine.exllamav2_plan import PAGE_SIZE, LoadPlan, configure_attention, plan_load
-from trioserve.engine.grammars import Grammars
+from trioserve.engine.grammars import Grammars, JobMatcher
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError, ModelError
 
@@ -590,7 +590,10 @@ class ExLlamaV2Engine:
             # (ExLlamaV2Sampler.sample), and on the mask path llguidance's
             # mask of a complete value allows only the EOS ids anyway.
             mask = filter_class()(
-                self._model, self._xtokenizer, spec.constraint.matcher(), self._info.vocab_size
+                self._model,
+                self._xtokenizer,
+                JobMatcher.start(spec.constraint),
+                self._info.vocab_size,
             )
             constrained = {"filters": [mask], "filter_prefer_eos": True}
         try:

@@ -1,8 +1,8 @@
 """Constraints on the ExLlamaV2 engine: an ``ExLlamaV2Filter`` over llguidance.
 
 Each constrained job gets its own filter, over its own matcher
-(:meth:`~trioserve.engine.grammars.CompiledGrammar.matcher`): nothing is
-shared or reused between jobs. The filter takes ExLlamaV2 0.3.2's mask path
+(:class:`~trioserve.engine.grammars.JobMatcher`, with the CPU engine's mask
+budget): nothing is shared or reused between jobs. The filter takes ExLlamaV2 0.3.2's mask path
 (exllamav2/generator/filters/base.py, ``ExLlamaV2Filter``; read at v0.3.2):
 
 * ``can_mask_logits`` and ``use_background_worker`` are both true. Both are
@@ -18,7 +18,9 @@ shared or reused between jobs. The filter takes ExLlamaV2 0.3.2's mask path
   here"), so the mask is computed while the GPU works; a job's first mask is
   computed in ``receive_logits`` itself (``get_next`` with nothing pending);
 * ``mask_logits`` sets the logits of the tokens the grammar forbids to -inf,
-  in place, with plain tensor ops (no ``torch.compile``); the sampler calls it
+  in place, with numpy (no ``torch.compile``, and not torch's thread pool,
+  which costs more to wake than the work: see
+  :class:`~trioserve.engine.grammars.MaskRows`); the sampler calls it
   on the job's ``[vocab]`` row after the penalties, bans, ``token_bias`` and
   DRY, before temperature and truncation (``ExLlamaV2Sampler.sample``,
   "Evaluate filters");
@@ -31,7 +33,9 @@ shared or reused between jobs. The filter takes ExLlamaV2 0.3.2's mask path
 
 The filter never raises into ExLlamaV2's step: an exception there would fail
 every job of the batch. A matcher error (llguidance's parser limits, a token
-it refuses) is kept (:attr:`GrammarMask.problem`); the mask then allows every
+it refuses) or masks over the job's CPU budget
+(:class:`~trioserve.engine.grammars.MaskBudget`, charged with the mask
+thread's own CPU time) is kept (:attr:`GrammarMask.problem`); the mask then allows every
 token, so that the sampler still draws one, and the engine fails that job
 alone before its token is released. :meth:`GrammarMask.close` ends a filter
 whose job is gone: a mask still queued for it computes nothing.
@@ -44,11 +48,13 @@ logic and needs only torch and llguidance.
 from __future__ import annotations
 
 import functools
-import math
+import time
 from typing import Any
 
-import llguidance
+import numpy as np
 import torch
+
+from trioserve.engine.grammars import JobMatcher
 
 __all__ = ["GrammarMask", "filter_class"]
 
@@ -63,12 +69,11 @@ class GrammarMask:
     32): ids past the vocabulary are never allowed.
     """
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
-        self.matcher: llguidance.LLMatcher | None = matcher
+    def __init__(self, job: JobMatcher, vocab_size: int) -> None:
+        self.job: JobMatcher | None = job
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
-        self._bits = torch.zeros(self.words, dtype=torch.int32)
-        self._shifts = torch.arange(32, dtype=torch.int32)
+        self._bits = np.zeros(self.words, dtype=np.int32)
         self._problem: str | None = None
         #: The mask allows every token (the matcher failed); nothing to apply.
         self._open = False
@@ -81,27 +86,18 @@ class GrammarMask:
         """Why the constraint can go no further (its job must fail), or None."""
         if self._problem is not None:
             return self._problem
-        matcher = self.matcher
-        if matcher is not None and matcher.is_error():
-            return _reason(matcher.get_error())
-        return None
+        return None if self.job is None else self.job.problem()
 
     @property
     def complete(self) -> bool:
         """The value is complete: the grammar allows nothing but the end."""
-        matcher = self.matcher
-        return (
-            matcher is not None
-            and self._problem is None
-            and matcher.is_stopped()
-            and not matcher.is_error()
-        )
+        return self.job is not None and self._problem is None and self.job.complete
 
     def close(self) -> None:
         """The job is gone: forget the matcher; whatever ExLlamaV2 still asks
         of this filter does nothing."""
         self.closed = True
-        self.matcher = None
+        self.job = None
 
     # -- ExLlamaV2Filter's API (exllamav2/generator/filters/base.py, v0.3.2) -----------
 
@@ -112,14 +108,14 @@ class GrammarMask:
         pass
 
     def feed(self, token: Any) -> None:
-        matcher = self.matcher
-        if matcher is None or self._problem is not None:
+        job = self.job
+        if job is None or self._problem is not None:
             return
         try:
             # A stopped matcher takes nothing more; its job ends at this token
             # (the end the grammar allowed, or the engine's "constraint").
-            if not matcher.is_error() and not matcher.is_stopped():
-                matcher.consume_token(int(token))
+            if not job.matcher.is_error() and not job.matcher.is_stopped():
+                job.consume(int(token))
         except Exception as exc:
             self._problem = _reason(f"{type(exc).__name__}: {exc}")
 
@@ -129,8 +125,8 @@ class GrammarMask:
         self.prepare_logit_mask()
         if self._open:
             return set(range(self.vocab_size)), set()
-        allowed = self._allowed(self.words * 32)[: self.vocab_size]
-        return set(torch.nonzero(allowed).flatten().tolist()), set()
+        allowed = np.flatnonzero(~self._forbidden(self.vocab_size))
+        return set(allowed.tolist()), set()
 
     def use_background_worker(self) -> bool:
         return True
@@ -140,19 +136,23 @@ class GrammarMask:
 
     def prepare_logit_mask(self) -> bool:
         """Fill the bitmask for the next token. True, as the sampler asserts."""
-        matcher = self.matcher
-        if matcher is None or self.closed:
+        job = self.job
+        if job is None or self.closed:
             return True
         self._open = False
         try:
             if self._problem is None:
+                started = time.thread_time()
                 # llguidance writes the words in place, without the GIL.
-                matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self.words * 4)
+                job.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self.words * 4)
+                # This thread's CPU time (a filter_pool thread's, or the
+                # sampler's for a job's first mask), as the CPU engine charges.
+                job.charge(time.thread_time() - started)
         except Exception as exc:
             self._problem = _reason(f"{type(exc).__name__}: {exc}")
         if self.problem is not None:
             self._open = True
-        elif not bool(self._bits.any()):
+        elif not self._bits.any():
             self._problem = "the constraint allows no token here"
             self._open = True
         return True
@@ -162,23 +162,31 @@ class GrammarMask:
         forbidden tokens at -inf, changed in place."""
         if self.closed or self._open:
             return logits
-        # The sampler may run in the generator's sampling_pool, outside the
-        # engine thread's inference mode (thread-local); the logits are a view
-        # of its pinned buffer (not an inference tensor), but should a
-        # release hand an inference tensor, an in-place change outside
-        # inference mode would raise.
-        with torch.inference_mode():
-            allowed = self._allowed(logits.shape[-1])
-            logits.masked_fill_(~allowed, -math.inf)
+        forbidden = self._forbidden(logits.shape[-1])
+        if logits.device.type == "cpu":
+            # In place through numpy, on this thread only. (The sampler may run
+            # in the generator's sampling_pool, outside the engine thread's
+            # inference mode; numpy's write is no torch in-place op, so an
+            # inference tensor would not refuse it either.)
+            # A masked copy costs what the mask's runs of equal bits cost
+            # the branch predictor: grammars' masks are long runs (tens of
+            # microseconds for 49,152 ids), random bits the worst case
+            # (about 3 ns an id).
+            np.copyto(logits.numpy(), -np.inf, where=forbidden)
+        else:
+            with torch.inference_mode():
+                where = torch.from_numpy(forbidden).to(logits.device)
+                logits.masked_fill_(where, float("-inf"))
         return logits
 
-    def _allowed(self, width: int) -> torch.Tensor:
-        """The bitmask as ``[width]`` bool; ids past its words are forbidden."""
-        expanded = ((self._bits.unsqueeze(-1) >> self._shifts) & 1).reshape(-1).bool()
-        if width <= expanded.shape[0]:
-            return expanded[:width]
-        tail = torch.zeros(width - expanded.shape[0], dtype=torch.bool)
-        return torch.cat([expanded, tail])
+    def _forbidden(self, width: int) -> np.ndarray[Any, np.dtype[np.bool_]]:
+        """The tokens the mask forbids, ``[width]`` bool; ids past its words too."""
+        # Bit i of word j is token 32 * j + i (little-endian words and bits).
+        inverted = np.invert(self._bits).view(np.uint8)
+        forbidden = np.unpackbits(inverted, bitorder="little").view(np.bool_)
+        if width <= forbidden.shape[0]:
+            return forbidden[:width]
+        return np.concatenate([forbidden, np.ones(width - forbidden.shape[0], dtype=np.bool_)])
 
 
 def _reason(message: str) -> str:
@@ -189,7 +197,7 @@ def _reason(message: str) -> str:
 def filter_class() -> type[Any]:
     """``GrammarMask`` as an ``ExLlamaV2Filter`` subclass; imports exllamav2.
 
-    Build one per job: ``filter_class()(model, tokenizer, matcher, vocab_size)``.
+    Build one per job: ``filter_class()(model, tokenizer, job_matcher, vocab_size)``.
     From ``ExLlamaV2Filter`` it keeps the scheduling the generator relies on
     (``background_prepare_logit_mask``, ``get_next``, ``background_drop``);
     ``clone`` is refused, since a filter is never shared or reused.
@@ -197,12 +205,10 @@ def filter_class() -> type[Any]:
     from exllamav2.generator.filters import ExLlamaV2Filter
 
     class LLGuidanceFilter(GrammarMask, ExLlamaV2Filter):  # type: ignore[misc]
-        def __init__(
-            self, model: Any, tokenizer: Any, matcher: llguidance.LLMatcher, vocab_size: int
-        ) -> None:
+        def __init__(self, model: Any, tokenizer: Any, job: JobMatcher, vocab_size: int) -> None:
             # Sets model, tokenizer, sequence_str and background_result.
             ExLlamaV2Filter.__init__(self, model, tokenizer)
-            GrammarMask.__init__(self, matcher, vocab_size)
+            GrammarMask.__init__(self, job, vocab_size)
 
         def clone(self, c: Any = None) -> Any:
             raise NotImplementedError("a constraint's filter belongs to one job")
