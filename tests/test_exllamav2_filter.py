@@ -198,6 +198,9 @@ def test_masks_over_the_budget_are_the_jobs_problem(tokenizer: Tokenizer) -> Non
     assert _allowed(mask) == set(range(VOCAB))  # over the budget at once: opened
     problem = _problem(mask)
     assert problem is not None and "too costly" in problem, problem
+    # The token drawn under the opened mask is not fed: the reason stays.
+    mask.feed(torch.tensor([[tokenizer.encode("x")[0]]]))
+    assert mask.problem == problem
 
 
 def test_a_closed_mask_computes_and_masks_nothing(compiled: dict[str, CompiledGrammar]) -> None:

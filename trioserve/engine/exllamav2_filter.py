@@ -109,7 +109,9 @@ class GrammarMask:
 
     def feed(self, token: Any) -> None:
         job = self.job
-        if job is None or self._problem is not None:
+        if job is None or self._problem is not None or self._open:
+            # An open mask (a failed constraint) drew this token without the
+            # grammar: the matcher keeps the reason the job fails for.
             return
         try:
             # A stopped matcher takes nothing more; its job ends at this token
