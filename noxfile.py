@@ -255,8 +255,10 @@ def exl2_cpu(session: nox.Session) -> None:
     session's own environment only) and exllamav2 0.3.2, builds ExLlamaV2's
     extension with the machine's nvcc (no GPU needed; 48 compile steps, over
     an hour on two busy cores the first time, then cached), and runs
-    tests/test_exllamav2.py with the tests that need exllamav2 required to
-    run: the ones that drive ``ExLlamaV2DynamicJob.receive_sample``, and
+    tests/test_exllamav2.py and tests/test_exllamav2_filter.py with the
+    tests that need exllamav2 required to run: the ones that drive
+    ``ExLlamaV2DynamicJob.receive_sample``, the constraint filter inside
+    0.3.2's job and sampler code, and
     the engine's attention set-up against a real ``ExLlamaV2Config`` and
     ExLlamaV2's own ``_attn_torch``. CPython 3.12 (the GPU machines' Python,
     so that the build doubles as the GPU check's prebuilt extension); with
@@ -272,7 +274,13 @@ def exl2_cpu(session: nox.Session) -> None:
     env = _exl2_build_env(session)
     session.log("build environment: %s", env)
     session.run("python", "tests/gpu/build_exllamav2.py", env=env)
-    args = session.posargs or ["-p", "no:cacheprovider", "-rs", "tests/test_exllamav2.py"]
+    args = session.posargs or [
+        "-p",
+        "no:cacheprovider",
+        "-rs",
+        "tests/test_exllamav2.py",
+        "tests/test_exllamav2_filter.py",
+    ]
     session.run(
         "python", "-m", "pytest", "-m", "not gpu", *args, env={**env, "TRIOSERVE_EXL2_CPU": "1"}
     )

@@ -24,6 +24,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -2253,3 +2254,145 @@ async def test_gpu_server_stop_interrupts_a_stream(served_engine: Any) -> None:
     assert frames[-1]["stopped"] == 1
     streamed = "".join(f["chunk"] for f in frames if f.get("response_type") == "chunk")
     assert finals[0]["response"].startswith(streamed)
+
+
+# -- constraints on the GPU (issue 18; the CPU half is tests/test_exllamav2_filter.py) --
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def _is_person(text: str) -> bool:
+    """Whether ``text`` is valid against PERSON (written out: the GPU image
+    has no jsonschema)."""
+    value = json.loads(text)
+    return (
+        isinstance(value, dict)
+        and set(value) == {"name", "age"}
+        and isinstance(value["name"], str)
+        and len(value["name"]) <= 24
+        and type(value["age"]) is int
+        and 0 <= value["age"] <= 150
+    )
+
+
+@pytest.mark.gpu
+def test_gpu_constrained_jobs_in_one_batch(xengine: Any) -> None:
+    """Constrained jobs (sampled JSON, a greedy choice, a regex) and plain ones
+    in one batch, through ExLlamaV2's dynamic generator with the filter on
+    its mask path: every output is valid, a complete value ends with reason
+    constraint, the plain jobs end as usual, and no mask is left queued."""
+    from trioserve.engine.constraint import CONSTRAINT_KINDS, Constraint
+
+    assert xengine.info.constraints == CONSTRAINT_KINDS
+    grammars = xengine.grammars
+    # The bitmask covers the sampler's padded logits exactly.
+    assert (grammars.vocab_size + 31) // 32 * 32 == xengine._generator.padded_vocab_size
+    person = grammars.compile(Constraint.json_schema(PERSON))
+    cities = ["Paris", "London", "Rome"]
+    city = grammars.compile(Constraint.choice(cities))
+    number = grammars.compile(Constraint("regex", "[0-9]{1,3}"))
+    sampled = SamplingSettings(temperature=0.9, top_p=0.95, rep_pen=1.0)
+    specs = [
+        *(
+            _chat_spec(
+                xengine,
+                300 + n,
+                "Describe a person as JSON with a name and an age.",
+                sampling=attrs.evolve(sampled, seed=n),
+                constraint=person,
+                max_new_tokens=64,
+            )
+            for n in range(4)
+        ),
+        _chat_spec(xengine, 310, "What is the capital of France?", constraint=city),
+        _chat_spec(xengine, 311, "How many legs has a spider?", constraint=number),
+        _chat_spec(xengine, 312, "Name a colour.", max_new_tokens=16),
+        _chat_spec(xengine, 313, "Count to five.", max_new_tokens=16),
+    ]
+    got = _generate(xengine, specs)
+    for spec in specs:
+        updates = got[spec.job_id]
+        end = updates[-1]
+        assert isinstance(end, Finished), updates
+        text = _released(updates)
+        if spec.constraint is person:
+            assert end.reason == "constraint", (end, text)
+            assert _is_person(text), text
+        elif spec.constraint is city:
+            assert (end.reason, text in cities) == ("constraint", True), (end, text)
+        elif spec.constraint is number:
+            assert end.reason in ("constraint", "stop_token"), (end, text)
+            assert re.fullmatch("[0-9]{1,3}", text), text
+        else:
+            # Unconstrained (that no other job's mask reaches a job is checked
+            # on the CPU, tests/test_exllamav2_filter.py: batched float16
+            # kernels may change a greedy answer slightly here).
+            assert end.reason in ("stop_token", "max_new_tokens") and text, (end, text)
+    generator = xengine._generator
+    assert generator.num_remaining_jobs() == 0
+    assert not generator.filter_queue
+    assert xengine.step([], []) == []
+
+
+@pytest.mark.gpu
+def test_gpu_cancelled_constrained_job_leaves_nothing_behind(xengine: Any) -> None:
+    from trioserve.engine.constraint import Constraint
+
+    person = xengine.grammars.compile(Constraint.json_schema(PERSON))
+    spec = _chat_spec(xengine, 330, "Describe a person as JSON.", constraint=person)
+    updates = xengine.step([spec], [])
+    for _ in range(50):
+        if any(isinstance(u, TextUpdate) for u in updates):
+            break
+        updates = xengine.step([], [])
+    mask = xengine._jobs[330].mask
+    assert mask is not None
+    assert xengine.step([], [330]) == []
+    assert mask.closed and mask.background_result is None
+    assert all(f is not mask for f, _ in xengine._generator.filter_queue)
+    assert xengine._generator.num_remaining_jobs() == 0
+    # The next constrained job runs as usual.
+    after = _generate(xengine, [attrs.evolve(spec, job_id=331)])[331]
+    end = after[-1]
+    assert isinstance(end, Finished) and end.reason == "constraint", after
+    assert _is_person(_released(after))
+
+
+@pytest.mark.gpu
+def test_gpu_constraint_with_token_healing_is_refused(xengine: Any) -> None:
+    from trioserve.engine.constraint import Constraint
+
+    city = xengine.grammars.compile(Constraint.choice(["Paris", "Rome"]))
+    spec = _chat_spec(xengine, 340, "Capital?", constraint=city, token_healing=True)
+    (update,) = xengine.step([spec], [])
+    assert isinstance(update, Failed) and "token_healing" in update.message
+
+
+@pytest.mark.gpu
+async def test_gpu_server_json_schema(served_engine: Any) -> None:
+    """The infer door's json_schema on both engines, streamed and sampled."""
+    from tests.helpers import chunks_of, running_server
+
+    async with running_server(served_engine) as listening:
+        frames = await _infer(
+            listening.url,
+            text=CHAT.format(question="Describe a person as JSON with a name and an age."),
+            max_new_tokens=64,
+            stream=True,
+            temperature=0.8,
+            seed=5,
+            json_schema=PERSON,
+        )
+    final = frames[-1]
+    assert final["response_type"] == "full", json.dumps(final)
+    assert "".join(chunks_of(frames)) == final["response"]
+    assert final["eos_reason"] == "constraint", json.dumps(final)
+    assert _is_person(final["response"]), final["response"]

@@ -14,7 +14,12 @@ tokens and token healing; this module translates:
   once (:func:`~trioserve.engine.exllamav2_jobs.updates_from_result`). The
   text comes from the sampled tokens, decoded and cut at stop strings by the
   CPU engine's own rules (:class:`~trioserve.engine.text.TextStream`), not
-  from ExLlamaV2's text: the same tokens give the same text on both engines.
+  from ExLlamaV2's text: the same tokens give the same text on both engines;
+* a job with a constraint gets its own ``ExLlamaV2Filter`` over llguidance
+  (:mod:`~trioserve.engine.exllamav2_filter`, on ExLlamaV2's mask path), and
+  the CPU engine's rules for it (:func:`~trioserve.engine.exllamav2_jobs.constrained_update`):
+  a complete value ends the job with reason ``constraint``, a failed matcher
+  fails that job alone. docs/gpu.md says what a constrained job costs the batch.
 
 The generator is not thread-safe and its asyncio wrapper blocks the event
 loop, so neither is used from trio: ``enqueue``, ``cancel`` and ``iterate`` are
@@ -46,13 +51,16 @@ which thread that is, or that it is the thread that loaded the model:
   torch, and are safe from any thread at any time.
 
 ``exllamav2`` is imported only by :func:`probe_exllamav2` and
-:meth:`ExLlamaV2Engine.load`, never when this module is imported: on a machine
+:meth:`ExLlamaV2Engine.load` (and, after a load, by
+:func:`~trioserve.engine.exllamav2_filter.filter_class` for the first
+constrained job), never when this module is imported: on a machine
 without CUDA the import fails (its C++/CUDA extension cannot be built), and
 where it works it compiles that extension on first use, which takes minutes.
 Everything else is pure, tested on a CPU, and lives in modules of its own that
 never import exllamav2: :mod:`~trioserve.engine.exllamav2_plan` (the options
 and attention mode a load builds), :mod:`~trioserve.engine.exllamav2_jobs`
-(jobs in, typed updates out) and :mod:`~trioserve.engine.exllamav2_build`
+(jobs in, typed updates out), :mod:`~trioserve.engine.exllamav2_filter`
+(the constraint's mask) and :mod:`~trioserve.engine.exllamav2_build`
 (the bounded wait for torch's build lock of the extension).
 """
 
@@ -69,9 +77,12 @@ from typing import Any, Final
 import attrs
 
 from trioserve.engine.base import EngineInfo, Failed, Finished, GenerationSpec, TextUpdate, Update
+from trioserve.engine.constraint import CONSTRAINT_KINDS
 from trioserve.engine.exllamav2_build import BUILD_LOCK_WAIT, build_lock, wait_for_build_lock
+from trioserve.engine.exllamav2_filter import GrammarMask, filter_class
 from trioserve.engine.exllamav2_jobs import (
     JobState,
+    constrained_update,
     refusal,
     sampled_token,
     sampler_fields,
@@ -79,6 +90,7 @@ from trioserve.engine.exllamav2_jobs import (
     updates_from_result,
 )
 from trioserve.engine.exllamav2_plan import PAGE_SIZE, LoadPlan, configure_attention, plan_load
+from trioserve.engine.grammars import Grammars, JobMatcher
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError, ModelError
 
@@ -210,6 +222,8 @@ def _free(model: Any) -> None:
 class _Running:
     job: Any  # ExLlamaV2DynamicJob
     state: JobState
+    #: The job's constraint filter (an ExLlamaV2Filter), when it has one.
+    mask: GrammarMask | None = None
 
 
 @attrs.define(eq=False)
@@ -233,6 +247,8 @@ class ExLlamaV2Engine:
     _generator: Any
     _job_class: Any
     _settings_class: Any
+    #: Compiles constraints for this model; None for an engine built by hand.
+    _grammars: Grammars | None = None
     _jobs: dict[int, _Running] = attrs.Factory(dict)
     _closed: bool = False
 
@@ -401,6 +417,7 @@ class ExLlamaV2Engine:
             batching=plan.paged,
             max_token_chars=tokenizer.max_token_bytes,
             model_dir=str(model_dir),
+            constraints=CONSTRAINT_KINDS,
         )
         engine = cls(
             info=info,
@@ -412,6 +429,11 @@ class ExLlamaV2Engine:
             generator=generator,
             job_class=ExLlamaV2DynamicJob,
             settings_class=ExLlamaV2Sampler.Settings,
+            # The grammar's tokenizer is as wide as the model's vocabulary; the
+            # sampler's logits are padded to a multiple of 32
+            # (ExLlamaV2DynamicGenerator.padded_vocab_size), the bitmask's
+            # width, and the filter forbids the padding.
+            grammars=Grammars.for_model(model_dir, vocab_size=info.vocab_size, eos_ids=eos),
         )
         log.info(
             "exllamav2 loaded %s in %.1f s: context %d, %s cache of %d tokens, %s, "
@@ -439,6 +461,14 @@ class ExLlamaV2Engine:
     @property
     def info(self) -> EngineInfo:
         return self._info
+
+    @property
+    def grammars(self) -> Grammars:
+        """Compiles constraints for this model (:mod:`trioserve.engine.grammars`)."""
+        if self._grammars is None:
+            # AttributeError: then it is not a ConstrainedEngine at all.
+            raise AttributeError("this exllamav2 engine was built without grammars")
+        return self._grammars
 
     @property
     def plan(self) -> LoadPlan:
@@ -489,6 +519,7 @@ class ExLlamaV2Engine:
                 # Pending or active, the generator forgets it and frees its
                 # pages; it reports nothing (dynamic.py, cancel).
                 generator.cancel(running.job)
+                self._drop_filter(running)
         for spec in submit:
             failure = self._enqueue(spec)
             if failure is not None:
@@ -501,6 +532,8 @@ class ExLlamaV2Engine:
         except Exception as exc:
             # A failed forward pass leaves every job's cache pages in an
             # unknown state: drop them all and let the caller fail them.
+            for running in self._jobs.values():
+                self._drop_filter(running)
             self._jobs.clear()
             generator.clear_queue()
             raise EngineError(f"exllamav2 failed during a step: {exc}") from exc
@@ -511,11 +544,15 @@ class ExLlamaV2Engine:
             update = updates_from_result(result, running.state, sampled_token(running.job))
             if update is None:
                 continue
+            if running.mask is not None:
+                update = constrained_update(update, result, running.state, running.mask)
             if not isinstance(update, TextUpdate):
                 del self._jobs[running.state.job_id]
+                self._drop_filter(running)
                 if not result.get("eos", False):
                     # Ended by the rules (a stop string ExLlamaV2 held or
-                    # did not see); ExLlamaV2 would go on generating for it.
+                    # did not see, a complete value, a failed constraint);
+                    # ExLlamaV2 would go on generating for it.
                     generator.cancel(running.job)
                     if isinstance(update, Finished):
                         update = attrs.evolve(update, cached_tokens=_cached_tokens(running.job))
@@ -544,6 +581,21 @@ class ExLlamaV2Engine:
             setattr(settings, name, value)
         if spec.banned_ids:
             settings.disallow_tokens(self._xtokenizer, sorted(spec.banned_ids))
+        mask: GrammarMask | None = None
+        constrained: dict[str, Any] = {}
+        if spec.constraint is not None:
+            # The job's own filter over its own matcher (see exllamav2_filter).
+            # filter_prefer_eos as ExLlamaV2 documents it for grammars; in
+            # 0.3.2 the sampler reads it only on the token-list path
+            # (ExLlamaV2Sampler.sample), and on the mask path llguidance's
+            # mask of a complete value allows only the EOS ids anyway.
+            mask = filter_class()(
+                self._model,
+                self._xtokenizer,
+                JobMatcher.start(spec.constraint),
+                self._info.vocab_size,
+            )
+            constrained = {"filters": [mask], "filter_prefer_eos": True}
         try:
             job = self._job_class(
                 input_ids=torch.tensor([spec.prompt_ids], dtype=torch.long),
@@ -554,19 +606,36 @@ class ExLlamaV2Engine:
                 decode_special_tokens=True,
                 token_healing=spec.token_healing,
                 identifier=spec.job_id,
+                **constrained,
             )
             generator.enqueue(job)
         except (AssertionError, ValueError) as exc:
             return Failed(job_id=spec.job_id, message=f"exllamav2 refused the job: {exc}")
         self._jobs[spec.job_id] = _Running(
-            job=job, state=JobState.for_spec(spec, self._tokenizer.decode)
+            job=job, state=JobState.for_spec(spec, self._tokenizer.decode), mask=mask
         )
         return None
+
+    def _drop_filter(self, running: _Running) -> None:
+        """Forget the filter of a job that is gone. Its receive_sample queued
+        it for the next step's mask (dynamic.py, "Feed filters": before the
+        job's end is decided), and iterate_gen would compute that mask in its
+        filter_pool for nobody; the entry is taken off ExLlamaV2's
+        ``filter_queue`` and the filter closed, so that nothing runs."""
+        mask = running.mask
+        if mask is None:
+            return
+        queue = getattr(self._generator, "filter_queue", None)
+        if queue:
+            queue[:] = [entry for entry in queue if entry[0] is not mask]
+        mask.close()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        for running in self._jobs.values():
+            self._drop_filter(running)
         self._jobs.clear()
         generator = self._generator
         try:

@@ -14,7 +14,7 @@ here (only :mod:`trioserve.engine.exllamav2` imports it).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import attrs
 
@@ -40,6 +40,7 @@ from trioserve.engine.tokenizer import Tokenizer
 __all__ = [
     "Decode",
     "JobState",
+    "constrained_update",
     "refusal",
     "sampled_token",
     "sampler_fields",
@@ -170,6 +171,11 @@ def refusal(
         return "stop strings must not be empty"
     if any(not 0 <= i < vocab_size for i in spec.prompt_ids):
         return f"prompt ids must be between 0 and {vocab_size - 1}"
+    if spec.constraint is not None and spec.token_healing:
+        # As on the CPU engine: the healed first token is sampled without the
+        # job's filters (ExLlamaV2DynamicJob.receive_logits passes filters
+        # only once new_tokens >= 0, and receive_sample feeds them only then).
+        return "token_healing cannot be used with a constraint (it would bypass it)"
     # The sampler's own guard, as the CPU engine has it: a bad value fails
     # this job here, never a step of ExLlamaV2's batch.
     problem = settings_problem(spec.sampling)
@@ -280,7 +286,9 @@ def updates_from_result(result: Mapping[str, Any], state: JobState, token: int) 
         stop_token = int(result.get("eos_triggering_token_id", token))
         return _finished(state, result, stream.flush(), "stop_token", stop_token=stop_token)
     if reason not in (None, "max_new_tokens", "stop_string"):
-        # "end_filter" needs a grammar filter, which trioserve never sets.
+        # "end_filter" comes only from a filter's end tokens on the token-list
+        # path (ExLlamaV2Sampler.sample); trioserve's filter takes the mask
+        # path, where the sampler reports none.
         return Failed(job_id=state.job_id, message=f"exllamav2 ended the job for {reason!r}")
     piece = stream.push([token])
     if piece.stop_string is not None:
@@ -302,6 +310,45 @@ def updates_from_result(result: Mapping[str, Any], state: JobState, token: int) 
         theirs = str(result.get("eos_triggering_string", ""))
         return _finished(state, result, text, "stop_string", stop_string=theirs)
     return _finished(state, result, text, "max_new_tokens")
+
+
+def constrained_update(
+    update: Update, result: Mapping[str, Any], state: JobState, constraint: Constrained
+) -> Update:
+    """``update`` (from :func:`updates_from_result`) for a job with a
+    constraint, by the CPU engine's rules (``CpuJob.accept``): a constraint
+    that failed fails the job, before its token's text is released (that
+    token was drawn without the grammar's mask); a complete value ends the job
+    at once, with reason ``constraint``, even at ``max_new_tokens``, after
+    any stop string its text completes. A stop token or a stop string keeps
+    its reason. The caller cancels a job this ends in ExLlamaV2.
+    """
+    problem = constraint.problem
+    if problem is not None:
+        return Failed(job_id=state.job_id, message=problem)
+    if not constraint.complete:
+        return update
+    if isinstance(update, TextUpdate):
+        text = update.text + state.stream.flush()
+        if state.stream.stop_string is not None:
+            # The flushed tail completed a stop string after all.
+            stop = state.stream.stop_string
+            return _finished(state, result, text, "stop_string", stop_string=stop)
+        return _finished(state, result, text, "constraint")
+    if isinstance(update, Finished) and update.reason == "max_new_tokens":
+        return attrs.evolve(update, reason="constraint")
+    return update
+
+
+class Constrained(Protocol):
+    """What :func:`constrained_update` reads of a job's constraint
+    (:class:`~trioserve.engine.exllamav2_filter.GrammarMask`)."""
+
+    @property
+    def problem(self) -> str | None: ...
+
+    @property
+    def complete(self) -> bool: ...
 
 
 def _finished(
