@@ -84,6 +84,28 @@ INFER_FIELDS = (
     "max_temp",
     "smoothing_factor",
     "temperature_last",
+    "json_schema",
+    "regex",
+    "choice",
+    "grammar",
+)
+
+#: Constraints, good and bad, for the four constraint fields.
+_CONSTRAINTS: tuple[tuple[str, Any], ...] = (
+    ("json_schema", {"type": "object"}),
+    ("json_schema", {"type": "strnig"}),
+    ("json_schema", {"$ref": "#/$defs/missing"}),
+    ("json_schema", {"enum": list(range(3000))}),
+    ("json_schema", {"type": "object", "properties": {"a": {"type": "integer"}}}),
+    ("regex", "(a"),
+    ("regex", "[a-z]{1,4}"),
+    ("regex", "(a|aa)*" * 20 + "b"),
+    ("regex", "[^\\s\\S]"),
+    ("choice", ["yes", "no"]),
+    ("choice", ["\ud800"]),
+    ("grammar", 'root ::= "a" | "b"'),
+    ("grammar", "root ::= undefined"),
+    ("grammar", "start: /[0-9]+/"),
 )
 
 _WORDS = (
@@ -316,9 +338,12 @@ def _mutate(rng: random.Random, request: dict[str, Any], vocab_size: int) -> dic
             out["action"] = rng.choice([*ACTIONS, "ECHO", "", None, 1, ["echo"], _unicode(rng, 5)])
         elif roll < 0.92:
             out[rng.choice(["text", "tag", "request_id", "customBos"])] = _unicode(rng, 50)
-        else:
+        elif roll < 0.96:
             field = rng.choice(["stop_conditions", "bann_bann"])
             out[field] = [_extreme(rng) for _ in range(rng.randint(1, 5))]
+        else:
+            field, value = rng.choice(_CONSTRAINTS)
+            out[field] = value
     return out
 
 

@@ -106,6 +106,15 @@ OTHER_KEYS = [
     "tools",
     "tool_choice",
     "response_format",
+    "json_schema",
+    "grammar",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "regex_pattern",
+    "grammar_string",
     "bann_bann",
     "stop_token_ids",
     "token_healing",
@@ -113,6 +122,32 @@ OTHER_KEYS = [
     "suffix",
     "prompt",
     "messages",
+]
+
+
+#: Constraints, good and bad, in every shape the constraint fields take.
+CONSTRAINTS: list[Any] = [
+    {"type": "object"},
+    {"type": "strnig"},
+    {"$ref": "#/$defs/missing"},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+    {"enum": list(range(5000))},
+    {"type": "text"},
+    {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array"}}},
+    {"type": "json_schema", "json_schema": {"schema": {"type": "strnig"}}},
+    {"json": {"type": "boolean"}, "regex": "a"},
+    {"choice": ["yes", "no"]},
+    {"regex": "(a|aa)*" * 20 + "b"},
+    "(a",
+    "[a-z]{1,3}",
+    "[^\\s\\S]",
+    'root ::= "a" | "b"',
+    "root ::= undefined",
+    "start: /[0-9]+/",
+    ["yes", "no"],
+    ["", "x"],
+    '{"type": "object"}',
 ]
 
 
@@ -142,7 +177,7 @@ def http_body(rng: random.Random) -> tuple[str, bytes]:
         action = rng.random()
         if action < 0.6:
             key = rng.choice(SAMPLER_KEYS + OTHER_KEYS)
-            body[key] = rng.choice(HOSTILE)
+            body[key] = rng.choice(HOSTILE + CONSTRAINTS)
         elif action < 0.75:
             body[rng.choice(["max_token", "temprature", "", "\u00e9", "x" * 300])] = 1
         elif action < 0.9 and body:
