@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DRY_SEQUENCE_BREAKERS",
+    "MAX_TOP_LOGPROBS",
     "RANGE",
     "WEIGHT_MODES",
     "Bound",
@@ -53,6 +54,7 @@ __all__ = [
     "Strings",
     "TextUpdate",
     "TokenBias",
+    "TokenLogprob",
     "Update",
     "setting_bounds",
     "setting_ranges",
@@ -95,6 +97,29 @@ class EngineInfo:
     #: The constraint kinds the engine enforces (``json_schema``, ``regex``,
     #: ``choice``, ``grammar``); empty when it enforces none.
     constraints: tuple[str, ...] = ()
+    #: Whether the engine reports log probabilities
+    #: (:attr:`GenerationSpec.logprobs`, :attr:`GenerationSpec.prompt_logprobs`).
+    logprobs: bool = False
+
+
+#: The most alternatives a token's log-probability entry may list.
+MAX_TOP_LOGPROBS: Final = 20
+
+
+@attrs.frozen
+class TokenLogprob:
+    """One token's log probability under the model (docs/sampling.md,
+    "Log probabilities", says which distribution), and, for a generated or
+    prompt token, its likeliest alternatives (each with ``top`` empty)."""
+
+    token: int
+    #: The token's text on its own: its bytes decoded as UTF-8, a partial
+    #: character written as U+FFFD (``bytes`` is exact).
+    text: str
+    bytes: bytes
+    logprob: float
+    #: The likeliest tokens, most likely first (ties: lower id first).
+    top: tuple[TokenLogprob, ...] = ()
 
 
 @attrs.frozen
@@ -372,6 +397,13 @@ class GenerationSpec:
     #: a grammar), compiled by the engine's :class:`Grammars`; each job gets
     #: its own matcher. Never together with ``token_healing``.
     constraint: CompiledGrammar | None = attrs.field(default=None, eq=False)
+    #: Report each generated token's log probability with this many
+    #: alternatives (0 to :data:`MAX_TOP_LOGPROBS`); None reports none.
+    logprobs: int | None = None
+    #: Report each prompt token's log probability (the first one's is None)
+    #: with this many alternatives, on :class:`Finished`; None reports none.
+    #: With it, ``max_new_tokens`` may be 0: the prompt is only scored.
+    prompt_logprobs: int | None = None
 
 
 @attrs.frozen
@@ -387,6 +419,9 @@ class TextUpdate:
     held: str
     #: Tokens generated for this job so far (including this step's).
     generated_tokens: int
+    #: With :attr:`GenerationSpec.logprobs`: the entries of the tokens whose
+    #: text is released with ``text`` (docs/sampling.md says the rule).
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 #: Why a job ended: a stop token, a stop string, ``max_new_tokens``, or its
@@ -415,6 +450,11 @@ class Finished:
     #: Of ``prompt_tokens``, those whose keys and values came from the
     #: engine's prefix cache instead of being computed (0 without one).
     cached_tokens: int = 0
+    #: With :attr:`GenerationSpec.logprobs`: the entries released with ``text``.
+    logprobs: tuple[TokenLogprob, ...] = ()
+    #: With :attr:`GenerationSpec.prompt_logprobs`: one entry per prompt
+    #: token run, the first None (nothing comes before it).
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
 
 
 @attrs.frozen

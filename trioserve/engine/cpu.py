@@ -47,6 +47,7 @@ from trioserve.engine.base import (
 from trioserve.engine.constraint import CONSTRAINT_KINDS
 from trioserve.engine.cpu_jobs import CpuJob, sample_jobs, spec_problem, start_job
 from trioserve.engine.grammars import Grammars, MaskRows
+from trioserve.engine.logprobs import TokenTexts, prompt_logprobs
 from trioserve.engine.models import DEFAULT_MODEL_NAME, default_model_dir
 from trioserve.engine.plan import Chunk, PrefillRules, plan_step
 from trioserve.engine.prefix import PrefixCache, PrefixCacheStatistics
@@ -73,6 +74,9 @@ WEIGHT_MODES = llama.WEIGHT_MODES
 DEFAULT_PREFIX_CACHE_BYTES = 128 * 2**20
 #: Tokens per prefix-cache block: a reused prefix is a multiple of this.
 PREFIX_BLOCK_TOKENS = 64
+#: Prompt positions whose logits are computed at once for prompt log
+#: probabilities: 128 rows of a 49152-token vocabulary are 24 MiB of float32.
+_SCORED_ROWS = 128
 
 
 @attrs.frozen
@@ -137,6 +141,8 @@ class CpuEngine:
     _grammars: Grammars | None = None
     #: The step's constraint bitmask, allocated once.
     _masks: MaskRows | None = None
+    #: Tokens' texts for log-probability entries, made when first needed.
+    _texts: TokenTexts | None = None
 
     @classmethod
     def load(
@@ -221,6 +227,7 @@ class CpuEngine:
             max_token_chars=tokenizer.max_token_bytes,
             model_dir=str(model_dir),
             constraints=CONSTRAINT_KINDS,
+            logprobs=True,
         )
         log.info(
             "cpu engine: %s, %s on %s (linear layers: %s; %.0f MiB of weights),"
@@ -332,16 +339,17 @@ class CpuEngine:
             self._prefill_deferrals += 1
 
         step_started = time.perf_counter()
-        rows, row_logits = self._prefill(weights, jobs, plan.chunks, updates)
+        rows, row_hidden = self._prefill(weights, jobs, plan.chunks, updates)
         prefill_seconds = time.perf_counter() - step_started
         decoding = [jobs[i] for i in plan.decode]
         if decoding:
             out = self._decode(weights, decoding, updates)
             if out is not None:
                 rows.extend(decoding)
-                row_logits.append(out)
+                row_hidden.append(out)
         if rows:
-            updates.extend(self._sample(rows, torch.cat(row_logits)))
+            hidden = torch.cat(row_hidden)
+            updates.extend(self._sample(rows, llama.logits(weights, hidden), hidden))
         self._prefill_balance = plan.balance_after(
             self._prefill_balance,
             self.prefill_share,
@@ -394,11 +402,12 @@ class CpuEngine:
         updates: list[Update],
     ) -> tuple[list[CpuJob], list[Tensor]]:
         """Run the plan's prefill chunks; the jobs whose prompt is done, with
-        the logits of their last position. A chunk that fails fails its job."""
+        the hidden state of their last position. A chunk that fails fails its job."""
         rows: list[CpuJob] = []
-        row_logits: list[Tensor] = []
+        row_hidden: list[Tensor] = []
         for chunk in chunks:
             job = jobs[chunk.job]
+            scored = job.spec.prompt_logprobs is not None
             try:
                 hidden = llama.forward(
                     weights,
@@ -408,30 +417,60 @@ class CpuEngine:
                     torch.tensor([job.prompt[chunk.start : chunk.end]], device=self._device),
                     torch.arange(chunk.start, chunk.end, device=self._device)[None],
                     torch.tensor([job.slot], device=self._device),
+                    every_position=scored,
                 )
+                if scored:
+                    self._score_prompt(weights, job, hidden[0], chunk)
+                    hidden = hidden[:, -1]
             except RuntimeError as exc:
                 log.exception("prefill of job %s failed", job.spec.job_id)
                 updates.append(self._fail(job, f"the engine failed during prefill: {exc}"))
                 continue
             job.cached = chunk.end
-            if chunk.completes:
+            if chunk.completes and job.spec.max_new_tokens == 0:
+                # Only scored: the job ends with its prompt's entries.
+                updates.append(job.finish_scored())
+                self._keep_prefix(job)
+                self._free(job)
+            elif chunk.completes:
                 rows.append(job)
-                row_logits.append(llama.logits(weights, hidden))
-        return rows, row_logits
+                row_hidden.append(hidden)
+        return rows, row_hidden
+
+    def _score_prompt(
+        self, weights: llama.LlamaWeights, job: CpuJob, hidden: Tensor, chunk: Chunk
+    ) -> None:
+        """The entries of the prompt tokens that the chunk's positions
+        predict (position p predicts token p + 1; the last position predicts
+        the first generated token, which is no prompt token): a few rows of
+        logits at a time, keeping only the figures asked for."""
+        end = min(chunk.end, len(job.prompt) - 1)
+        top = job.spec.prompt_logprobs or 0
+        texts = self._token_texts()
+        for start in range(chunk.start, end, _SCORED_ROWS):
+            stop = min(end, start + _SCORED_ROWS)
+            logits = llama.exact_logits(weights, hidden[start - chunk.start : stop - chunk.start])
+            raw = prompt_logprobs(logits, job.prompt[start + 1 : stop + 1], top)
+            job.prompt_entries.extend(texts.entry(r) for r in raw)
+
+    def _token_texts(self) -> TokenTexts:
+        if self._texts is None:
+            self._texts = TokenTexts(self._tokenizer)
+        return self._texts
 
     def _decode(
         self, weights: llama.LlamaWeights, decoding: list[CpuJob], updates: list[Update]
     ) -> Tensor | None:
         """Feed each decoding job its pending token in one batched forward;
-        their logits, or None when the forward failed (and failed them)."""
+        their last hidden states, or None when the forward failed (and failed them)."""
         try:
-            out = llama.decode_logits(
+            out = llama.forward(
                 weights,
                 self._config,
                 self._cache,
                 self._rope,
-                torch.tensor([job.pending for job in decoding], device=self._device),
-                torch.tensor([job.cached for job in decoding], device=self._device),
+                torch.tensor([job.pending for job in decoding], device=self._device)[:, None],
+                torch.tensor([job.cached for job in decoding], device=self._device)[:, None],
                 torch.tensor([job.slot for job in decoding], device=self._device),
             )
         except RuntimeError as exc:
@@ -443,8 +482,10 @@ class CpuEngine:
             job.cached += 1
         return out
 
-    def _sample(self, rows: list[CpuJob], logits: Tensor) -> list[Update]:
+    def _sample(self, rows: list[CpuJob], logits: Tensor, hidden: Tensor) -> list[Update]:
         updates: list[Update] = []
+        weights = self._weights
+        assert weights is not None
         outcomes = sample_jobs(
             rows,
             logits,
@@ -452,8 +493,9 @@ class CpuEngine:
             vocab=self._config.vocab_size,
             device=self._device,
             masks=self._masks,
+            exact=lambda index, ids: llama.exact_logits(weights, hidden[index], ids),
         )
-        for job, outcome in outcomes:
+        for job, outcome, raw in outcomes:
             if isinstance(outcome, str):
                 # A constraint's own failure says so; the sampler's gets its prefix.
                 constraint = outcome.startswith("the constraint")
@@ -461,7 +503,7 @@ class CpuEngine:
                     self._fail(job, outcome if constraint else f"sampling failed: {outcome}")
                 )
                 continue
-            update = job.accept(outcome)
+            update = job.accept(outcome, None if raw is None else self._token_texts().entry(raw))
             if isinstance(update, Finished):
                 self._keep_prefix(job)
                 self._free(job)

@@ -16,8 +16,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from trioserve.engine.base import Finished, FinishReason, GenerationSpec, TextUpdate
+from trioserve.engine.base import (
+    MAX_TOP_LOGPROBS,
+    Finished,
+    FinishReason,
+    GenerationSpec,
+    TextUpdate,
+    TokenLogprob,
+)
 from trioserve.engine.grammars import JobMatcher, MaskRows
+from trioserve.engine.logprobs import EntryQueue, Exact, RawLogprob, row_logprobs
 from trioserve.engine.plan import JobState
 from trioserve.engine.prefix import PrefixCache
 from trioserve.engine.samplers import DryHistory, bias_row, sequence_breaker_ids
@@ -75,14 +83,21 @@ class CpuJob:
     restore: list[Tensor] = attrs.field(factory=list)
     #: The job's own matcher, when its spec has a constraint.
     matcher: JobMatcher | None = None
+    #: With ``spec.logprobs``: the entries waiting for their text.
+    entries: EntryQueue | None = None
+    #: Characters of text released so far.
+    released: int = 0
+    #: With ``spec.prompt_logprobs``: the prompt's entries computed so far.
+    prompt_entries: list[TokenLogprob | None] = attrs.field(factory=list)
 
     def state_for_plan(self) -> JobState:
         return JobState(len(self.prompt), self.cached, decoding=self.pending is not None)
 
-    def accept(self, token: int) -> TextUpdate | Finished:
+    def accept(self, token: int, entry: TokenLogprob | None = None) -> TextUpdate | Finished:
         """Take the sampled ``token`` (it is fed at the next decode step) and
         say what it gives: more text, or the job's end (the engine then
-        frees its slot)."""
+        frees its slot). ``entry`` is its log-probability entry, when the
+        job asks for them."""
         self.allowed = None
         matcher = self.matcher
         if matcher is not None and token not in self.spec.stop_token_ids:
@@ -97,22 +112,34 @@ class CpuJob:
             self.dry.append(token)
         spec = self.spec
         if token in spec.stop_token_ids:
-            # The stop token's own text is never emitted; held text was not a
-            # stop string after all, so it is released.
-            return self._finished(self.stream.flush(), "stop_token", stop_token=token)
+            # The stop token's own text is never emitted (nor its entry); held
+            # text was not a stop string after all, so it is released.
+            text = self.stream.flush()
+            self.released += len(text)
+            return self._finished(text, "stop_token", stop_token=token)
         piece = self.stream.push([token])
+        self.released += len(piece.text)
+        if self.entries is not None and entry is not None:
+            self.entries.add(entry, self.released + self.stream.stop_pending)
         if piece.stop_string is not None:
             return self._finished(piece.text, "stop_string", stop_string=piece.stop_string)
         complete = matcher is not None and matcher.complete
         if complete or self.generated >= spec.max_new_tokens:
-            text = piece.text + self.stream.flush()
+            tail = self.stream.flush()
+            self.released += len(tail)
+            text = piece.text + tail
             if self.stream.stop_string is not None:
                 # The flushed tail completed a stop string after all.
                 return self._finished(text, "stop_string", stop_string=self.stream.stop_string)
             # A complete value ends the job at once: its grammar allows only
             # the end now, so sampling that end would cost a forward for nothing.
             return self._finished(text, "constraint" if complete else "max_new_tokens")
-        return TextUpdate(spec.job_id, piece.text, self.stream.held, self.generated)
+        entries = () if self.entries is None else self.entries.release(self.released)
+        return TextUpdate(spec.job_id, piece.text, self.stream.held, self.generated, entries)
+
+    def finish_scored(self) -> Finished:
+        """The end of a job that only scores its prompt (``max_new_tokens`` 0)."""
+        return self._finished("", "max_new_tokens")
 
     def _finished(
         self,
@@ -122,6 +149,10 @@ class CpuJob:
         stop_string: str | None = None,
         stop_token: int | None = None,
     ) -> Finished:
+        entries: tuple[TokenLogprob, ...] = ()
+        if self.entries is not None:
+            stopped = reason == "stop_string"
+            entries = self.entries.cut(self.released) if stopped else self.entries.flush()
         return Finished(
             job_id=self.spec.job_id,
             text=text,
@@ -131,6 +162,8 @@ class CpuJob:
             prompt_tokens=len(self.prompt),
             generated_tokens=self.generated,
             cached_tokens=self.reused,
+            logprobs=entries,
+            prompt_logprobs=tuple(self.prompt_entries),
         )
 
 
@@ -158,8 +191,15 @@ def spec_problem(spec: GenerationSpec, *, vocab: int, context: int) -> str | Non
     None. (Whether its job_id is in use is the engine's to check.)"""
     if not spec.prompt_ids:
         return "prompt_ids must not be empty"
-    if spec.max_new_tokens < 1:
-        return f"max_new_tokens must be >= 1, got {spec.max_new_tokens!r}"
+    least = 1 if spec.prompt_logprobs is None else 0
+    if spec.max_new_tokens < least:
+        return f"max_new_tokens must be >= {least}, got {spec.max_new_tokens!r}"
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(spec, name)
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            return f"{name} must be None or in [0, {MAX_TOP_LOGPROBS}], got {value!r}"
+    if spec.prompt_logprobs is not None and spec.token_healing:
+        return "token_healing cannot be used with prompt_logprobs (it changes the prompt)"
     total = len(spec.prompt_ids) + spec.max_new_tokens
     if total > context:
         return (
@@ -220,7 +260,9 @@ def start_job(
         device=device, dtype=torch.int32
     )
     # At least the last prompt token is run: its logits give the first sample.
-    restore = prefix_cache.lookup(prompt, len(prompt) - 1)
+    # Prompt log probabilities need every position's logits: nothing is reused.
+    scored = spec.prompt_logprobs is not None
+    restore = [] if scored else prefix_cache.lookup(prompt, len(prompt) - 1)
     reused = sum(int(block.shape[2]) for block in restore)
     stream = TextStream(
         tokenizer.decode, spec.stop_strings, context_ids=prompt, skip_prefix=skip_prefix
@@ -249,6 +291,8 @@ def start_job(
         tokens=list(prompt),
         reused=reused,
         restore=restore,
+        entries=None if spec.logprobs is None else EntryQueue(),
+        prompt_entries=[None] if scored else [],
     )
 
 
@@ -260,18 +304,22 @@ def sample_jobs(
     vocab: int,
     device: torch.device,
     masks: MaskRows | None = None,
-) -> list[tuple[CpuJob, int | str]]:
+    exact: Exact | None = None,
+) -> list[tuple[CpuJob, int | str, RawLogprob | None]]:
     """One token for each row of ``logits`` (``[B, V]``, row i is job
     ``rows[i]``), or why the job cannot be sampled: each job once, in the
     order its update is to be given (the jobs whose DRY or constraint failed
-    first).
+    first), with the token's log probabilities when its job asks for them
+    (:mod:`trioserve.engine.logprobs`).
 
     ``xtc_protected`` gives the XTC mask for the rows sampled (None when no
     row uses XTC); ``masks`` fills the constrained rows' allowed tokens. The
     jobs are not changed (see :meth:`CpuJob.accept`), but their matchers
-    compute their next mask.
+    compute their next mask. ``exact`` gives the exact logits of some ids of
+    some rows (of ``logits``) for the log probabilities.
     """
-    outcomes: list[tuple[CpuJob, int | str]] = []
+    outcomes: list[tuple[CpuJob, int | str, RawLogprob | None]] = []
+    kept: Tensor | None = None  # the rows of `logits` still sampled
     constrained = _constraint_masks(rows, masks or MaskRows(vocab, len(rows)), device)
     bias, failed_early = _biases(rows, vocab, device)
     for row, job in enumerate(rows):
@@ -280,12 +328,13 @@ def sample_jobs(
             failed_early.setdefault(row, problem)
     if failed_early:
         for row in sorted(failed_early):
-            outcomes.append((rows[row], failed_early[row]))
+            outcomes.append((rows[row], failed_early[row], None))
         keep = [row for row in range(len(rows)) if row not in failed_early]
         rows = [rows[row] for row in keep]
         if not rows:
             return outcomes
         index = torch.tensor(keep, device=logits.device)
+        kept = index
         logits = logits.index_select(0, index)
         if bias is not None:
             bias = bias.index_select(0, index.to(bias.device))
@@ -318,11 +367,37 @@ def sample_jobs(
         if exc.ids is None:
             # No row was sampled: every job of the step fails, each with its
             # own reason where the sampler gave one.
-            return outcomes + [(job, failed.get(row, str(exc))) for row, job in enumerate(rows)]
+            return outcomes + [
+                (job, failed.get(row, str(exc)), None) for row, job in enumerate(rows)
+            ]
         ids = exc.ids
-    for row, (job, token) in enumerate(zip(rows, ids.tolist(), strict=True)):
-        outcomes.append((job, failed.get(row, token)))
+    tokens = ids.tolist()
+    asking = [
+        row for row, job in enumerate(rows) if job.spec.logprobs is not None and row not in failed
+    ]
+    found: dict[int, RawLogprob] = {}
+    if asking:
+        computed = row_logprobs(
+            logits,
+            asking,
+            [tokens[row] for row in asking],
+            [rows[row].spec.logprobs or 0 for row in asking],
+            bias=[rows[row].bias for row in asking],
+            banned=banned,
+            allowed=allowed,
+            exact=_kept_rows(exact, kept),
+        )
+        found = dict(zip(asking, computed, strict=True))
+    for row, (job, token) in enumerate(zip(rows, tokens, strict=True)):
+        outcomes.append((job, failed.get(row, token), found.get(row)))
     return outcomes
+
+
+def _kept_rows(exact: Exact | None, kept: Tensor | None) -> Exact | None:
+    """``exact`` over the rows that remain after failed ones were dropped."""
+    if exact is None or kept is None:
+        return exact
+    return lambda index, ids: exact(kept.index_select(0, index.to(kept.device)), ids)
 
 
 def _constraint_masks(rows: list[CpuJob], masks: MaskRows, device: torch.device) -> Tensor | None:

@@ -57,6 +57,7 @@ __all__ = [
     "LlamaWeights",
     "RopeScaling",
     "decode_logits",
+    "exact_logits",
     "forward",
     "logits",
     "rope_tables",
@@ -606,6 +607,26 @@ def logits(weights: LlamaWeights, hidden: Tensor) -> Tensor:
     exact = (hidden[rows].float() * weights.lm_head[cols].float()).sum(-1)  # [N]
     out[rows, cols] = exact
     return out
+
+
+def exact_logits(weights: LlamaWeights, hidden: Tensor, ids: Tensor | None = None) -> Tensor:
+    """hidden [B, D] -> float32 logits computed in float32 from the bfloat16
+    hidden state and head, with no bfloat16 rounding of the output: of the
+    ids [B, K] (-> [B, K]), or of the whole vocabulary (-> [B, V], a block of
+    the head at a time). For log probabilities, where every logit counts."""
+    head = weights.lm_head
+    h = hidden.float()
+    if ids is not None:
+        return torch.einsum("bd,bkd->bk", h, head[ids].float())
+    out = torch.empty((h.shape[0], head.shape[0]), dtype=torch.float32, device=h.device)
+    for start in range(0, head.shape[0], _EXACT_BLOCK):
+        block = head[start : start + _EXACT_BLOCK].float()
+        out[:, start : start + block.shape[0]] = h @ block.T
+    return out
+
+
+#: Rows of the head converted to float32 at a time by :func:`exact_logits`.
+_EXACT_BLOCK = 4096
 
 
 def decode_logits(

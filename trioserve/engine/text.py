@@ -123,6 +123,12 @@ class TextStream:
         return self._pending + self._skip_buffer + self._tail
 
     @property
+    def stop_pending(self) -> int:
+        """Characters held now as the possible start of a stop string: they
+        came out of decoding (and token healing's skip) and wait to be released."""
+        return 0 if self._ended else len(self._pending)
+
+    @property
     def stop_string(self) -> str | None:
         """The stop string that ended the stream (found by ``push`` or, in the
         last held text, by ``flush``), else None."""
