@@ -379,6 +379,10 @@ BAD_INFER_FIELDS: list[tuple[str, str]] = [
     ("grammar", '""'),
     ("grammar", "null"),
     ("grammar", "{}"),
+    ("logprobs", "21"),
+    ("logprobs", "-1"),
+    ("logprobs", "true"),
+    ("logprobs", "1.5"),
 ]
 
 
@@ -441,6 +445,7 @@ def test_every_infer_field_has_a_bad_value_case() -> None:
         "regex",
         "choice",
         "grammar",
+        "logprobs",
     }
 
 

@@ -45,9 +45,9 @@ from trioserve.engine.base import (
     Update,
 )
 from trioserve.engine.constraint import CONSTRAINT_KINDS
-from trioserve.engine.cpu_jobs import CpuJob, sample_jobs, spec_problem, start_job
+from trioserve.engine.cpu_jobs import CpuJob, sample_jobs, score_prompt, spec_problem, start_job
 from trioserve.engine.grammars import Grammars, MaskRows
-from trioserve.engine.logprobs import TokenTexts, prompt_logprobs
+from trioserve.engine.logprobs import TokenTexts
 from trioserve.engine.models import DEFAULT_MODEL_NAME, default_model_dir
 from trioserve.engine.plan import Chunk, PrefillRules, plan_step
 from trioserve.engine.prefix import PrefixCache, PrefixCacheStatistics
@@ -74,9 +74,6 @@ WEIGHT_MODES = llama.WEIGHT_MODES
 DEFAULT_PREFIX_CACHE_BYTES = 128 * 2**20
 #: Tokens per prefix-cache block: a reused prefix is a multiple of this.
 PREFIX_BLOCK_TOKENS = 64
-#: Prompt positions whose logits are computed at once for prompt log
-#: probabilities: 128 rows of a 49152-token vocabulary are 24 MiB of float32.
-_SCORED_ROWS = 128
 
 
 @attrs.frozen
@@ -114,6 +111,7 @@ class CpuEngine:
     _info: EngineInfo
     _device: torch.device
     _prefix_cache: PrefixCache
+    _texts: TokenTexts
     #: Prompt tokens per prefill chunk, and the prefill budget of one step
     #: over all new jobs (a step runs at least one chunk, and never splits one).
     prefill_chunk: int = 512
@@ -141,8 +139,6 @@ class CpuEngine:
     _grammars: Grammars | None = None
     #: The step's constraint bitmask, allocated once.
     _masks: MaskRows | None = None
-    #: Tokens' texts for log-probability entries, made when first needed.
-    _texts: TokenTexts | None = None
 
     @classmethod
     def load(
@@ -247,6 +243,7 @@ class CpuEngine:
             weights=model,
             cache=cache,
             prefix_cache=PrefixCache(prefix_cache_bytes, PREFIX_BLOCK_TOKENS),
+            texts=TokenTexts(tokenizer),
             rope=llama.rope_tables(config, context, torch_device),
             info=info,
             device=torch_device,
@@ -349,7 +346,7 @@ class CpuEngine:
                 row_hidden.append(out)
         if rows:
             hidden = torch.cat(row_hidden)
-            updates.extend(self._sample(rows, llama.logits(weights, hidden), hidden))
+            updates.extend(self._sample(weights, rows, llama.logits(weights, hidden), hidden))
         self._prefill_balance = plan.balance_after(
             self._prefill_balance,
             self.prefill_share,
@@ -420,7 +417,7 @@ class CpuEngine:
                     every_position=scored,
                 )
                 if scored:
-                    self._score_prompt(weights, job, hidden[0], chunk)
+                    score_prompt(job, hidden[0], chunk.start, chunk.end, weights, self._texts)
                     hidden = hidden[:, -1]
             except RuntimeError as exc:
                 log.exception("prefill of job %s failed", job.spec.job_id)
@@ -436,27 +433,6 @@ class CpuEngine:
                 rows.append(job)
                 row_hidden.append(hidden)
         return rows, row_hidden
-
-    def _score_prompt(
-        self, weights: llama.LlamaWeights, job: CpuJob, hidden: Tensor, chunk: Chunk
-    ) -> None:
-        """The entries of the prompt tokens that the chunk's positions
-        predict (position p predicts token p + 1; the last position predicts
-        the first generated token, which is no prompt token): a few rows of
-        logits at a time, keeping only the figures asked for."""
-        end = min(chunk.end, len(job.prompt) - 1)
-        top = job.spec.prompt_logprobs or 0
-        texts = self._token_texts()
-        for start in range(chunk.start, end, _SCORED_ROWS):
-            stop = min(end, start + _SCORED_ROWS)
-            logits = llama.exact_logits(weights, hidden[start - chunk.start : stop - chunk.start])
-            raw = prompt_logprobs(logits, job.prompt[start + 1 : stop + 1], top)
-            job.prompt_entries.extend(texts.entry(r) for r in raw)
-
-    def _token_texts(self) -> TokenTexts:
-        if self._texts is None:
-            self._texts = TokenTexts(self._tokenizer)
-        return self._texts
 
     def _decode(
         self, weights: llama.LlamaWeights, decoding: list[CpuJob], updates: list[Update]
@@ -482,10 +458,10 @@ class CpuEngine:
             job.cached += 1
         return out
 
-    def _sample(self, rows: list[CpuJob], logits: Tensor, hidden: Tensor) -> list[Update]:
+    def _sample(
+        self, weights: llama.LlamaWeights, rows: list[CpuJob], logits: Tensor, hidden: Tensor
+    ) -> list[Update]:
         updates: list[Update] = []
-        weights = self._weights
-        assert weights is not None
         outcomes = sample_jobs(
             rows,
             logits,
@@ -503,7 +479,7 @@ class CpuEngine:
                     self._fail(job, outcome if constraint else f"sampling failed: {outcome}")
                 )
                 continue
-            update = job.accept(outcome, None if raw is None else self._token_texts().entry(raw))
+            update = job.accept(outcome, None if raw is None else self._texts.entry(raw))
             if isinstance(update, Finished):
                 self._keep_prefix(job)
                 self._free(job)

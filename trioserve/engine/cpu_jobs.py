@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from trioserve.engine import llama
 from trioserve.engine.base import (
     MAX_TOP_LOGPROBS,
     Finished,
@@ -25,7 +26,14 @@ from trioserve.engine.base import (
     TokenLogprob,
 )
 from trioserve.engine.grammars import JobMatcher, MaskRows
-from trioserve.engine.logprobs import EntryQueue, Exact, RawLogprob, row_logprobs
+from trioserve.engine.logprobs import (
+    EntryQueue,
+    Exact,
+    RawLogprob,
+    TokenTexts,
+    prompt_logprobs,
+    row_logprobs,
+)
 from trioserve.engine.plan import JobState
 from trioserve.engine.prefix import PrefixCache
 from trioserve.engine.samplers import DryHistory, bias_row, sequence_breaker_ids
@@ -39,12 +47,22 @@ from trioserve.engine.sampling import (
 from trioserve.engine.text import TextStream
 from trioserve.engine.tokenizer import Tokenizer
 
-__all__ = ["CpuJob", "sample_jobs", "spec_problem", "start_job", "text_in_context"]
+__all__ = [
+    "CpuJob",
+    "sample_jobs",
+    "score_prompt",
+    "spec_problem",
+    "start_job",
+    "text_in_context",
+]
 
 log = logging.getLogger("trioserve.engine")
 
 #: Prompt ids decoded before the healed token to give it its context.
 _HEALING_CONTEXT = 8
+#: Prompt positions whose logits are computed at once for prompt log
+#: probabilities: 128 rows of a 49152-token vocabulary are 24 MiB of float32.
+_SCORED_ROWS = 128
 
 
 @attrs.define(eq=False)
@@ -165,6 +183,28 @@ class CpuJob:
             logprobs=entries,
             prompt_logprobs=tuple(self.prompt_entries),
         )
+
+
+def score_prompt(
+    job: CpuJob,
+    hidden: Tensor,
+    start: int,
+    end: int,
+    weights: llama.LlamaWeights,
+    texts: TokenTexts,
+) -> None:
+    """Add to ``job.prompt_entries`` the entries of the prompt tokens that a
+    prefill chunk's positions ``start`` to ``end`` (``hidden``: ``[end -
+    start, D]``) predict: position p predicts token p + 1, and the prompt's
+    last position predicts the first generated token, no prompt token. A few
+    rows of exact logits at a time, keeping only the figures asked for."""
+    last = min(end, len(job.prompt) - 1)
+    top = job.spec.prompt_logprobs or 0
+    for first in range(start, last, _SCORED_ROWS):
+        stop = min(last, first + _SCORED_ROWS)
+        logits = llama.exact_logits(weights, hidden[first - start : stop - start])
+        raw = prompt_logprobs(logits, job.prompt[first + 1 : stop + 1], top)
+        job.prompt_entries.extend(texts.entry(r) for r in raw)
 
 
 def text_in_context(tokenizer: Tokenizer, prompt: Sequence[int]) -> str:

@@ -34,6 +34,7 @@ from trioserve.engine.base import (
     GenerationSpec,
     SamplingSettings,
     TextUpdate,
+    TokenLogprob,
 )
 from trioserve.engine.constraint import Constraint, ConstraintError
 from trioserve.errors import TrioserveError
@@ -136,6 +137,10 @@ class GenerationRequest:
     token_healing: bool = False
     #: The output must match this (at most one constraint per request).
     constraint: Constraint | None = None
+    #: Each generated token's log probability with this many alternatives.
+    logprobs: int | None = None
+    #: Each prompt token's, with this many; ``max_new_tokens`` may then be 0.
+    prompt_logprobs: int | None = None
 
     @property
     def prompt_field(self) -> str:
@@ -187,6 +192,15 @@ def check_request(
                 "logit_bias",
                 index=index,
             )
+    if (request.logprobs, request.prompt_logprobs) != (None, None) and not info.logprobs:
+        raise InvalidGeneration(
+            f"the {info.engine} engine does not report log probabilities", "logprobs"
+        )
+    if request.max_new_tokens == 0 and request.prompt_logprobs is None:
+        raise InvalidGeneration(
+            "max_new_tokens may be 0 only to score the prompt (with its log probabilities)",
+            "max_new_tokens",
+        )
     if request.messages is not None and not renders_messages:
         raise InvalidGeneration(
             "this model has no chat template to render messages with: send the prompt as text",
@@ -297,6 +311,8 @@ def build_spec(
         banned_ids=frozenset(request.banned_ids),
         token_healing=request.token_healing,
         constraint=constraint,
+        logprobs=request.logprobs,
+        prompt_logprobs=request.prompt_logprobs,
     )
 
 
@@ -464,6 +480,10 @@ class Generation:
     cached_tokens: int = 0
     response: str = ""
     held: str = ""
+    #: The entries released with ``response`` (``request.logprobs``), and
+    #: the prompt's (``request.prompt_logprobs``, at the end).
+    logprobs: list[TokenLogprob] = attrs.field(factory=list, repr=False)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = attrs.field(default=(), repr=False)
     generated_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -612,10 +632,12 @@ class Generation:
             self._settle("failed", failure=update.message)
             return True
         self._count_tokens(update.generated_tokens)
+        self.logprobs.extend(update.logprobs)
         if isinstance(update, TextUpdate):
             self.held = update.held
             self._release(update.text)
             return False
+        self.prompt_logprobs = update.prompt_logprobs
         self.held = ""
         self.prompt_tokens = update.prompt_tokens
         self.cached_tokens = update.cached_tokens

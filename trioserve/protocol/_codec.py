@@ -601,7 +601,10 @@ for _cls in (*_REPLY_HEADS, ErrorReply):
         _extra = {
             "response": override(omit_if_default=True),
             "util_text": override(omit_if_default=True),
+            "logprobs": override(omit_if_default=True),
         }
+    elif _cls is InferFinal:
+        _extra = {"logprobs": override(omit_if_default=True)}
     elif _cls is InfoReply:
         _extra = {"status": override(omit_if_default=True)}
     elif _cls is ErrorReply:

@@ -12,7 +12,7 @@ from typing import Any, Final, Literal, TypeAlias
 
 import attrs
 
-from trioserve.engine.base import SamplingSettings, Strings
+from trioserve.engine.base import MAX_TOP_LOGPROBS, SamplingSettings, Strings
 from trioserve.engine.constraint import CONSTRAINT_LIMITS, Constraint
 from trioserve.errors import TrioserveError
 
@@ -406,6 +406,15 @@ class InferRequest:
         group="prompt",
         default_doc="absent",
     )
+    logprobs: int | None = wire_field(
+        Int(0, MAX_TOP_LOGPROBS),
+        "chunk frames and the final frame carry `logprobs`: each generated token's log "
+        "probability with this many likeliest alternatives (docs/sampling.md says which "
+        "distribution); an engine without them answers `invalid_request`",
+        default=None,
+        extension=True,
+        default_doc="absent",
+    )
     echoed: Mapping[str, Any] = _echoed_field()
 
     def __attrs_post_init__(self) -> None:
@@ -559,6 +568,8 @@ class InferChunk:
     chunk: str
     response: str | None = None
     util_text: str | None = None
+    #: With the request's ``logprobs``: the entries of the tokens of ``chunk``.
+    logprobs: tuple[Mapping[str, Any], ...] | None = None
     echoed: Mapping[str, Any] = _echoed_field()
 
 
@@ -602,6 +613,8 @@ class InferFinal:
     stop_token: int | None
     usage: Usage
     timing: Timing
+    #: With the request's ``logprobs``: the entries of ``response``'s tokens.
+    logprobs: tuple[Mapping[str, Any], ...] | None = None
     echoed: Mapping[str, Any] = _echoed_field()
 
 

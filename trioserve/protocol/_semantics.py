@@ -5,10 +5,10 @@ they know no socket and no scheduler."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from trioserve.engine.base import Finished
+from trioserve.engine.base import Finished, TokenLogprob
 
 from ._messages import (
     EchoRequest,
@@ -24,7 +24,7 @@ from ._messages import (
     Usage,
 )
 
-__all__ = ["action_name", "infer_chunk", "infer_final"]
+__all__ = ["action_name", "infer_chunk", "infer_final", "logprob_entries"]
 
 _ACTION_OF: Final[Mapping[type[Any], str]] = {
     EchoRequest: "echo",
@@ -43,13 +43,39 @@ def action_name(request: Request | None) -> str | None:
     return _ACTION_OF.get(type(request))
 
 
-def infer_chunk(request: InferRequest, *, chunk: str, util_text: str, response: str) -> InferChunk:
+def logprob_entries(entries: Sequence[TokenLogprob]) -> tuple[dict[str, Any], ...]:
+    """Log-probability entries as the wire writes them: ``token_id``,
+    ``token`` (its text), ``bytes`` (its UTF-8 bytes as numbers), ``logprob``,
+    and ``top_logprobs`` (the alternatives, each with the same fields but
+    ``top_logprobs``)."""
+
+    def one(entry: TokenLogprob) -> dict[str, Any]:
+        return {
+            "token_id": entry.token,
+            "token": entry.text,
+            "bytes": list(entry.bytes),
+            "logprob": entry.logprob,
+        }
+
+    return tuple({**one(e), "top_logprobs": [one(t) for t in e.top]} for e in entries)
+
+
+def infer_chunk(
+    request: InferRequest,
+    *,
+    chunk: str,
+    util_text: str,
+    response: str,
+    logprobs: Sequence[TokenLogprob] = (),
+) -> InferChunk:
     """A chunk frame of ``request``: ``util_text`` unless the client asked
-    for compact chunks, the response so far when it asked for full ones."""
+    for compact chunks, the response so far when it asked for full ones,
+    the chunk's log-probability entries when it asked for them."""
     return InferChunk(
         chunk=chunk,
         util_text=None if request.compact_chunks else util_text,
         response=response if request.stream_full else None,
+        logprobs=None if request.logprobs is None else logprob_entries(logprobs),
         echoed=request.echoed,
     )
 
@@ -64,6 +90,7 @@ def infer_final(
     queued_s: float,
     first_token_s: float | None,
     total_s: float,
+    logprobs: Sequence[TokenLogprob] = (),
 ) -> InferFinal:
     """The final frame of ``request``: ``finished`` says how its generation
     ended (None: it was interrupted, by a stop, a disconnect or a shutdown)."""
@@ -91,5 +118,6 @@ def infer_final(
             first_token_s=None if first_token_s is None else round(first_token_s, 6),
             total_s=round(total_s, 6),
         ),
+        logprobs=None if request.logprobs is None else logprob_entries(logprobs),
         echoed=request.echoed,
     )

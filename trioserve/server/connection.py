@@ -90,6 +90,8 @@ class InferEntry:
     chunk_pending: bool = False
     #: Length of the response already sent in chunk frames.
     sent: int = 0
+    #: Log-probability entries already sent in chunk frames.
+    logprobs_sent: int = 0
     #: Why the request was interrupted, for metrics: ``stop``, ``shutdown``,
     #: or (when nobody says) ``disconnect``.
     cancel_cause: str | None = None
@@ -340,12 +342,15 @@ class Connection:
         if not chunk:
             return None
         entry.sent = len(generation.response)
+        entries = generation.logprobs[entry.logprobs_sent :]
+        entry.logprobs_sent += len(entries)
         return p.encode_reply(
             p.infer_chunk(
                 entry.request,
                 chunk=chunk,
                 util_text=generation.util_text,
                 response=generation.response,
+                logprobs=entries,
             )
         )
 

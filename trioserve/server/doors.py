@@ -51,6 +51,7 @@ def from_infer(request: p.InferRequest) -> GenerationRequest:
         banned_ids=tuple(request.bann_bann),
         token_healing=request.token_healing,
         constraint=request.constraint(),
+        logprobs=request.logprobs,
     )
 
 
@@ -136,6 +137,7 @@ def infer_final(request: p.InferRequest, generation: Generation) -> p.InferFinal
         queued_s=generation.queued_s,
         first_token_s=generation.first_token_s,
         total_s=generation.total_s,
+        logprobs=generation.logprobs,
     )
 
 
