@@ -58,6 +58,11 @@ def direct_logprobs(
         return torch.log_softmax(torch.cat(rows), dim=-1)
 
 
+def value(entry: TokenLogprob) -> float:
+    assert entry.logprob is not None
+    return entry.logprob
+
+
 def entries(outcome_updates: Sequence[object]) -> list[TokenLogprob]:
     out: list[TokenLogprob] = []
     for update in outcome_updates:
@@ -85,10 +90,9 @@ def test_greedy_entries_match_the_model_and_the_text(cpu_engine: CpuEngine) -> N
         # Greedy takes the most likely token: the first alternative.
         assert entry.top[0].token == entry.token
         assert entry.top[0].logprob == entry.logprob
-        assert [t.logprob for t in entry.top] == sorted(
-            (t.logprob for t in entry.top), reverse=True
-        )
-        assert sum(math.exp(t.logprob) for t in entry.top) <= 1 + 1e-6
+        values = [value(t) for t in entry.top]
+        assert values == sorted(values, reverse=True)
+        assert sum(math.exp(value(t)) for t in entry.top) <= 1 + 1e-6
         assert entry.top[0].text == entry.text and entry.top[0].bytes == entry.bytes
 
 
@@ -137,10 +141,11 @@ def test_prompt_logprobs_with_no_new_token_match_the_model(cpu_engine: CpuEngine
     finished = outcome.finished
     assert finished.text == "" and finished.generated_tokens == 0
     scored = finished.prompt_logprobs
-    assert len(scored) == len(spec.prompt_ids) and scored[0] is None
+    assert len(scored) == len(spec.prompt_ids) and scored[0].logprob is None
+    assert scored[0].token == spec.prompt_ids[0] and scored[0].top == ()
     direct = direct_logprobs(cpu_engine, spec.prompt_ids, chunk=200)
     for i, entry in enumerate(scored[1:], start=1):
-        assert entry is not None and entry.token == spec.prompt_ids[i]
+        assert entry.token == spec.prompt_ids[i] and entry.logprob is not None
         assert entry.logprob == pytest.approx(float(direct[i - 1][entry.token]), abs=1e-3)
         best = direct[i - 1].topk(3).values.tolist()
         assert [t.logprob for t in entry.top] == pytest.approx(best, abs=1e-3)
@@ -171,7 +176,7 @@ def test_logprobs_respect_the_constraint_mask(cpu_engine: CpuEngine) -> None:
         for alternative in entry.top:
             continued = so_far + alternative.text
             assert any(c.startswith(continued) for c in ("yes", "no", "maybe")), continued
-        assert sum(math.exp(t.logprob) for t in entry.top) == pytest.approx(1.0, abs=1e-3)
+        assert sum(math.exp(value(t)) for t in entry.top) == pytest.approx(1.0, abs=1e-3)
         so_far += entry.text
 
 

@@ -396,7 +396,8 @@ UNSUPPORTED: list[tuple[str, dict[str, Any], str]] = [
         "messages[1].tool_calls",
     ),
     ("chat", {"logprobs": True}, "logprobs"),
-    ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 2}, "logprobs"),  # an engine without them
+    ("completions", {"logprobs": 2}, "logprobs"),
     ("chat", {"n": 2}, "n"),
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"prompt": ["one", "two"]}, "prompt"),

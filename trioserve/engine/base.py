@@ -117,7 +117,8 @@ class TokenLogprob:
     #: character written as U+FFFD (``bytes`` is exact).
     text: str
     bytes: bytes
-    logprob: float
+    #: None only for a prompt's first token: nothing comes before it.
+    logprob: float | None
     #: The likeliest tokens, most likely first (ties: lower id first).
     top: tuple[TokenLogprob, ...] = ()
 
@@ -453,8 +454,8 @@ class Finished:
     #: With :attr:`GenerationSpec.logprobs`: the entries released with ``text``.
     logprobs: tuple[TokenLogprob, ...] = ()
     #: With :attr:`GenerationSpec.prompt_logprobs`: one entry per prompt
-    #: token run, the first None (nothing comes before it).
-    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
+    #: token run, the first one's ``logprob`` None (nothing comes before it).
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @attrs.frozen

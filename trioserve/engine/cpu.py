@@ -387,6 +387,7 @@ class CpuEngine:
                 vocab=self._config.vocab_size,
                 device=self._device,
                 prefix_cache=self._prefix_cache,
+                texts=self._texts,
             )
             self._slots.append(job)
         return updates

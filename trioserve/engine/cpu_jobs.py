@@ -106,7 +106,7 @@ class CpuJob:
     #: Characters of text released so far.
     released: int = 0
     #: With ``spec.prompt_logprobs``: the prompt's entries computed so far.
-    prompt_entries: list[TokenLogprob | None] = attrs.field(factory=list)
+    prompt_entries: list[TokenLogprob] = attrs.field(factory=list)
 
     def state_for_plan(self) -> JobState:
         return JobState(len(self.prompt), self.cached, decoding=self.pending is not None)
@@ -273,6 +273,7 @@ def start_job(
     vocab: int,
     device: torch.device,
     prefix_cache: PrefixCache,
+    texts: TokenTexts,
 ) -> CpuJob:
     """A new job in ``slot`` for a checked ``spec``: token healing's
     constraint, the penalties' counts, the sampler's rows, and the prefix
@@ -332,7 +333,7 @@ def start_job(
         reused=reused,
         restore=restore,
         entries=None if spec.logprobs is None else EntryQueue(),
-        prompt_entries=[None] if scored else [],
+        prompt_entries=[texts.first(prompt[0])] if scored else [],
     )
 
 

@@ -152,6 +152,11 @@ class TokenTexts:
         raw = self._tokenizer.token_bytes(token)
         return raw.decode("utf-8", errors="replace"), raw
 
+    def first(self, token: int) -> TokenLogprob:
+        """The entry of a prompt's first token: no log probability."""
+        text, data = self._cached(token)
+        return TokenLogprob(token, text, data, None)
+
     def entry(self, raw: RawLogprob) -> TokenLogprob:
         token, value, top = raw
         text, data = self._cached(token)

@@ -194,7 +194,9 @@ def check_request(
             )
     if (request.logprobs, request.prompt_logprobs) != (None, None) and not info.logprobs:
         raise InvalidGeneration(
-            f"the {info.engine} engine does not report log probabilities", "logprobs"
+            f"the {info.engine} engine does not report log probabilities",
+            "logprobs",
+            code="unsupported_parameter",
         )
     if request.max_new_tokens == 0 and request.prompt_logprobs is None:
         raise InvalidGeneration(
@@ -483,7 +485,7 @@ class Generation:
     #: The entries released with ``response`` (``request.logprobs``), and
     #: the prompt's (``request.prompt_logprobs``, at the end).
     logprobs: list[TokenLogprob] = attrs.field(factory=list, repr=False)
-    prompt_logprobs: tuple[TokenLogprob | None, ...] = attrs.field(default=(), repr=False)
+    prompt_logprobs: tuple[TokenLogprob, ...] = attrs.field(default=(), repr=False)
     generated_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None

@@ -7,6 +7,7 @@ generated from the declarations (:func:`field_table`).
 """
 
 from .errors import OpenAIError, error_body
+from .logprobs import LegacyLogprobs, LogprobsAsked, chat_logprobs
 from .requests import (
     COMPLETIONS_MAX_TOKENS,
     OPENAI_DEFAULTS,
@@ -46,10 +47,13 @@ __all__ = [
     "CompletionRequest",
     "CompletionStream",
     "FinishReason",
+    "LegacyLogprobs",
+    "LogprobsAsked",
     "OpenAIError",
     "OpenAILimits",
     "TokenUsage",
     "chat_completion_response",
+    "chat_logprobs",
     "completion_response",
     "error_body",
     "finish_reason",

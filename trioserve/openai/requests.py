@@ -19,11 +19,12 @@ What is accepted (``docs/openai.md`` has the table):
   vLLM's ``structured_outputs`` and ``guided_*``, TabbyAPI's
   ``regex_pattern`` and ``grammar_string``) becomes one constraint
   (:mod:`trioserve.openai.constraints`).
+* ``logprobs`` and ``top_logprobs`` (and a completion's ``echo`` with
+  ``max_tokens: 0``) are read by :mod:`trioserve.openai.logprobs`.
 * Fields that would change the output in a way this server cannot honour
-  (``logprobs``, ``tools``, ``n`` > 1,
-  ``logit_bias``, ``suffix``, audio ...) are refused with a 400 naming the
-  field, unless their value asks for nothing (``n: 1``, ``tools: []``,
-  ``logprobs: false``, ``tool_choice: "none"`` ...).
+  (``tools``, ``n`` > 1, ``suffix``, audio ...) are refused with a 400 naming
+  the field, unless their value asks for nothing (``n: 1``, ``tools: []``,
+  ``tool_choice: "none"`` ...).
 * Fields that do not change the output (``user``, ``metadata``, ``store``,
   ``service_tier``, ``parallel_tool_calls``, prompt-cache hints,
   ``reasoning_effort``, ``verbosity``, ``safety_identifier``) are accepted and
@@ -66,6 +67,7 @@ from .fields import (
     OpenAILimits,
     _rule,
 )
+from .logprobs import LogprobsAsked, read_chat_logprobs, read_completion_logprobs
 
 DEFAULT_LIMITS: Final = OpenAILimits()
 
@@ -129,6 +131,8 @@ class _Generation:
     #: ``json_schema``, ``grammar``, ``structured_outputs``, ``guided_*`` ...
     #: (:mod:`trioserve.openai.constraints`).
     constraint: Constraint | None = None
+    #: ``logprobs`` / ``top_logprobs`` (:mod:`trioserve.openai.logprobs`).
+    logprobs: LogprobsAsked = attrs.field(factory=LogprobsAsked)
 
     def sampling_settings(self) -> SamplingSettings:
         values = {**OPENAI_DEFAULTS, **self.sampler}
@@ -447,10 +451,6 @@ def _none_or(*values: Any) -> Callable[[Any], bool]:
 _REFUSED: Final[Mapping[str, Callable[[str, Any], None]]] = {
     "n": _harmless(_none_or(1), "must be 1: this server generates one choice per request"),
     "best_of": _harmless(_none_or(1), "must be 1: this server generates one choice per request"),
-    "logprobs": _harmless(
-        _none_or(False, 0), "is not supported: log probabilities are not computed"
-    ),
-    "top_logprobs": _harmless(_none_or(0), "is not supported: log probabilities are not computed"),
     "tools": _harmless(_none_or([]), "is not supported: tool calls are not implemented"),
     "functions": _harmless(_none_or([]), "is not supported: function calls are not implemented"),
     "tool_choice": _harmless(
@@ -708,17 +708,20 @@ def parse_completion_request(
     """The body of ``POST /v1/completions`` as a typed request; raises
     :class:`OpenAIError` (400, naming the field) for anything wrong."""
     obj = _parse_body(body)
+    asked = read_completion_logprobs(obj)
     payload = _preprocess(obj, _FIELDS_COMMON | {"prompt", "echo"})
     constraint = read_constraint(payload.pop(_CONSTRAINTS, {}))
     request: CompletionRequest = _structure(payload, _parsers(limits).completion, "prompt")
-    return request if constraint is None else attrs.evolve(request, constraint=constraint)
+    max_tokens = 0 if asked.score_only else request.max_tokens
+    return attrs.evolve(request, constraint=constraint, logprobs=asked, max_tokens=max_tokens)
 
 
 def parse_chat_request(body: bytes, limits: OpenAILimits = DEFAULT_LIMITS) -> ChatCompletionRequest:
     """The body of ``POST /v1/chat/completions`` as a typed request; raises
     :class:`OpenAIError` (400, naming the field) for anything wrong."""
     obj = _parse_body(body)
+    asked = read_chat_logprobs(obj)
     payload = _preprocess(obj, _FIELDS_COMMON | {"messages"})
     constraint = read_constraint(payload.pop(_CONSTRAINTS, {}))
     request: ChatCompletionRequest = _structure(payload, _parsers(limits).chat, "messages")
-    return request if constraint is None else attrs.evolve(request, constraint=constraint)
+    return attrs.evolve(request, constraint=constraint, logprobs=asked)

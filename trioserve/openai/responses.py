@@ -77,6 +77,7 @@ def completion_response(
     text: str,
     finish_reason: FinishReason,
     usage: TokenUsage,
+    logprobs: dict[str, Any] | None = None,
 ) -> bytes:
     """The body of a whole ``/v1/completions`` answer."""
     return _dumps(
@@ -86,7 +87,7 @@ def completion_response(
             "created": created,
             "model": model,
             "choices": [
-                {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
             ],
             "usage": usage.as_json(),
             "system_fingerprint": None,
@@ -102,6 +103,7 @@ def chat_completion_response(
     content: str,
     finish_reason: FinishReason,
     usage: TokenUsage,
+    logprobs: dict[str, Any] | None = None,
 ) -> bytes:
     """The body of a whole ``/v1/chat/completions`` answer."""
     return _dumps(
@@ -114,7 +116,7 @@ def chat_completion_response(
                 {
                     "index": 0,
                     "message": {"role": "assistant", "content": content, "refusal": None},
-                    "logprobs": None,
+                    "logprobs": logprobs,
                     "finish_reason": finish_reason,
                 }
             ],
@@ -172,16 +174,22 @@ class CompletionStream(_Stream):
     :meth:`text` for each piece, then :meth:`finish` (its finish reason,
     the usage chunk when asked for, and ``[DONE]``)."""
 
-    def text(self, text: str) -> bytes:
+    def text(self, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
         return sse_event(
             self._chunk(
                 "text_completion",
-                [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}],
+                [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}],
             )
         )
 
-    def finish(self, reason: FinishReason, usage: TokenUsage, text: str = "") -> bytes:
-        last = [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]
+    def finish(
+        self,
+        reason: FinishReason,
+        usage: TokenUsage,
+        text: str = "",
+        logprobs: dict[str, Any] | None = None,
+    ) -> bytes:
+        last = [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}]
         return self._end("text_completion", last, usage)
 
 
@@ -206,17 +214,19 @@ class ChatCompletionStream(_Stream):
             )
         )
 
-    def text(self, text: str) -> bytes:
-        return sse_event(
-            self._chunk(
-                "chat.completion.chunk",
-                [{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}],
-            )
-        )
+    def text(self, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
+        choice = {"index": 0, "delta": {"content": text}, "logprobs": logprobs}
+        return sse_event(self._chunk("chat.completion.chunk", [{**choice, "finish_reason": None}]))
 
-    def finish(self, reason: FinishReason, usage: TokenUsage, text: str = "") -> bytes:
+    def finish(
+        self,
+        reason: FinishReason,
+        usage: TokenUsage,
+        text: str = "",
+        logprobs: dict[str, Any] | None = None,
+    ) -> bytes:
         delta = {"content": text} if text else {}
-        last = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]
+        last = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]
         return self._end("chat.completion.chunk", last, usage)
 
 

@@ -59,11 +59,13 @@ def from_openai(request: oa.CompletionRequest | oa.ChatCompletionRequest) -> Gen
     """The generation of an OpenAI completion or chat completion."""
     text = ""
     prompt_ids = messages = None
-    default = None
+    default = scored = None
     if isinstance(request, oa.ChatCompletionRequest):
         messages = tuple(request.template_messages())
     else:
         default = oa.COMPLETIONS_MAX_TOKENS
+        # echo with logprobs: the prompt's tokens come with theirs.
+        scored = request.logprobs.top if request.echo else None
         if isinstance(request.prompt, str):
             text = request.prompt
         else:
@@ -81,6 +83,8 @@ def from_openai(request: oa.CompletionRequest | oa.ChatCompletionRequest) -> Gen
         banned_ids=request.bann_bann,
         token_healing=request.token_healing,
         constraint=request.constraint,
+        logprobs=request.logprobs.top,
+        prompt_logprobs=scored,
     )
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -27,6 +27,7 @@ import trio
 
 from trioserve import openai as oa
 from trioserve._version import __version__
+from trioserve.engine.base import TokenLogprob
 from trioserve.generation import Generation, Generations, InvalidGeneration, Overloaded
 from trioserve.metrics import Metrics
 
@@ -285,6 +286,8 @@ class _Reply:
     id: str = ""
     created: int = attrs.Factory(lambda: int(time.time()))
     done: bool = False
+    #: The legacy completions ``logprobs`` objects, their offsets counted on.
+    legacy: oa.LegacyLogprobs = attrs.Factory(oa.LegacyLogprobs)
 
     def __attrs_post_init__(self) -> None:
         self.id = oa.new_id("chatcmpl" if self.chat else "cmpl")
@@ -328,6 +331,14 @@ class _Reply:
         assert finished is not None
         return "num_tokens" if finished.reason == "max_new_tokens" else "eos"
 
+    def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        """The ``logprobs`` object of these entries, when the request asked."""
+        if self.request.logprobs.top is None:
+            return None
+        if self.chat:
+            return oa.chat_logprobs(entries)
+        return self.legacy.of(entries)
+
     async def whole(self) -> Response:
         generation = self.generation
         try:
@@ -348,8 +359,10 @@ class _Reply:
                 content=generation.response,
                 finish_reason=reason,
                 usage=self._usage(),
+                logprobs=self._logprobs(generation.logprobs),
             )
         else:
+            entries = [*generation.prompt_logprobs, *generation.logprobs]
             body = oa.completion_response(
                 id=self.id,
                 created=self.created,
@@ -357,6 +370,7 @@ class _Reply:
                 text=self.echo + generation.response,
                 finish_reason=reason,
                 usage=self._usage(),
+                logprobs=self._logprobs(entries),
             )
         return Response(200, body)
 
@@ -379,7 +393,7 @@ class _Reply:
             wake.set()
 
         generation.on_text = released
-        sent = 0
+        sent = entries = 0
         try:
             async with trio.open_nursery() as nursery:
 
@@ -400,20 +414,20 @@ class _Reply:
                     ended = generation.outcome is not None
                     text = generation.response[sent:]
                     sent += len(text)
+                    new = generation.logprobs[entries:]
                     if not ended:
                         if text:
-                            await out.send(stream.text(text))
+                            entries += len(new)
+                            await out.send(stream.text(text, self._logprobs(new)))
                         continue
                     if generation.finished is not None:
                         self._end(self._outcome())
-                        await out.send(
-                            stream.finish(
-                                oa.finish_reason(generation.finished), self._usage(), text=text
-                            )
-                        )
+                        reason = oa.finish_reason(generation.finished)
+                        logprobs = self._logprobs(new)
+                        await out.send(stream.finish(reason, self._usage(), text, logprobs))
                     else:
                         if text:
-                            await out.send(stream.text(text))
+                            await out.send(stream.text(text, self._logprobs(new)))
                         await out.send(stream.error(self._failure()))
                     return
         finally:
