@@ -215,7 +215,6 @@ def test_null_means_default() -> None:
         ({"logprobs": 6}, "logprobs"),
         ({"logprobs": "5"}, "logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 0, "logprobs": 1}, "max_tokens"),
         ({"max_tokens": 0, "logprobs": 1, "echo": True, "stream": True}, "stream"),
         ({"logprobs": 1, "echo": True, "stream": True}, "stream"),
