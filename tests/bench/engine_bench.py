@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 if not __package__:
@@ -127,6 +128,22 @@ def single_stream(engine: CpuEngine, ids: _Ids, salt: int) -> float:
     spec = _spec(ids(), _story(engine, salt), DECODE_TOKENS)
     times = _drive(engine, [spec])[spec.job_id]
     return (len(times) - 1) / (times[-1] - times[0])
+
+
+def logprobs_ratio(engine: CpuEngine, ids: _Ids, salt: int) -> float:
+    """Decode tok/s of one job asking for ``logprobs`` 5 (top_logprobs 5)
+    over the same job asking for none; which runs first alternates with
+    ``salt`` (the second finds its prompt in the prefix cache, which changes
+    its prefill, not its decode)."""
+    story = _story(engine, salt)
+
+    def speed(logprobs: int | None) -> float:
+        spec = attrs.evolve(_spec(ids(), story, DECODE_TOKENS), logprobs=logprobs)
+        times = _drive(engine, [spec])[spec.job_id]
+        return (len(times) - 1) / (times[-1] - times[0])
+
+    got = {lp: speed(lp) for lp in ((5, None) if salt % 2 == 0 else (None, 5))}
+    return got[5] / got[None]
 
 
 def first_token(engine: CpuEngine, ids: _Ids, prompt: Sequence[int]) -> float:
@@ -341,6 +358,7 @@ def run(results: list[dict[str, Any]], *, say: Any = print, rounds: int = ROUNDS
 
             def ours(r: int = r) -> None:
                 note("single", single_stream(engine, ids, r))
+                note("logprobs_ratio", logprobs_ratio(engine, ids, r))
                 note("ttft_200", first_token(engine, ids, prompt_of(engine, 200, salt=1000 + r)))
                 note("ttft_2000", first_token(engine, ids, prompt_of(engine, 2000, salt=2000 + r)))
                 for n in CONCURRENCY:
@@ -394,6 +412,7 @@ def run(results: list[dict[str, Any]], *, say: Any = print, rounds: int = ROUNDS
     if ref is not None:
         row("single stream, trioserve / llama.cpp", "ratio_single", "x", ">= 1.0")
         row("8-stream aggregate / llama.cpp single stream", "ratio_agg_8", "x", ">= 4")
+    row("decode with top_logprobs 5 / without", "logprobs_ratio", "x", ">= 0.9")
     row("first token, 200-token prompt", "ttft_200", "s", None, "ref_ttft_200")
     row("first token, 2,000-token prompt", "ttft_2000", "s", None, "ref_ttft_2000")
     row(

@@ -146,6 +146,10 @@ def refusal(
     n = len(spec.prompt_ids)
     if n == 0:
         return "the prompt is empty: it must have at least one token"
+    if spec.logprobs is not None or spec.prompt_logprobs is not None:
+        # Its return_top_tokens / return_probs are the final sampling
+        # probabilities, not the model's (docs/gpu.md, "Log probabilities").
+        return "this engine does not report log probabilities"
     if spec.max_new_tokens < 1:
         return f"max_new_tokens must be at least 1, not {spec.max_new_tokens!r}"
     if n + spec.max_new_tokens > context_length:
