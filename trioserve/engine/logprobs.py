@@ -70,44 +70,48 @@ def row_logprobs(
     reported carry no rounding but the normaliser's (the rest of the
     vocabulary's rounding, a few thousandths at most in practice)."""
     index = torch.tensor(list(rows), dtype=torch.int64, device=logits.device)
-    x = logits.index_select(0, index).to(torch.float32, copy=True)
+    x = logits.index_select(0, index).float()  # a copy: index_select makes one
+    shift = None
     if any(b is not None for b in bias):
-        for i, b in enumerate(bias):
-            if b is not None:
-                x[i] += b.to(x.device)
+        zero = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
+        shift = torch.stack([zero if b is None else b.to(x.device) for b in bias])
+        x += shift
+    masked = banned is not None or allowed is not None
     if banned is not None:
-        x.masked_fill_(banned.index_select(0, index.to(banned.device)), float("-inf"))
+        x.masked_fill_(banned.index_select(0, index.to(banned.device)), _NEG_INF)
     if allowed is not None:
-        x.masked_fill_(~allowed.index_select(0, index.to(allowed.device)), float("-inf"))
+        x.masked_fill_(~allowed.index_select(0, index.to(allowed.device)), _NEG_INF)
     k = max(tops, default=0)
-    sampled = torch.tensor([list(ids)], device=x.device).T  # [R, 1]
-    if exact is not None:
-        wanted = sampled if k == 0 else torch.cat([sampled, x.topk(k, dim=-1).indices], dim=1)
-        rough = x.gather(1, wanted)
-        fine = exact(index, wanted) + (
-            rough - logits.index_select(0, index).float().gather(1, wanted)
-        )
-        x.scatter_(1, wanted, torch.where(torch.isfinite(rough), fine, rough))
-    lp = torch.log_softmax(x, dim=-1)
-    chosen = lp.gather(1, sampled)[:, 0].tolist()
-    top_ids: list[list[int]] = [[] for _ in rows]
-    top_lps: list[list[float]] = [[] for _ in rows]
+    wanted = torch.tensor([list(ids)], device=x.device).T  # [R, 1]: the sampled ids
     if k > 0:
-        values, indices = _top(lp, k)
-        top_ids, top_lps = indices.tolist(), values.tolist()
-    # Masked tokens (-inf) are no alternatives: a constrained row may list fewer.
-    return [
-        (
-            token,
-            value,
-            [
+        wanted = torch.cat([wanted, x.topk(k, dim=-1).indices], dim=1)  # [R, 1 + k]
+    if exact is None:
+        fine = x.gather(1, wanted)
+    else:
+        # Few calls on purpose: each small torch call costs a thread wake-up.
+        fine = exact(index, wanted)
+        if shift is not None:
+            fine += shift.gather(1, wanted)
+        if masked:
+            fine = torch.where(torch.isfinite(x.gather(1, wanted)), fine, _NEG_INF)
+        x.scatter_(1, wanted, fine)
+    values = (fine - torch.logsumexp(x, dim=-1, keepdim=True)).tolist()
+    chosen = wanted.tolist()
+    out: list[RawLogprob] = []
+    for i, token in enumerate(ids):
+        # The k best by the step's logits, ordered by their exact figures
+        # (ties towards the lower id); masked tokens (-inf) are no
+        # alternatives, so a constrained row may list fewer.
+        top = sorted(
+            (
                 (other, v)
-                for other, v in zip(top_ids[i][: tops[i]], top_lps[i][: tops[i]], strict=True)
+                for other, v in zip(chosen[i][1:], values[i][1:], strict=True)
                 if v != _NEG_INF
-            ],
+            ),
+            key=lambda pair: (-pair[1], pair[0]),
         )
-        for i, (token, value) in enumerate(zip(ids, chosen, strict=True))
-    ]
+        out.append((token, values[i][0], top[: tops[i]]))
+    return out
 
 
 def _top(lp: Tensor, k: int) -> tuple[Tensor, Tensor]:
