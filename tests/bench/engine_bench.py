@@ -130,20 +130,28 @@ def single_stream(engine: CpuEngine, ids: _Ids, salt: int) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
-def logprobs_ratio(engine: CpuEngine, ids: _Ids, salt: int) -> float:
-    """Decode tok/s of one job asking for ``logprobs`` 5 (top_logprobs 5)
-    over the same job asking for none; which runs first alternates with
-    ``salt`` (the second finds its prompt in the prefix cache, which changes
-    its prefill, not its decode)."""
+def logprobs_ratio(engine: CpuEngine, other: CpuEngine, ids: _Ids, salt: int) -> float:
+    """Decode speed of one job asking for ``logprobs`` 5 (top_logprobs 5) on
+    ``engine`` over the same job asking for none on ``other``, the two
+    stepped alternately (which goes first alternates with ``salt``), so that
+    both see the same machine load step by step: the ratio of their median
+    decode step times (the first step, the prefill, left out)."""
     story = _story(engine, salt)
-
-    def speed(logprobs: int | None) -> float:
-        spec = attrs.evolve(_spec(ids(), story, DECODE_TOKENS), logprobs=logprobs)
-        times = _drive(engine, [spec])[spec.job_id]
-        return (len(times) - 1) / (times[-1] - times[0])
-
-    got = {lp: speed(lp) for lp in ((5, None) if salt % 2 == 0 else (None, 5))}
-    return got[5] / got[None]
+    jobs = {
+        engine: attrs.evolve(_spec(ids(), story, DECODE_TOKENS), logprobs=5),
+        other: _spec(ids(), story, DECODE_TOKENS),
+    }
+    steps: dict[CpuEngine, list[float]] = {engine: [], other: []}
+    live = [engine, other] if salt % 2 == 0 else [other, engine]
+    while live:
+        for side in list(live):
+            submit = [jobs[side]] if not steps[side] else []
+            start = time.perf_counter()
+            updates = side.step(submit, [])
+            steps[side].append(time.perf_counter() - start)
+            if any(not isinstance(u, TextUpdate) for u in updates):
+                live.remove(side)
+    return _median(steps[other][1:]) / _median(steps[engine][1:])
 
 
 def first_token(engine: CpuEngine, ids: _Ids, prompt: Sequence[int]) -> float:
@@ -358,7 +366,7 @@ def run(results: list[dict[str, Any]], *, say: Any = print, rounds: int = ROUNDS
 
             def ours(r: int = r) -> None:
                 note("single", single_stream(engine, ids, r))
-                note("logprobs_ratio", logprobs_ratio(engine, ids, r))
+                note("logprobs_ratio", logprobs_ratio(engine, cold, ids, r))
                 note("ttft_200", first_token(engine, ids, prompt_of(engine, 200, salt=1000 + r)))
                 note("ttft_2000", first_token(engine, ids, prompt_of(engine, 2000, salt=2000 + r)))
                 for n in CONCURRENCY:
