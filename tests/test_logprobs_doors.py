@@ -111,6 +111,16 @@ async def test_completions_logprobs_and_echo_score_the_prompt(cpu_engine: CpuEng
             assert lp.text_offset == [
                 sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))
             ]
+            # As lm-evaluation-harness's local-completions sends it by default:
+            # token ids, a batch of one, max_tokens 1.
+            harness = client.completions.create(
+                model="m", prompt=[ids], echo=True, max_tokens=1, logprobs=1, temperature=0
+            ).choices[0]
+            assert harness.text.startswith(prompt)
+            assert harness.logprobs is not None and harness.logprobs.token_logprobs is not None
+            assert harness.logprobs.token_logprobs[1 : len(ids)] == pytest.approx(
+                lp.token_logprobs[1:], abs=1e-5
+            )
             # echo with max_tokens 1 (as lm-evaluation-harness asks): the
             # prompt's figures, then the generated token's.
             more = client.completions.create(

@@ -211,10 +211,6 @@ class OpenAIRoutes:
             parsed: oa.CompletionRequest | oa.ChatCompletionRequest
             if action == "completions":
                 parsed = oa.parse_completion_request(http.body, self.limits)
-                if parsed.echo and not isinstance(parsed.prompt, str):
-                    raise oa.OpenAIError(
-                        400, "echo needs the prompt as text, not token ids", param="echo"
-                    )
             else:
                 parsed = oa.parse_chat_request(http.body, self.limits)
             generation = self._open(parsed, client)
@@ -300,8 +296,8 @@ class _Reply:
     def echo(self) -> str:
         request = self.request
         if isinstance(request, oa.CompletionRequest) and request.echo:
-            assert isinstance(request.prompt, str)
-            return request.prompt
+            # Token ids are echoed as their text (lm-evaluation-harness sends ids).
+            return request.prompt if isinstance(request.prompt, str) else self.generation.util_text
         return ""
 
     def _usage(self) -> oa.TokenUsage:
