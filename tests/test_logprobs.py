@@ -198,3 +198,37 @@ def test_bad_logprob_specs_fail_alone(cpu_engine: CpuEngine) -> None:
 
 
 _ = GREEDY
+
+
+def _entry(token: int) -> TokenLogprob:
+    return TokenLogprob(token, str(token), b"", -1.0)
+
+
+def test_entry_queue_releases_entries_with_their_text() -> None:
+    from trioserve.engine.logprobs import EntryQueue
+
+    queue = EntryQueue()
+    a, b, c, d = (_entry(i) for i in range(4))
+    queue.add(a, 3)  # "abc"
+    queue.add(b, 3)  # half a character: no text yet
+    queue.add(c, 7)  # completes it, and more
+    assert queue.release(2) == ()  # part of a's text is held
+    assert queue.release(3) == (a, b)
+    assert queue.release(6) == ()
+    assert queue.release(7) == (c,)
+    queue.add(d, 9)
+    assert queue.flush() == (d,)
+
+
+def test_entry_queue_cut_keeps_tokens_that_start_before_the_stop_string() -> None:
+    from trioserve.engine.logprobs import EntryQueue
+
+    queue = EntryQueue()
+    a, b, c = (_entry(i) for i in range(3))
+    queue.add(a, 2)  # [0, 2)
+    queue.add(b, 5)  # [2, 5): the stop string starts at 4, inside b
+    queue.add(c, 8)  # [5, 8): wholly after
+    assert queue.release(0) == ()
+    assert queue.cut(4) == (a, b)
+    queue.add(a, 9)
+    assert queue.cut(8) == ()  # starts at 8: wholly in the stop string
