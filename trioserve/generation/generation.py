@@ -351,6 +351,8 @@ class GenerationObserver(Protocol):
 
     def tokens(self, seconds: float, count: int = 1) -> None: ...
 
+    def constraint(self, kind: str, outcome: str, seconds: float = 0.0) -> None: ...
+
 
 @attrs.define(eq=False)
 class Generations:
@@ -544,19 +546,28 @@ class Generation:
             raise InvalidGeneration(
                 "this engine does not enforce constraints", "constraint", wire_name=constraint.field
             )
+        observer = self.generations.observer
         compiled = grammars.cached(constraint)
         if compiled is not None:
+            if observer is not None:
+                observer.constraint(constraint.kind, "cached")
             return compiled
+        started = trio.current_time()
         try:
-            return await trio.to_thread.run_sync(
+            compiled = await trio.to_thread.run_sync(
                 grammars.compile, constraint, limiter=self.generations.compiling
             )
         except ConstraintError as exc:
+            if observer is not None:
+                observer.constraint(constraint.kind, "refused", trio.current_time() - started)
             raise InvalidGeneration(
                 f"the {constraint.kind.replace('_', ' ')} cannot be used: {exc}",
                 "constraint",
                 wire_name=constraint.field,
             ) from None
+        if observer is not None:
+            observer.constraint(constraint.kind, "compiled", compiled.compile_seconds)
+        return compiled
 
     async def _prepare(self) -> None:
         """Render, tokenize and fit: protocol.md 3.4."""
