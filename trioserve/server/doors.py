@@ -57,10 +57,11 @@ def from_infer(request: p.InferRequest) -> GenerationRequest:
 def from_openai(request: oa.CompletionRequest | oa.ChatCompletionRequest) -> GenerationRequest:
     """The generation of an OpenAI completion or chat completion."""
     text = ""
-    prompt_ids = messages = None
+    prompt_ids = messages = tools = None
     default = None
     if isinstance(request, oa.ChatCompletionRequest):
         messages = tuple(request.template_messages())
+        tools = request.tools
     else:
         default = oa.COMPLETIONS_MAX_TOKENS
         if isinstance(request.prompt, str):
@@ -80,6 +81,7 @@ def from_openai(request: oa.CompletionRequest | oa.ChatCompletionRequest) -> Gen
         banned_ids=request.bann_bann,
         token_healing=request.token_healing,
         constraint=request.constraint,
+        tools=tools,
     )
 
 

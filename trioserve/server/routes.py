@@ -28,6 +28,14 @@ import trio
 from trioserve import openai as oa
 from trioserve._version import __version__
 from trioserve.generation import Generation, Generations, InvalidGeneration, Overloaded
+from trioserve.generation.tools import (
+    CallArguments,
+    CallStart,
+    Content,
+    ToolCallReader,
+    ToolEvent,
+    ToolFormat,
+)
 from trioserve.metrics import Metrics
 
 from . import access
@@ -341,13 +349,22 @@ class _Reply:
         reason = oa.finish_reason(finished)
         name = self.routes.model_name
         if self.chat:
+            content, calls = generation.response, []
+            if generation.tool_format is not None:
+                reader = ToolCallReader(generation.tool_format)
+                events = reader.feed(content) + reader.finish()
+                content = "".join(e.text for e in events if isinstance(e, Content))
+                calls = reader.calls
+                if calls and reason == "stop":
+                    reason = "tool_calls"
             body = oa.chat_completion_response(
                 id=self.id,
                 created=self.created,
                 model=name,
-                content=generation.response,
+                content=content,
                 finish_reason=reason,
                 usage=self._usage(),
+                tool_calls=calls,
             )
         else:
             body = oa.completion_response(
@@ -394,6 +411,7 @@ class _Reply:
                     await out.send(stream.start())
                 if self.echo:
                     await out.send(stream.text(self.echo))
+                calls = _CallEvents(stream, generation.tool_format)
                 while True:
                     await wake.wait()
                     wake = trio.Event()
@@ -402,18 +420,17 @@ class _Reply:
                     sent += len(text)
                     if not ended:
                         if text:
-                            await out.send(stream.text(text))
+                            await out.send(calls.text(text))
                         continue
                     if generation.finished is not None:
                         self._end(self._outcome())
-                        await out.send(
-                            stream.finish(
-                                oa.finish_reason(generation.finished), self._usage(), text=text
-                            )
-                        )
+                        reason = oa.finish_reason(generation.finished)
+                        events = calls.text(text) + calls.finish()
+                        if calls.made and reason == "stop":
+                            reason = "tool_calls"
+                        await out.send(events + stream.finish(reason, self._usage()))
                     else:
-                        if text:
-                            await out.send(stream.text(text))
+                        await out.send(calls.text(text) + calls.finish())
                         await out.send(stream.error(self._failure()))
                     return
         finally:
@@ -429,3 +446,42 @@ class _Reply:
         generation.close()
         if abandoned and not self.done:
             self._end("interrupted")
+
+
+@attrs.define
+class _CallEvents:
+    """A stream's released text as events: content as it is, or, when the
+    request lets the model call tools, content and tool calls apart (no call
+    marker reaches the content; a call's arguments stream in pieces)."""
+
+    stream: oa.ChatCompletionStream | oa.CompletionStream
+    fmt: ToolFormat | None
+    reader: ToolCallReader | None = None
+    made: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.fmt is not None and isinstance(self.stream, oa.ChatCompletionStream):
+            self.reader = ToolCallReader(self.fmt)
+
+    def text(self, text: str) -> bytes:
+        if self.reader is None:
+            return self.stream.text(text) if text else b""
+        return self._events(self.reader.feed(text)) if text else b""
+
+    def finish(self) -> bytes:
+        return b"" if self.reader is None else self._events(self.reader.finish())
+
+    def _events(self, events: list[ToolEvent]) -> bytes:
+        stream = self.stream
+        assert isinstance(stream, oa.ChatCompletionStream)
+        out = b""
+        for event in events:
+            if isinstance(event, Content):
+                if event.text:
+                    out += stream.text(event.text)
+            elif isinstance(event, CallStart):
+                self.made = True
+                out += stream.tool_call(event.index, id=event.id, name=event.name)
+            elif isinstance(event, CallArguments):
+                out += stream.tool_call(event.index, arguments=event.text)
+        return out
