@@ -318,6 +318,14 @@ OPTIONS: Final[tuple[Option, ...]] = (
     ),
     Option("device", MODEL, "cpu engine: torch device, cpu or cuda[:N]", E, metavar="DEVICE"),
     Option(
+        "tool_call_format",
+        MODEL,
+        "how the model writes tool calls: auto (from its chat template; Hermes when the template"
+        " has no tools), hermes, llama3 or mistral",
+        S,
+        choices=("auto", "hermes", "llama3", "mistral"),
+    ),
+    Option(
         "weights",
         MODEL,
         "cpu engine: what the linear layers run on: auto (the model's own 4-bit weights where "
