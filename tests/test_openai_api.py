@@ -275,7 +275,11 @@ def test_bad_completion_fields_name_their_param(fields: dict[str, Any], param: s
                 {
                     "role": "assistant",
                     "tool_calls": [
-                        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                        {
+                            "id": "a",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "{}"},
+                        }
                     ],
                 },
                 {"role": "tool", "content": "1", "tool_call_id": "a"},
