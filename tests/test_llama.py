@@ -324,7 +324,7 @@ def test_packed_bfloat16_weights_give_the_plain_results_bit_for_bit() -> None:
         ],
         norm=unpacked.norm,
         lm_head=embed,
-        lm_head_packed=pack(embed),
+        projection=pack(embed),
     )
     if not as_tensor(packed.layers[0].wqkv).is_mkldnn:
         pytest.skip("this torch build does not pack weights (no exact oneDNN kernel)")
