@@ -95,7 +95,8 @@ class Trioserve:
                 self.port = int(match.group(1))
                 break
         else:
-            raise RuntimeError(f"trioserve exited with {self.process.wait()} before listening")
+            self.close()
+            raise RuntimeError(f"trioserve exited with {self.process.returncode} before listening")
         # Keep reading stdout so that the server never blocks on a full pipe.
         threading.Thread(target=self.process.stdout.read, daemon=True).start()
 
