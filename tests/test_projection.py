@@ -195,3 +195,12 @@ def test_a_bad_projection_is_a_clear_error(model_dir: Path) -> None:
         llama.LlamaWeights.load(
             model_dir, config, dtype=torch.float32, device=CPU, weights="float", projection="int8"
         )
+
+
+def test_the_command_line_offers_the_engines_projections() -> None:
+    from trioserve.engine import VOCAB_PROJECTIONS, EngineOptions
+
+    assert VOCAB_PROJECTIONS == llama.PROJECTIONS
+    assert EngineOptions(vocab_projection="int8").vocab_projection == "int8"
+    with pytest.raises(ConfigError, match="vocab projection must be one of"):
+        EngineOptions(vocab_projection="int4")
