@@ -26,6 +26,7 @@ a view of the cache instead of a gathered copy.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections import deque
@@ -244,6 +245,7 @@ class CpuEngine:
             max_batch,
             torch.get_num_threads(),
         )
+        _give_back_freed_memory()
         return cls(
             tokenizer=tokenizer,
             config=config,
@@ -499,6 +501,21 @@ class CpuEngine:
             self._cache.move(last.slot, job.slot)
             last.slot = job.slot
             self._slots[job.slot] = last
+
+
+def _give_back_freed_memory() -> None:
+    """Return the heap that loading freed to the OS (glibc's ``malloc_trim``).
+
+    Reading, quantizing and packing the weights frees hundreds of MB of
+    temporaries; glibc keeps much of it, as much as 150 MB from one load to
+    the next (measured: 481 and 628 MB resident after two identical loads),
+    and the process's RSS with it. Elsewhere than glibc this does nothing.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _checked_device(

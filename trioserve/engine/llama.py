@@ -359,12 +359,8 @@ class LlamaWeights:
             int8 = projection == "int8" or (projection == "auto" and mode != "float")
             if int8 and not can_quantize:
                 raise ModelError("an 8-bit vocabulary projection runs on the CPU in bfloat16 only")
-            proj: Linear = pack(lm_head)
-            error = 0.0
-            if int8:
-                proj = int8_weight(lm_head.float(), pack)
-                if isinstance(proj, QuantizedWeight):
-                    error = projection_error(proj)
+            proj = int8_weight(lm_head, pack) if int8 else pack(lm_head)
+            error = projection_error(proj) if isinstance(proj, QuantizedWeight) else 0.0
             return cls(
                 embed=embed,
                 layers=layers,
