@@ -470,10 +470,8 @@ def _spans(
         n = r1 - r0
         views = None
         if consecutive:
-            # Two views per pass instead of several per layer.
-            k = cache.n_kv_heads
-            window = cache.kv[:, run[0] : run[0] + n, :, :length]
-            views = list(zip(window[:, :, :k].unbind(0), window[:, :, k:].unbind(0), strict=True))
+            # Made once per pass instead of by every layer.
+            views = cache.window(run[0], n, length)
         spans.append(
             _Span(
                 rows=slice(r0, r1),
