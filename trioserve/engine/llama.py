@@ -388,8 +388,8 @@ def projection_error(w: QuantizedWeight) -> float:
     independent uniform errors its standard deviation is at most
     ``max(scale) * |h| / sqrt(12)``, and six of those are taken (a logit
     further off than that has a probability under 1e-8; measured on the
-    embedded model the largest error over 49,152 logits and 1,000 positions
-    was 2.9 of them)."""
+    embedded model, the largest error over all 49,152 logits of 338
+    positions of three texts was 3.0 of them)."""
     return 6.0 * float(w.scales.float().amax()) / math.sqrt(12.0)
 
 
@@ -629,8 +629,8 @@ def logits(weights: LlamaWeights, hidden: Tensor) -> Tensor:
     handful of dot products, far cheaper than a float32 vocabulary projection,
     and the choices that matter become exact. An 8-bit projection widens the
     margin by twice its weights' error bound (:func:`projection_error`), so
-    that the greedy choice is the bfloat16 path's (about 15 candidates a row
-    on the embedded model).
+    that the greedy choice is the bfloat16 path's (5 to 17 candidates a row
+    on the embedded model's test texts).
     """
     projection = weights.lm_head if weights.projection is None else weights.projection
     out = linear(hidden, projection).float()  # [B, V]
