@@ -292,8 +292,9 @@ def run(results: list[dict[str, Any]], *, say: Callable[[str], None], rounds: in
             }
         )
 
-    row("1 stream decode", "single", "tok/s", ">= 1.0")
-    row(f"{STREAMS} streams aggregate", "streams", "tok/s", ">= 2.0")
+    if rounds:  # --rounds 0 measures memory alone
+        row("1 stream decode", "single", "tok/s", ">= 1.0")
+        row(f"{STREAMS} streams aggregate", "streams", "tok/s", ">= 2.0")
     row(
         f"peak RSS, {STREAMS} requests of {RSS_PROMPT} prompt + {RSS_NEW} generated tokens",
         "rss_peak",
@@ -337,7 +338,7 @@ def markdown(results: Sequence[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="speed rounds (0: memory alone)")
     args = parser.parse_args(argv)
     results: list[dict[str, Any]] = []
     run(results, say=lambda line: print(line, file=sys.stderr, flush=True), rounds=args.rounds)
