@@ -507,8 +507,8 @@ def _give_back_freed_memory() -> None:
     """Return the heap that loading freed to the OS (glibc's ``malloc_trim``).
 
     Reading, quantizing and packing the weights frees hundreds of MB of
-    temporaries; glibc keeps much of it, as much as 150 MB from one load to
-    the next (measured: 481 and 628 MB resident after two identical loads),
+    temporaries; glibc keeps much of it, as much as 140 MiB from one load to
+    the next (measured: 470 and 613 MiB resident after two identical loads),
     and the process's RSS with it. Elsewhere than glibc this does nothing.
     """
     try:
