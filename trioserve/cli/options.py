@@ -16,7 +16,7 @@ from typing import Any, Final, Literal
 
 import attrs
 
-from ..engine import EngineOptions
+from ..engine import VOCAB_PROJECTIONS, EngineOptions
 from ..engine.base import WEIGHT_MODES
 from ..logs import LOG_FORMATS, LOG_LEVELS
 from ..server import ServerConfig
@@ -333,6 +333,15 @@ OPTIONS: Final[tuple[Option, ...]] = (
         "int8 (per channel)",
         E,
         choices=WEIGHT_MODES,
+    ),
+    Option(
+        "vocab_projection",
+        MODEL,
+        "cpu engine: what the last matmul (hidden state to logits) runs on: auto (int8 when the "
+        "linear layers are quantized, else bfloat16), bfloat16, or int8 (half the bytes; the "
+        "candidates near the best are recomputed in float32, so greedy text is unchanged)",
+        E,
+        choices=VOCAB_PROJECTIONS,
     ),
     Option(
         "prefix_cache_mib",
