@@ -106,9 +106,22 @@ def bench(session: nox.Session) -> None:
     ``nox -s bench -- --llama-cpp [args]`` first builds and installs
     llama-cpp-python (without its dependencies' unpinned extras, so no torch
     is pulled) for the engine bench's side-by-side llama.cpp column.
+    ``--llama-server`` first builds llama.cpp's ``llama-server`` from the same
+    release's sdist, with the same instruction sets, into
+    ``~/.cache/trioserve-llama-server/`` (once; about 10 minutes on 2 cores)
+    for the comparison of the two servers (tests/bench/server_vs_llama.py).
     """
     install_project(session, "test", "bench")
     args = list(session.posargs)
+    if "--llama-server" in args:
+        args.remove("--llama-server")
+        session.run(
+            "python",
+            "-m",
+            "tests.bench.llama_server",
+            "build",
+            env={"TRIOSERVE_LLAMA_CPP_CMAKE_ARGS": LLAMA_CPP_CMAKE_ARGS},
+        )
     if "--llama-cpp" in args:
         args.remove("--llama-cpp")
         session.install("numpy", "typing-extensions", "diskcache", "jinja2")

@@ -172,6 +172,8 @@ def test_environment_sets_every_option_and_the_command_line_wins() -> None:
         "device": ("cuda:1", "cuda:1"),
         "threads": ("3", 3),
         "weights": ("int8", "int8"),
+        "tool_call_format": ("mistral", "mistral"),
+        "vocab_projection": ("bfloat16", "bfloat16"),
         "prefix_cache_mib": ("0", 0),
         "prefill_share": ("0.25", 0.25),
         "context_length": ("512", 512),

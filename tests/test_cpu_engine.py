@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -789,12 +790,18 @@ def test_mirostat_keeps_the_surprise_near_tau(
     free = sampled_surprises(model, prompt, 96, WARM, seed=1)
     # The model's own surprise is far from the target...
     assert sum(free) / len(free) > 2.8
-    for tau, seed in ((2.0, 1), (3.0, 2)):
+    for tau in (2.0, 3.0):
         miro = attrs.evolve(WARM, mirostat=True, mirostat_tau=tau, mirostat_eta=0.3)
-        surprises = sampled_surprises(model, prompt, 96, miro, seed=seed)
-        # ...mirostat brings it there (about 0.1 bit below tau over 96 tokens,
-        # while mu settles).
-        assert abs(sum(surprises) / len(surprises) - tau) < 0.3, (tau, seed)
+        # ...mirostat brings it there, on average over runs: about 0.1 bit
+        # below tau at 2 and 0.19 below at 3 over 96 tokens, while mu settles.
+        # One run's mean varies by about 0.12 bit (standard deviation over 32
+        # seeds, either vocabulary projection), so a single seed is a coin
+        # toss at the edge; three are not.
+        means = [
+            statistics.mean(sampled_surprises(model, prompt, 96, miro, seed=seed))
+            for seed in (1, 2, 3)
+        ]
+        assert abs(statistics.mean(means) - tau) < 0.3, (tau, means)
 
 
 @pytest.mark.slow

@@ -225,7 +225,12 @@ def test_cache_grows_in_blocks_and_gives_memory_back() -> None:
     assert (cache.slots, cache.length) == (1, 256)
     cache.fit(3, 257)
     assert (cache.slots, cache.length) == (3, 512)
-    cache.k[:, 0, :, :5] = 7.0
+    data = torch.full((CONFIG.n_layers, 2 * CONFIG.n_kv_heads, 5, CONFIG.head_dim), 7.0)
+    cache.write(0, 0, data)
+    cache.fit(4, 600)  # grows layer by layer, keeping every slot's contents
+    assert (cache.slots, cache.length) == (4, 768)
+    assert torch.equal(cache.read(0, 0, 5), data)
+    assert bool((cache.k[:, 0, :, :5] == 7.0).all())
     cache.fit(1, 20)  # the long jobs left
     assert (cache.slots, cache.length) == (1, 256)
     assert bool((cache.k[:, 0, :, :5] == 7.0).all())
@@ -324,7 +329,7 @@ def test_packed_bfloat16_weights_give_the_plain_results_bit_for_bit() -> None:
         ],
         norm=unpacked.norm,
         lm_head=embed,
-        lm_head_packed=pack(embed),
+        projection=pack(embed),
     )
     if not as_tensor(packed.layers[0].wqkv).is_mkldnn:
         pytest.skip("this torch build does not pack weights (no exact oneDNN kernel)")

@@ -193,3 +193,16 @@ def test_openmetrics_when_the_scraper_asks() -> None:
     assert shutdown.value == 1
     # A plain scraper (curl, an old Prometheus) gets the text format.
     assert metrics.render("*/*")[1].startswith("text/plain")
+
+
+def test_constraints_are_counted_by_kind_and_outcome() -> None:
+    metrics = Metrics(process=False)
+    metrics.constraint("json_schema", "compiled", 0.004)
+    metrics.constraint("json_schema", "cached")
+    metrics.constraint("regex", "refused", 0.002)
+    metrics.constraint("bogus", "weird")  # unknown labels are bounded, not new series
+    assert value(metrics, "trioserve_constraints_total", kind="json_schema", outcome="cached") == 1
+    assert value(metrics, "trioserve_constraints_total", kind="regex", outcome="refused") == 1
+    assert value(metrics, "trioserve_constraints_total", kind="other", outcome="other") == 1
+    # A cache hit compiles nothing: three observations of the four requests.
+    assert value(metrics, "trioserve_constraint_compile_seconds_count") == 3

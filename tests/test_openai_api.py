@@ -251,8 +251,10 @@ def test_bad_completion_fields_name_their_param(fields: dict[str, Any], param: s
         ([{"role": "user", "content": "x"}] * 4097, "messages"),
         (["hi"], "messages[0]"),
         ([{"role": "robot", "content": "x"}], "messages[0].role"),
-        ([{"role": "tool", "content": "x", "tool_call_id": "1"}], "messages[0].role"),
-        ([{"role": "tool", "content": "x"}], "messages[0].role"),
+        # A tool result needs the call it answers, and says which.
+        ([{"role": "tool", "content": "x", "tool_call_id": "1"}], "messages[0].tool_call_id"),
+        ([{"role": "tool", "content": "x"}], "messages[0].tool_call_id"),
+        ([{"role": "function", "content": "x", "name": "f"}], "messages[0].name"),
         ([{"role": "user"}], "messages[0].content"),
         ([{"role": "user", "content": 5}], "messages[0].content"),
         (
@@ -267,7 +269,28 @@ def test_bad_completion_fields_name_their_param(fields: dict[str, Any], param: s
         ([{"role": "user", "content": "x", "colour": "red"}], "messages[0].colour"),
         (
             [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}],
-            "messages[0].tool_calls",
+            "messages[0].tool_calls[0].function",
+        ),
+        (
+            [{"role": "assistant", "content": None, "tool_calls": [{"id": 5}]}],
+            "messages[0].tool_calls[0].id",
+        ),
+        (
+            [
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": "a",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "{}"},
+                        }
+                    ],
+                },
+                {"role": "tool", "content": "1", "tool_call_id": "a"},
+                {"role": "tool", "content": "2", "tool_call_id": "a"},
+            ],
+            "messages[2].tool_call_id",
         ),
     ],
 )
@@ -314,8 +337,6 @@ def test_fields_that_ask_for_nothing_are_accepted(fields: dict[str, Any]) -> Non
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
         ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"audio": {"voice": "alloy"}}, "audio"),

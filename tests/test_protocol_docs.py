@@ -235,6 +235,36 @@ def checker(kind: str) -> tuple[Checker, list[Any]]:
         return (
             lambda v: isinstance(v, list) and 1 <= len(v) <= most and all(map(message, v))
         ), edges
+    if found := re.fullmatch(r"string of (\d+) to (\d+) characters", kind):
+        least, most = int(found[1]), int(found[2])
+        edges = ["x" * least, "x" * most, "x" * (most + 1), "", 5, None, ["x"]]
+        if least:
+            edges.append("x" * (least - 1))
+        return (lambda v: isinstance(v, str) and least <= len(v) <= most), edges
+    if found := re.fullmatch(r"list of (\d+) to (\d+) strings of 1 to (\d+) characters", kind):
+        least, most, chars = int(found[1]), int(found[2]), int(found[3])
+        edges = [[], ["x"], [""], ["x" * chars], ["x" * (chars + 1)], ["a"] * most]
+        edges += [["a"] * (most + 1), "x", [1], [None]]
+        return (
+            lambda v: (
+                isinstance(v, list)
+                and least <= len(v) <= most
+                and all(isinstance(s, str) and 1 <= len(s) <= chars for s in v)
+            )
+        ), edges
+    if found := re.fullmatch(r"object of at most (\d+) bytes as compact json", kind):
+        most = int(found[1])
+        edges = [
+            {},
+            {"type": "object"},
+            {"x": "y" * (most - 10)},
+            {"x": "y" * (most - 7)},
+            {"x": "y" * (most - 6)},
+            [],
+            "{}",
+            None,
+        ]
+        return (lambda v: isinstance(v, dict) and json_bytes(v) <= most), edges
     raise AssertionError(f"the doc's type {kind!r} has no reading here")
 
 

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from .helpers import raw_client, running_server
+from .http_helpers import get
 from .serverproc import open_server_process
 
 if TYPE_CHECKING:
@@ -97,6 +98,10 @@ async def test_every_kind_over_the_websocket(cpu_engine: CpuEngine, stream: bool
                 assert final["stop_reason"] == "eos", final
                 assert final["eos_reason"] in ("constraint", "stop_token")
                 assert _valid(kind, value, text), (kind, text)
+        scrape = (await get(listening.port, "/metrics")).body.decode()
+        # Each distinct constraint was compiled at most once and then served
+        # from the cache (the engine is shared by the module's tests).
+        assert 'trioserve_constraints_total{kind="grammar",outcome="cached"}' in scrape
 
 
 async def test_limits_and_stops_work_as_without_a_constraint(cpu_engine: CpuEngine) -> None:

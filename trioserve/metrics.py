@@ -74,6 +74,10 @@ OUTCOMES: Final = (
 )
 #: Why a job was cancelled before it finished.
 CANCEL_CAUSES: Final = ("stop", "disconnect", "shutdown")
+#: Structured output: the constraint kinds, and how a request's constraint
+#: was had (``compiled``, ``cached``) or not (``refused``: it does not compile).
+CONSTRAINT_KINDS: Final = ("json_schema", "regex", "choice", "grammar")
+CONSTRAINT_OUTCOMES: Final = ("compiled", "cached", "refused")
 #: Connection kinds on the one port.
 PROTOCOLS: Final = ("http", "websocket")
 #: Why a WebSocket handshake was refused.
@@ -248,6 +252,20 @@ class Metrics:
             namespace=ns,
             registry=r,
         )
+        self._constraints = Counter(
+            "constraints",
+            "Requests with a constraint, by kind and by how it was compiled.",
+            ("kind", "outcome"),
+            namespace=ns,
+            registry=r,
+        )
+        self._constraint_compile = Histogram(
+            "constraint_compile_seconds",
+            "Time to compile a constraint (cache misses), in a worker thread.",
+            namespace=ns,
+            registry=r,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+        )
         self._cancellations = Counter(
             "cancellations",
             "Jobs cancelled before they finished, by cause.",
@@ -350,6 +368,15 @@ class Metrics:
         gap = max(seconds, 0.0) / count
         for _ in range(count):
             self._itl.observe(gap)
+
+    def constraint(self, kind: str, outcome: str, seconds: float = 0.0) -> None:
+        """A request's constraint of ``kind`` was ``compiled`` (in ``seconds``),
+        found ``cached``, or ``refused``."""
+        self._constraints.labels(
+            _pick(kind, CONSTRAINT_KINDS), _pick(outcome, CONSTRAINT_OUTCOMES)
+        ).inc()
+        if outcome != "cached":
+            self._constraint_compile.observe(max(seconds, 0.0))
 
     def queue_wait(self, seconds: float) -> None:
         """A job left the queue for the engine after ``seconds``."""

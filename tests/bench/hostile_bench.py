@@ -343,6 +343,30 @@ async def attack_flood(server: ServerProcess, state: AttackState, facts: dict[st
             await trio.sleep(0.1)
 
 
+#: Hostile constraints (issue 18), sent one after another: an automaton that
+#: explodes, sampled nearly uniformly among what it allows (temperature
+#: 1000, no filters: the walk that costs the most masks); 64 KiB of grammar
+#: rules; a 10,000-entry enum; a schema nested 30 deep.
+HOSTILE_CONSTRAINTS: tuple[dict[str, Any], ...] = (
+    {"regex": "(a|aa)*" * 50 + "b{1000}"},
+    {"json_schema": {"type": "string", "pattern": "(x+x+)+y"}},
+    {"grammar": "\n".join(f'r{i} ::= "w{i}"' for i in range(3000)) + "\nroot ::= r0 | r2999"},
+    {"json_schema": {"enum": list(range(10**4, 2 * 10**4))}},
+)
+
+
+async def attack_constraints(
+    server: ServerProcess, state: AttackState, facts: dict[str, Any]
+) -> None:
+    frames = [
+        json.dumps(infer(PROMPT, 128, temperature=1000.0, top_k=0, top_p=1.0, seed=n, **constraint))
+        for n, constraint in enumerate(HOSTILE_CONSTRAINTS)
+    ]
+    async with trio.open_nursery() as nursery:
+        for frame in frames:
+            nursery.start_soon(_send_and_wait, server, state, frame)
+
+
 async def attack_idle(server: ServerProcess, state: AttackState, facts: dict[str, Any]) -> None:
     """Nothing to do while the round runs: the idle connections are opened (by
     a client subprocess, for the file descriptors) before it starts."""
@@ -356,6 +380,7 @@ ATTACKS: dict[str, Attack] = {
     "non_reader": attack_non_reader,
     "flood": attack_flood,
     "idle": attack_idle,
+    "constraints": attack_constraints,
 }
 
 

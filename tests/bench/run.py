@@ -10,6 +10,7 @@ top of the output. Progress goes to stderr, the tables to stdout.
     python tests/bench/run.py --only server    # one part
     python tests/bench/run.py --only hostile   # the hostile-client bench (docs/reliability.md)
     python tests/bench/run.py --only constraints  # structured output's cost (docs/performance.md)
+    python tests/bench/run.py --only llama-server  # trioserve against llama.cpp's llama-server
 """
 
 from __future__ import annotations
@@ -32,12 +33,18 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import trio  # noqa: E402
 
-from tests.bench import constraint_bench, engine_bench, hostile_bench, server_bench  # noqa: E402
+from tests.bench import (  # noqa: E402
+    constraint_bench,
+    engine_bench,
+    hostile_bench,
+    server_bench,
+    server_vs_llama,
+)
 from trioserve.engine.cpu import DTYPES, CpuEngine  # noqa: E402
 from trioserve.engine.models import default_model_dir  # noqa: E402
 from trioserve.generation.engine_thread import open_engine_thread  # noqa: E402
 
-PARTS = ("engine", "server", "hostile", "constraints")
+PARTS = ("engine", "server", "hostile", "constraints", "llama-server")
 
 
 def cpu_model() -> str:
@@ -169,6 +176,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         constraint_bench.run(constraint_results, say=say)
         print("\n## Structured output\n")
         print(constraint_bench.markdown(constraint_results))
+    if "llama-server" in parts:
+        say("trioserve against llama-server (skipped, saying why, without the binary)")
+        versus: list[dict[str, Any]] = []
+        server_vs_llama.run(versus, say=say)
+        print("\n## Against llama-server\n")
+        print(server_vs_llama.markdown(versus))
     total = time.perf_counter() - begun
     print(f"\nLoad average at the end: {load_average()}; total {total:.0f} s.")
     return 0

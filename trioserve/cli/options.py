@@ -16,7 +16,7 @@ from typing import Any, Final, Literal
 
 import attrs
 
-from ..engine import EngineOptions
+from ..engine import VOCAB_PROJECTIONS, EngineOptions
 from ..engine.base import WEIGHT_MODES
 from ..logs import LOG_FORMATS, LOG_LEVELS
 from ..server import ServerConfig
@@ -318,6 +318,14 @@ OPTIONS: Final[tuple[Option, ...]] = (
     ),
     Option("device", MODEL, "cpu engine: torch device, cpu or cuda[:N]", E, metavar="DEVICE"),
     Option(
+        "tool_call_format",
+        MODEL,
+        "how the model writes tool calls: auto (from its chat template; Hermes when the template"
+        " has no tools), hermes, llama3 or mistral",
+        S,
+        choices=("auto", "hermes", "llama3", "mistral"),
+    ),
+    Option(
         "weights",
         MODEL,
         "cpu engine: what the linear layers run on: auto (the model's own 4-bit weights where "
@@ -325,6 +333,15 @@ OPTIONS: Final[tuple[Option, ...]] = (
         "int8 (per channel)",
         E,
         choices=WEIGHT_MODES,
+    ),
+    Option(
+        "vocab_projection",
+        MODEL,
+        "cpu engine: what the last matmul (hidden state to logits) runs on: auto (int8 when the "
+        "linear layers are quantized, else bfloat16), bfloat16, or int8 (half the bytes; the "
+        "candidates near the best are recomputed in float32, so greedy text is unchanged)",
+        E,
+        choices=VOCAB_PROJECTIONS,
     ),
     Option(
         "prefix_cache_mib",

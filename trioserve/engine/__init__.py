@@ -28,6 +28,7 @@ from .base import (
 
 __all__ = [
     "ENGINE_NAMES",
+    "VOCAB_PROJECTIONS",
     "Engine",
     "EngineInfo",
     "EngineOptions",
@@ -46,6 +47,9 @@ log = logging.getLogger("trioserve.engine")
 EngineName = Literal["auto", "cpu", "exllamav2"]
 ENGINE_NAMES: tuple[EngineName, ...] = ("auto", "cpu", "exllamav2")
 CACHE_TYPES = ("fp16", "q4", "q6", "q8")
+#: What the CPU engine's vocabulary projection may run on (as
+#: trioserve.engine.llama.PROJECTIONS, without importing torch here).
+VOCAB_PROJECTIONS = ("auto", "bfloat16", "int8")
 
 
 @attrs.frozen(kw_only=True)
@@ -70,6 +74,10 @@ class EngineOptions:
     #: 4-bit weights where it has them and the kernel is exact enough, else
     #: bfloat16), ``float`` (the dtype), ``q4`` or ``int8``.
     weights: str = "auto"
+    #: CPU engine: what the vocabulary projection runs on: ``auto`` (8 bits
+    #: per weight when the linear layers are quantized, else bfloat16),
+    #: ``bfloat16`` or ``int8``.
+    vocab_projection: str = "auto"
     #: CPU engine: memory for the prefix cache of finished prompts, in MiB
     #: (0 turns it off).
     prefix_cache_mib: int = 128
@@ -94,6 +102,11 @@ class EngineOptions:
             raise ConfigError(f"max batch must be >= 1, got {self.max_batch!r}")
         if self.weights not in WEIGHT_MODES:
             raise ConfigError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
+        if self.vocab_projection not in VOCAB_PROJECTIONS:
+            raise ConfigError(
+                f"vocab projection must be one of {VOCAB_PROJECTIONS},"
+                f" got {self.vocab_projection!r}"
+            )
         if not 0.0 < self.prefill_share <= 1.0:
             raise ConfigError(f"prefill share must be > 0 and <= 1, got {self.prefill_share!r}")
         if self.prefix_cache_mib < 0:
@@ -143,6 +156,7 @@ def load_engine(options: EngineOptions) -> Engine:
             weights=options.weights,
             prefix_cache_bytes=options.prefix_cache_mib * 2**20,
             prefill_share=options.prefill_share,
+            projection=options.vocab_projection,
         )
     from .exllamav2 import ExLlamaV2Engine, probe_exllamav2
 

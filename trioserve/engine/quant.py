@@ -155,16 +155,27 @@ def q4_weight(q: Tensor, d: Tensor, m: Tensor, pack: Callable[[Tensor], Tensor])
     return QuantizedWeight("q4", data, scales, n, k, Q4_GROUP)
 
 
+#: Rows quantized at a time by :func:`int8_weight`: its float32 temporaries
+#: stay a few MiB instead of several copies of the whole weight (a 49,152-row
+#: vocabulary projection would otherwise add ~450 MB to the load's peak).
+_INT8_ROWS = 2048
+
+
 def int8_weight(w: Tensor, pack: Callable[[Tensor], Tensor]) -> Linear:
-    """Float [N, K] -> 8 bits per weight, one scale per output row (rounded to
-    bfloat16 first, so that the kernel's scale is the one the weights were
-    rounded with)."""
+    """Float [N, K] (any float dtype) -> 8 bits per weight, one scale per
+    output row (rounded to bfloat16 first, so that the kernel's scale is the
+    one the weights were rounded with); quantized in blocks of rows."""
     n, k = w.shape
     if not _int8_works(n, k):
         return pack(w.to(torch.bfloat16))
-    scale = (w.abs().amax(dim=1) / 127).clamp_(min=1e-30).to(torch.bfloat16)
-    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-    return QuantizedWeight("int8", q.contiguous(), scale, n, k)
+    q = torch.empty(n, k, dtype=torch.int8, device=w.device)
+    scale = torch.empty(n, dtype=torch.bfloat16, device=w.device)
+    for start in range(0, n, _INT8_ROWS):
+        rows = w[start : start + _INT8_ROWS].to(torch.float32, copy=True)
+        s = (rows.abs().amax(dim=1) / 127).clamp_(min=1e-30).to(torch.bfloat16)
+        scale[start : start + _INT8_ROWS] = s
+        q[start : start + _INT8_ROWS] = rows.div_(s.float()[:, None]).round_().clamp_(-127, 127)
+    return QuantizedWeight("int8", q, scale, n, k)
 
 
 def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> Tensor:
@@ -252,12 +263,21 @@ def _q4_works(n: int, k: int, group: int) -> bool:
     return close and rows_agree
 
 
+_INT8_PROBE_ROWS = 4096
+
+
 @functools.cache
 def _int8_works(n: int, k: int) -> bool:
+    """As :func:`_q4_works`, for the 8-bit kernel. Output rows past a few
+    thousand run the same code as the first ones: a taller weight (a
+    vocabulary projection) is probed at 4,096 rows plus its tail, not whole
+    (its float32 reference alone would add about 500 MB to the load's peak)."""
     if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
         return False
+    if n > _INT8_PROBE_ROWS:
+        return _int8_works(_INT8_PROBE_ROWS + n % 64, k)
     g = torch.Generator().manual_seed(n * 37 + k)
-    q = torch.randint(-127, 128, (n, k), generator=g).to(torch.int8)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scale = (torch.rand(n, generator=g) * 0.01 + 0.001).bfloat16()
     x = torch.randn(max(_PROBE_ROWS), k, generator=g).to(torch.bfloat16)
     try:

@@ -20,14 +20,13 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 
 import attrs
 import trio
 
 from trioserve.chat_template import ChatTemplate, ChatTemplateError
 from trioserve.engine.base import (
-    Engine,
     EngineInfo,
     Failed,
     Finished,
@@ -36,10 +35,13 @@ from trioserve.engine.base import (
     TextUpdate,
     TokenLogprob,
 )
-from trioserve.engine.constraint import Constraint, ConstraintError
+from trioserve.engine.constraint import Constraint
 from trioserve.errors import TrioserveError
 
+from .constraining import ConstraintRefused, compile_constraint, tools_constraint
 from .scheduler import Job, QueueFull, Scheduler, SchedulerClosed
+from .tokenizing import Tokenizing
+from .tools import ToolFormat, ToolUse, format_for, prompt_messages, takes_tools
 
 if TYPE_CHECKING:  # llguidance and torch load with the engine, not with this module
     from trioserve.engine.grammars import CompiledGrammar, Grammars
@@ -60,10 +62,6 @@ __all__ = [
     "tail_chars",
     "trim_prompt",
 ]
-
-#: Texts (or message lists) longer than this many characters are tokenized
-#: (rendered) in a worker thread rather than on the event loop.
-INLINE_CHARS: Final = 2048
 
 
 class InvalidGeneration(TrioserveError):
@@ -137,6 +135,8 @@ class GenerationRequest:
     token_healing: bool = False
     #: The output must match this (at most one constraint per request).
     constraint: Constraint | None = None
+    #: The tools the model may call (chat only).
+    tools: ToolUse | None = None
     #: Each generated token's log probability with this many alternatives.
     logprobs: int | None = None
     #: Each prompt token's, with this many; ``max_new_tokens`` may then be 0.
@@ -223,6 +223,19 @@ def check_request(
             raise InvalidGeneration(
                 "token_healing cannot be used with a constraint: it would let the first token"
                 " bypass it",
+                "token_healing",
+            )
+    tools = request.tools
+    if tools is not None and tools.calls_allowed:
+        if "grammar" not in info.constraints:
+            raise InvalidGeneration(
+                f"the {info.engine} engine cannot constrain tool calls (it enforces no grammars)",
+                "tools",
+            )
+        if request.token_healing:
+            raise InvalidGeneration(
+                "token_healing cannot be used with tools: it would let the first token bypass"
+                " the calls' grammar",
                 "token_healing",
             )
 
@@ -322,39 +335,6 @@ def build_spec(
 # Off the event loop
 
 
-class Tokenizing:
-    """Runs an engine's tokenizer and the chat template for the event loop:
-    short inputs inline (a few microseconds), long ones in a worker thread of
-    its own limiter, so that neither ever takes a thread the engine or
-    anything else needs. The engine's tokenizer releases the GIL on long
-    texts, so the event loop keeps running meanwhile."""
-
-    def __init__(
-        self, engine: Engine, *, inline_chars: int = INLINE_CHARS, threads: int = 1
-    ) -> None:
-        self.engine = engine
-        self.inline_chars = inline_chars
-        self.limiter = trio.CapacityLimiter(threads)
-
-    async def encode(self, text: str) -> list[int]:
-        if len(text) <= self.inline_chars:
-            return self.engine.encode(text)
-        return await trio.to_thread.run_sync(self.engine.encode, text, limiter=self.limiter)
-
-    async def decode(self, ids: list[int]) -> str:
-        if len(ids) <= self.inline_chars // 4:
-            return self.engine.decode(ids)
-        return await trio.to_thread.run_sync(self.engine.decode, ids, limiter=self.limiter)
-
-    async def render(self, template: ChatTemplate, messages: Sequence[Mapping[str, Any]]) -> str:
-        """``messages`` through ``template``; raises :class:`ChatTemplateError`."""
-        listed = [dict(m) for m in messages]
-        size = sum(len(str(m.get("content") or "")) for m in listed)
-        if size <= self.inline_chars:
-            return template.render(listed)
-        return await trio.to_thread.run_sync(template.render, listed, limiter=self.limiter)
-
-
 # --------------------------------------------------------------------------
 # Generations: one per server
 
@@ -368,6 +348,8 @@ class GenerationObserver(Protocol):
     def first_token(self, seconds: float, *, api: str) -> None: ...
 
     def tokens(self, seconds: float, count: int = 1) -> None: ...
+
+    def constraint(self, kind: str, outcome: str, seconds: float = 0.0) -> None: ...
 
 
 @attrs.define(eq=False)
@@ -395,6 +377,9 @@ class Generations:
     #: Grammars compile in worker threads of their own limiter: one at a
     #: time, so that a burst of hostile schemas takes one core at most.
     compiling: trio.CapacityLimiter = attrs.field(factory=lambda: trio.CapacityLimiter(1))
+    #: How tool calls are written: ``auto`` (from the chat template) or a
+    #: format of :data:`~trioserve.generation.tools.TOOL_FORMATS`.
+    tool_call_format: str = "auto"
     _in_flight: collections.Counter[Hashable] = attrs.field(factory=collections.Counter, init=False)
 
     @property
@@ -497,6 +482,8 @@ class Generation:
     ended_at: float | None = None
     #: Called with each piece of released text; the door sets it.
     on_text: Callable[[str], None] = attrs.field(default=lambda _text: None, repr=False)
+    #: How the model writes tool calls, when the request lets it call tools.
+    tool_format: ToolFormat | None = None
     _prompt_ids: list[int] = attrs.field(factory=list, init=False, repr=False)
     _max_new_tokens: int = attrs.field(default=0, init=False, repr=False)
     _closed: bool = attrs.field(default=False, init=False, repr=False)
@@ -555,10 +542,27 @@ class Generation:
         self.interrupt()
 
     async def _compile(self) -> CompiledGrammar | None:
-        """The request's constraint compiled for the model: from the cache,
-        or in a worker thread (never on the event loop or the engine
-        thread). Raises :class:`InvalidGeneration` naming the field."""
-        constraint = self.request.constraint
+        """The request's constraint (or its tools') compiled for the model,
+        off the event loop (:mod:`.constraining`). Raises
+        :class:`InvalidGeneration` naming the field."""
+        request = self.request
+        constraint = request.constraint
+        tools = request.tools
+        if tools is not None and tools.calls_allowed:
+            if constraint is not None:
+                raise InvalidGeneration(
+                    "give tools or a constraint on the answer, not both",
+                    "constraint",
+                    wire_name=constraint.field,
+                )
+            fmt = self.tool_format = format_for(
+                None
+                if self.generations.chat_template is None
+                else self.generations.chat_template.source,
+                self.generations.tool_call_format,
+            )
+            special = len(await self.generations.tokenizing.encode(fmt.trigger)) == 1
+            constraint = tools_constraint(tools, fmt, special_trigger=special)
         grammars = self.generations.grammars
         if constraint is None:
             return None
@@ -566,19 +570,16 @@ class Generation:
             raise InvalidGeneration(
                 "this engine does not enforce constraints", "constraint", wire_name=constraint.field
             )
-        compiled = grammars.cached(constraint)
-        if compiled is not None:
-            return compiled
         try:
-            return await trio.to_thread.run_sync(
-                grammars.compile, constraint, limiter=self.generations.compiling
+            return await compile_constraint(
+                constraint,
+                grammars=grammars,
+                limiter=self.generations.compiling,
+                observer=self.generations.observer,
+                tools=tools if constraint.field == "tools" else None,
             )
-        except ConstraintError as exc:
-            raise InvalidGeneration(
-                f"the {constraint.kind.replace('_', ' ')} cannot be used: {exc}",
-                "constraint",
-                wire_name=constraint.field,
-            ) from None
+        except ConstraintRefused as exc:
+            raise InvalidGeneration(exc.message, exc.field, wire_name=exc.wire_name) from None
 
     async def _prepare(self) -> None:
         """Render, tokenize and fit: protocol.md 3.4."""
@@ -593,8 +594,10 @@ class Generation:
             if request.messages is not None:
                 template = generations.chat_template
                 assert template is not None  # check_request refused it otherwise
+                native = takes_tools(template.source)
+                messages, tools = prompt_messages(request.messages, request.tools, native=native)
                 try:
-                    prompt = await tokenizing.render(template, request.messages)
+                    prompt = await tokenizing.render(template, messages, tools=tools)
                 except ChatTemplateError as exc:
                     raise InvalidGeneration(
                         str(exc), "messages", code="chat_template_error"

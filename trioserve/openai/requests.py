@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from typing import Any, Final, Literal, TypeAlias
+from typing import Any, Final, TypeAlias
 
 import attrs
 import cattrs
@@ -53,6 +53,7 @@ from cattrs.gen import make_dict_structure_fn, override
 
 from trioserve.engine.base import Range, SamplingSettings
 from trioserve.engine.constraint import Constraint
+from trioserve.generation.tools import ToolUse
 from trioserve.protocol._fields import MAX_TOKEN_ID, BadValue, Rule, as_int
 from trioserve.protocol._json import STRICT_DECODER
 
@@ -68,6 +69,12 @@ from .fields import (
     _rule,
 )
 from .logprobs import LogprobsAsked, read_chat_logprobs, read_completion_logprobs
+from .messages import ChatMessage, messages_rule
+from .params import UNSUPPORTED
+from .params import BadParam as _BadParam
+from .params import is_text as _text
+from .params import show as _show
+from .tools import TOOL_PARAMS, read_tools
 
 DEFAULT_LIMITS: Final = OpenAILimits()
 
@@ -90,23 +97,6 @@ COMPLETIONS_MAX_TOKENS: Final = 16
 
 # --------------------------------------------------------------------------
 # Requests
-
-
-@attrs.frozen
-class ChatMessage:
-    """One message of a chat, as the chat template sees it. ``developer``
-    messages arrive as ``system`` (templates know that role); multi-part text
-    content is joined with newlines."""
-
-    role: Literal["system", "user", "assistant"]
-    content: str
-    name: str | None = None
-
-    def as_template_input(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"role": self.role, "content": self.content}
-        if self.name is not None:
-            out["name"] = self.name
-        return out
 
 
 @attrs.frozen(kw_only=True)
@@ -164,6 +154,8 @@ class ChatCompletionRequest(_Generation):
     """``POST /v1/chat/completions``: messages for the model's chat template."""
 
     messages: tuple[ChatMessage, ...]
+    #: The tools the model may call, and how (:mod:`trioserve.openai.tools`).
+    tools: ToolUse | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.as_template_input() for m in self.messages]
@@ -173,29 +165,10 @@ class ChatCompletionRequest(_Generation):
 # Parsing: strict JSON, then fields
 
 
-UNSUPPORTED: Final = "unsupported_parameter"
-#: Where :func:`_preprocess` puts a body's constraint fields (not a field name).
+#: Where :func:`_preprocess` puts a body's constraint and tool fields (not
+#: field names).
 _CONSTRAINTS: Final = " constraints"
-#: Content part types of other models (images, audio, files): unsupported,
-#: not malformed.
-_MEDIA_PARTS: Final = frozenset({"image_url", "input_audio", "file", "audio", "image"})
-
-
-class _BadParam(ValueError):
-    """A field broke its rule; carries the OpenAI ``param`` path."""
-
-    def __init__(self, param: str, message: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-        self.message = message
-        #: ``unsupported_parameter`` for a feature this server does not
-        #: implement (docs/openai.md, "Refused unless they ask for nothing").
-        self.code = code
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+_TOOLS: Final = " tools"
 
 
 def _parse_body(body: bytes) -> dict[str, Any]:
@@ -218,20 +191,6 @@ def _parse_body(body: bytes) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise _invalid("the request body must be a json object", None)
     return obj
-
-
-def _text(value: Any) -> bool:
-    """A str that is valid Unicode (json's ``\\udXXX`` escapes can make lone
-    surrogates, which no tokenizer takes and no reply can carry)."""
-    if not isinstance(value, str):
-        return False
-    if value.isascii():
-        return True
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 _Hook: TypeAlias = Callable[[Any, Any], Any]
@@ -337,103 +296,6 @@ def _prompt_hook(value: Any, _: Any) -> str | tuple[int, ...]:
     )
 
 
-def _messages_rule(limits: OpenAILimits) -> _Hook:
-    def hook(value: Any, _: Any) -> tuple[ChatMessage, ...]:
-        if not isinstance(value, list) or not value:
-            raise _BadParam(
-                "messages", f"messages must be a non-empty list of messages, got {_show(value)}"
-            )
-        if len(value) > limits.max_messages:
-            raise _BadParam(
-                "messages",
-                f"messages may hold at most {limits.max_messages} messages, got {len(value)}",
-            )
-        return tuple(_message(item, f"messages[{i}]", limits) for i, item in enumerate(value))
-
-    return hook
-
-
-_MESSAGE_KEYS: Final = frozenset(
-    {"role", "content", "name", "tool_calls", "function_call", "refusal", "audio"}
-)
-
-
-def _message(obj: Any, path: str, limits: OpenAILimits) -> ChatMessage:
-    if not isinstance(obj, dict):
-        raise _BadParam(path, f"{path} must be an object with role and content, got {_show(obj)}")
-    role = obj.get("role")
-    if role in ("tool", "function"):
-        # Before the unknown-field check: a tool message's tool_call_id is
-        # OpenAI's, and the answer is that tool calls are not supported.
-        raise _BadParam(
-            f"{path}.role", f"{path}.role {role!r}: tool calls are not supported", UNSUPPORTED
-        )
-    for key in obj:
-        if key not in _MESSAGE_KEYS:
-            raise _BadParam(f"{path}.{key}", f"unknown field {_show(key)} in {path}")
-    if role == "developer":
-        role = "system"
-    if role not in ("system", "user", "assistant"):
-        raise _BadParam(
-            f"{path}.role",
-            f"{path}.role must be one of system, developer, user, assistant; got {_show(role)}",
-        )
-    for key in ("tool_calls", "function_call", "audio"):
-        if obj.get(key) not in (None, []):
-            raise _BadParam(
-                f"{path}.{key}",
-                f"{path}.{key}: tool calls and audio are not supported",
-                UNSUPPORTED,
-            )
-    name = obj.get("name")
-    if name is not None and (not _text(name) or len(name) > limits.max_name_chars):
-        raise _BadParam(
-            f"{path}.name",
-            f"{path}.name must be a string of at most {limits.max_name_chars} characters, "
-            f"got {_show(name)}",
-        )
-    content = _content(obj.get("content"), f"{path}.content", role, limits)
-    return ChatMessage(role=role, content=content, name=name)
-
-
-def _content(value: Any, path: str, role: str, limits: OpenAILimits) -> str:
-    if value is None:
-        if role == "assistant":
-            return ""  # an assistant turn that carried only a refusal or tool calls
-        raise _BadParam(path, f"{path} is required")
-    if isinstance(value, str):
-        if not _text(value):
-            raise _BadParam(path, f"{path} is not valid unicode (it holds a lone surrogate)")
-        return value
-    if not isinstance(value, list):
-        raise _BadParam(
-            path, f"{path} must be a string or a list of text parts, got {_show(value)}"
-        )
-    if len(value) > limits.max_content_parts:
-        raise _BadParam(path, f"{path} may hold at most {limits.max_content_parts} parts")
-    texts: list[str] = []
-    for index, part in enumerate(value):
-        where = f"{path}[{index}]"
-        if not isinstance(part, dict):
-            raise _BadParam(where, f"{where} must be an object, got {_show(part)}")
-        kind = part.get("type")
-        if kind != "text":
-            raise _BadParam(
-                f"{where}.type",
-                f"{where}.type must be 'text' (this model reads text only), got {_show(kind)}",
-                UNSUPPORTED if kind in _MEDIA_PARTS else None,
-            )
-        extra = set(part) - {"type", "text"}
-        if extra:
-            key = sorted(extra)[0]
-            raise _BadParam(f"{where}.{key}", f"unknown field {_show(key)} in {where}")
-        text = part.get("text")
-        if not isinstance(text, str) or not _text(text):
-            raise _BadParam(f"{where}.text", f"{where}.text must be a string, got {_show(text)}")
-        texts.append(text)
-    return "\n".join(texts)
-
-
 def _harmless(accepted: Callable[[Any], bool], why: str) -> Callable[[str, Any], None]:
     def check(name: str, value: Any) -> None:
         if not accepted(value):
@@ -451,14 +313,6 @@ def _none_or(*values: Any) -> Callable[[Any], bool]:
 _REFUSED: Final[Mapping[str, Callable[[str, Any], None]]] = {
     "n": _harmless(_none_or(1), "must be 1: this server generates one choice per request"),
     "best_of": _harmless(_none_or(1), "must be 1: this server generates one choice per request"),
-    "tools": _harmless(_none_or([]), "is not supported: tool calls are not implemented"),
-    "functions": _harmless(_none_or([]), "is not supported: function calls are not implemented"),
-    "tool_choice": _harmless(
-        _none_or("none", "auto"), "must be 'none' or 'auto': tool calls are not implemented"
-    ),
-    "function_call": _harmless(
-        _none_or("none", "auto"), "must be 'none' or 'auto': function calls are not implemented"
-    ),
     "suffix": _harmless(_none_or(""), "is not supported: insertion is not implemented"),
     "modalities": _harmless(
         _none_or(["text"]), "must be ['text']: this model reads and writes text only"
@@ -476,7 +330,6 @@ _IGNORED: Final = frozenset(
         "metadata",
         "store",
         "service_tier",
-        "parallel_tool_calls",
         "prompt_cache_key",
         "prompt_cache_options",
         "prompt_cache_retention",
@@ -601,6 +454,9 @@ def _preprocess(obj: dict[str, Any], fields: frozenset[str]) -> dict[str, Any]:
         if key in CONSTRAINT_PARAMS:
             payload.setdefault(_CONSTRAINTS, {})[key] = value
             continue
+        if key in TOOL_PARAMS:
+            payload.setdefault(_TOOLS, {})[key] = value
+            continue
         if key in _ALIASES:
             target = _alias(obj, key)
             if target is None:
@@ -672,7 +528,7 @@ def _parsers(limits: OpenAILimits) -> _Parsers:
             chat=_structure_fn(
                 ChatCompletionRequest,
                 limits,
-                {"messages": override(struct_hook=_messages_rule(limits))},
+                {"messages": override(struct_hook=messages_rule(limits))},
             ),
         )
         if len(_parsers_cache) < 16:
@@ -711,6 +567,8 @@ def parse_completion_request(
     asked = read_completion_logprobs(obj)
     payload = _preprocess(obj, _FIELDS_COMMON | {"prompt", "echo"})
     constraint = read_constraint(payload.pop(_CONSTRAINTS, {}))
+    if _read_tools(payload.pop(_TOOLS, {})) is not None:
+        raise _invalid("tools are for /v1/chat/completions", "tools", UNSUPPORTED)
     request: CompletionRequest = _structure(payload, _parsers(limits).completion, "prompt")
     max_tokens = 0 if asked.score_only else request.max_tokens
     return attrs.evolve(request, constraint=constraint, logprobs=asked, max_tokens=max_tokens)
@@ -723,5 +581,13 @@ def parse_chat_request(body: bytes, limits: OpenAILimits = DEFAULT_LIMITS) -> Ch
     asked = read_chat_logprobs(obj)
     payload = _preprocess(obj, _FIELDS_COMMON | {"messages"})
     constraint = read_constraint(payload.pop(_CONSTRAINTS, {}))
+    tools = _read_tools(payload.pop(_TOOLS, {}))
     request: ChatCompletionRequest = _structure(payload, _parsers(limits).chat, "messages")
-    return attrs.evolve(request, constraint=constraint, logprobs=asked)
+    return attrs.evolve(request, constraint=constraint, tools=tools, logprobs=asked)
+
+
+def _read_tools(fields: dict[str, Any]) -> ToolUse | None:
+    try:
+        return read_tools(fields)
+    except _BadParam as exc:
+        raise _invalid(exc.message, exc.param, exc.code) from None

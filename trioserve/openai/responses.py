@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final, Literal, TypeAlias
 
 import attrs
 
 from trioserve.engine.base import Finished
+from trioserve.generation.tools import ToolCall
 
 from .errors import OpenAIError
 
@@ -27,9 +28,10 @@ __all__ = [
     "models_response",
     "new_id",
     "sse_event",
+    "tool_call_json",
 ]
 
-FinishReason: TypeAlias = Literal["stop", "length"]
+FinishReason: TypeAlias = Literal["stop", "length", "tool_calls"]
 
 #: The end of every stream.
 SSE_DONE: Final = b"data: [DONE]\n\n"
@@ -103,9 +105,18 @@ def chat_completion_response(
     content: str,
     finish_reason: FinishReason,
     usage: TokenUsage,
+    tool_calls: Sequence[ToolCall] = (),
     logprobs: dict[str, Any] | None = None,
 ) -> bytes:
-    """The body of a whole ``/v1/chat/completions`` answer."""
+    """The body of a whole ``/v1/chat/completions`` answer (``content`` is
+    null when the answer is tool calls alone, as OpenAI writes it)."""
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": content if content or not tool_calls else None,
+        "refusal": None,
+    }
+    if tool_calls:
+        message["tool_calls"] = [tool_call_json(call) for call in tool_calls]
     return _dumps(
         {
             "id": id,
@@ -115,7 +126,7 @@ def chat_completion_response(
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": content, "refusal": None},
+                    "message": message,
                     "logprobs": logprobs,
                     "finish_reason": finish_reason,
                 }
@@ -218,6 +229,28 @@ class ChatCompletionStream(_Stream):
         choice = {"index": 0, "delta": {"content": text}, "logprobs": logprobs}
         return sse_event(self._chunk("chat.completion.chunk", [{**choice, "finish_reason": None}]))
 
+    def tool_call(self, index: int, *, id: str = "", name: str = "", arguments: str = "") -> bytes:
+        """A piece of tool call ``index``: its first chunk carries the id,
+        type and name (and no arguments yet), the next ones arguments only."""
+        call: dict[str, Any] = {"index": index}
+        if id:
+            call.update(id=id, type="function", function={"name": name, "arguments": ""})
+        else:
+            call["function"] = {"arguments": arguments}
+        return sse_event(
+            self._chunk(
+                "chat.completion.chunk",
+                [
+                    {
+                        "index": 0,
+                        "delta": {"tool_calls": [call]},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            )
+        )
+
     def finish(
         self,
         reason: FinishReason,
@@ -228,6 +261,15 @@ class ChatCompletionStream(_Stream):
         delta = {"content": text} if text else {}
         last = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]
         return self._end("chat.completion.chunk", last, usage)
+
+
+def tool_call_json(call: ToolCall) -> dict[str, Any]:
+    """A tool call as OpenAI writes it in a message."""
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
 
 
 def model_object(

@@ -58,10 +58,11 @@ def from_infer(request: p.InferRequest) -> GenerationRequest:
 def from_openai(request: oa.CompletionRequest | oa.ChatCompletionRequest) -> GenerationRequest:
     """The generation of an OpenAI completion or chat completion."""
     text = ""
-    prompt_ids = messages = None
+    prompt_ids = messages = tools = None
     default = scored = None
     if isinstance(request, oa.ChatCompletionRequest):
         messages = tuple(request.template_messages())
+        tools = request.tools
     else:
         default = oa.COMPLETIONS_MAX_TOKENS
         # echo with logprobs: the prompt's tokens come with theirs.
@@ -83,6 +84,7 @@ def from_openai(request: oa.CompletionRequest | oa.ChatCompletionRequest) -> Gen
         banned_ids=request.bann_bann,
         token_healing=request.token_healing,
         constraint=request.constraint,
+        tools=tools,
         logprobs=request.logprobs.top,
         prompt_logprobs=scored,
     )

@@ -29,6 +29,14 @@ from trioserve import openai as oa
 from trioserve._version import __version__
 from trioserve.engine.base import TokenLogprob
 from trioserve.generation import Generation, Generations, InvalidGeneration, Overloaded
+from trioserve.generation.tools import (
+    CallArguments,
+    CallStart,
+    Content,
+    ToolCallReader,
+    ToolEvent,
+    ToolFormat,
+)
 from trioserve.metrics import Metrics
 
 from . import access
@@ -348,13 +356,22 @@ class _Reply:
         reason = oa.finish_reason(finished)
         name = self.routes.model_name
         if self.chat:
+            content, calls = generation.response, []
+            if generation.tool_format is not None:
+                reader = ToolCallReader(generation.tool_format)
+                events = reader.feed(content) + reader.finish()
+                content = "".join(e.text for e in events if isinstance(e, Content))
+                calls = reader.calls
+                if calls and reason == "stop":
+                    reason = "tool_calls"
             body = oa.chat_completion_response(
                 id=self.id,
                 created=self.created,
                 model=name,
-                content=generation.response,
+                content=content,
                 finish_reason=reason,
                 usage=self._usage(),
+                tool_calls=calls,
                 logprobs=self._logprobs(generation.logprobs),
             )
         else:
@@ -404,6 +421,7 @@ class _Reply:
                     await out.send(stream.start())
                 if self.echo:
                     await out.send(stream.text(self.echo))
+                calls = _CallEvents(stream, generation.tool_format)
                 while True:
                     await wake.wait()
                     wake = trio.Event()
@@ -413,17 +431,22 @@ class _Reply:
                     new = generation.logprobs[entries:]
                     if not ended:
                         if text:
-                            entries += len(new)
-                            await out.send(stream.text(text, self._logprobs(new)))
+                            # With a tool-call reader the text is split into content and
+                            # calls: the entries then go with the last chunk.
+                            logprobs = None if calls.reader is not None else self._logprobs(new)
+                            entries += 0 if logprobs is None else len(new)
+                            await out.send(calls.text(text, logprobs))
                         continue
                     if generation.finished is not None:
                         self._end(self._outcome())
                         reason = oa.finish_reason(generation.finished)
-                        logprobs = self._logprobs(new)
-                        await out.send(stream.finish(reason, self._usage(), text, logprobs))
+                        events = calls.text(text) + calls.finish()
+                        if calls.made and reason == "stop":
+                            reason = "tool_calls"
+                        rest = self._logprobs(generation.logprobs[entries:])
+                        await out.send(events + stream.finish(reason, self._usage(), "", rest))
                     else:
-                        if text:
-                            await out.send(stream.text(text, self._logprobs(new)))
+                        await out.send(calls.text(text) + calls.finish())
                         await out.send(stream.error(self._failure()))
                     return
         finally:
@@ -439,3 +462,42 @@ class _Reply:
         generation.close()
         if abandoned and not self.done:
             self._end("interrupted")
+
+
+@attrs.define
+class _CallEvents:
+    """A stream's released text as events: content as it is, or, when the
+    request lets the model call tools, content and tool calls apart (no call
+    marker reaches the content; a call's arguments stream in pieces)."""
+
+    stream: oa.ChatCompletionStream | oa.CompletionStream
+    fmt: ToolFormat | None
+    reader: ToolCallReader | None = None
+    made: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.fmt is not None and isinstance(self.stream, oa.ChatCompletionStream):
+            self.reader = ToolCallReader(self.fmt)
+
+    def text(self, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
+        if self.reader is None:
+            return self.stream.text(text, logprobs) if text else b""
+        return self._events(self.reader.feed(text)) if text else b""
+
+    def finish(self) -> bytes:
+        return b"" if self.reader is None else self._events(self.reader.finish())
+
+    def _events(self, events: list[ToolEvent]) -> bytes:
+        stream = self.stream
+        assert isinstance(stream, oa.ChatCompletionStream)
+        out = b""
+        for event in events:
+            if isinstance(event, Content):
+                if event.text:
+                    out += stream.text(event.text)
+            elif isinstance(event, CallStart):
+                self.made = True
+                out += stream.tool_call(event.index, id=event.id, name=event.name)
+            elif isinstance(event, CallArguments):
+                out += stream.tool_call(event.index, arguments=event.text)
+        return out

@@ -35,6 +35,7 @@ from trioserve.errors import ConfigError, ListenError, TrioserveError
 from trioserve.generation import Generations, Tokenizing
 from trioserve.generation.engine_thread import EngineThread, open_loaded_engine
 from trioserve.generation.scheduler import Scheduler, SchedulerStatistics, StepRecord
+from trioserve.generation.tools import TOOL_FORMATS
 from trioserve.metrics import Metrics
 
 from .connection import Connection, ConnectionServices, ConnectionSettings
@@ -124,6 +125,9 @@ class ServerConfig:
     shutdown_grace: float = 10.0
     #: Log prompts in the per-request log lines (off: prompts are private).
     log_prompts: bool = False
+    #: How the model writes tool calls: ``auto`` (from its chat template) or
+    #: one of ``hermes``, ``llama3``, ``mistral`` (docs/openai.md, "Tool calls").
+    tool_call_format: str = "auto"
 
     def __attrs_post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -132,6 +136,11 @@ class ServerConfig:
             raise ConfigError(f"max message bytes must be > 0, got {self.max_message_bytes!r}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ConfigError(f"max new tokens must be >= 1, got {self.max_new_tokens!r}")
+        if self.tool_call_format not in ("auto", *TOOL_FORMATS):
+            raise ConfigError(
+                f"tool call format must be auto or one of {', '.join(TOOL_FORMATS)},"
+                f" got {self.tool_call_format!r}"
+            )
         if self.max_running_per_client is not None and self.max_running_per_client < 1:
             raise ConfigError(
                 f"max running per client must be >= 1, got {self.max_running_per_client!r}"
@@ -260,6 +269,7 @@ class Server:
             is_draining=lambda: self._draining,
             max_requests_per_client=config.max_requests_per_client,
             grammars=engine.grammars if isinstance(engine, ConstrainedEngine) else None,
+            tool_call_format=config.tool_call_format,
         )
         self.identity = ClientIdentity(
             keyed=config.api_key is not None,
