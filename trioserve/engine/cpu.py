@@ -46,7 +46,13 @@ from trioserve.engine.base import (
     Update,
 )
 from trioserve.engine.constraint import CONSTRAINT_KINDS
-from trioserve.engine.cpu_jobs import CpuJob, sample_jobs, score_prompt, spec_problem, start_job
+from trioserve.engine.cpu_jobs import (
+    CpuJob,
+    prefill_chunk,
+    sample_jobs,
+    spec_problem,
+    start_job,
+)
 from trioserve.engine.grammars import Grammars, MaskRows
 from trioserve.engine.logprobs import TokenTexts
 from trioserve.engine.models import DEFAULT_MODEL_NAME, default_model_dir
@@ -364,8 +370,7 @@ class CpuEngine:
                 rows.extend(decoding)
                 row_hidden.append(out)
         if rows:
-            hidden = torch.cat(row_hidden)
-            updates.extend(self._sample(weights, rows, llama.logits(weights, hidden), hidden))
+            updates.extend(self._sample(weights, rows, torch.cat(row_hidden)))
         self._prefill_balance = plan.balance_after(
             self._prefill_balance,
             self.prefill_share,
@@ -424,29 +429,16 @@ class CpuEngine:
         row_hidden: list[Tensor] = []
         for chunk in chunks:
             job = jobs[chunk.job]
-            scored = job.spec.prompt_logprobs is not None
             try:
-                hidden = llama.forward(
-                    weights,
-                    self._config,
-                    self._cache,
-                    self._rope,
-                    torch.tensor([job.prompt[chunk.start : chunk.end]], device=self._device),
-                    torch.arange(chunk.start, chunk.end, device=self._device)[None],
-                    torch.tensor([job.slot], device=self._device),
-                    every_position=scored,
-                )
-                if scored:
-                    score_prompt(job, hidden[0], chunk.start, chunk.end, weights, self._texts)
-                    hidden = hidden[:, -1]
+                where = (self._config, self._cache, self._rope, self._device)
+                hidden = prefill_chunk(weights, *where, job, chunk.start, chunk.end, self._texts)
             except RuntimeError as exc:
                 log.exception("prefill of job %s failed", job.spec.job_id)
                 updates.append(self._fail(job, f"the engine failed during prefill: {exc}"))
                 continue
             job.cached = chunk.end
             if chunk.completes and job.spec.max_new_tokens == 0:
-                # Only scored: the job ends with its prompt's entries.
-                updates.append(job.finish_scored())
+                updates.append(job.finish_scored())  # only scored: no token to sample
                 self._keep_prefix(job)
                 self._free(job)
             elif chunk.completes:
@@ -478,18 +470,16 @@ class CpuEngine:
             job.cached += 1
         return out
 
-    def _sample(
-        self, weights: llama.LlamaWeights, rows: list[CpuJob], logits: Tensor, hidden: Tensor
-    ) -> list[Update]:
+    def _sample(self, w: llama.LlamaWeights, rows: list[CpuJob], hidden: Tensor) -> list[Update]:
         updates: list[Update] = []
         outcomes = sample_jobs(
             rows,
-            logits,
+            llama.logits(w, hidden),
             self._xtc_mask,
             vocab=self._config.vocab_size,
             device=self._device,
             masks=self._masks,
-            exact=lambda index, ids: llama.exact_logits(weights, hidden[index], ids),
+            exact=lambda index, ids: llama.exact_logits(w, hidden[index], ids),
         )
         for job, outcome, raw in outcomes:
             if isinstance(outcome, str):

@@ -49,6 +49,7 @@ from trioserve.engine.tokenizer import Tokenizer
 
 __all__ = [
     "CpuJob",
+    "prefill_chunk",
     "sample_jobs",
     "score_prompt",
     "spec_problem",
@@ -183,6 +184,37 @@ class CpuJob:
             logprobs=entries,
             prompt_logprobs=tuple(self.prompt_entries),
         )
+
+
+def prefill_chunk(
+    weights: llama.LlamaWeights,
+    config: llama.LlamaConfig,
+    cache: llama.KVCache,
+    rope: tuple[Tensor, Tensor],
+    device: torch.device,
+    job: CpuJob,
+    start: int,
+    end: int,
+    texts: TokenTexts,
+) -> Tensor:
+    """Run the job's prompt positions ``start`` to ``end`` into its slot; the
+    hidden state of the last one (``[1, D]``). A job that asks for its
+    prompt's log probabilities gets the entries of these positions' tokens."""
+    scored = job.spec.prompt_logprobs is not None
+    hidden = llama.forward(
+        weights,
+        config,
+        cache,
+        rope,
+        torch.tensor([job.prompt[start:end]], device=device),
+        torch.arange(start, end, device=device)[None],
+        torch.tensor([job.slot], device=device),
+        every_position=scored,
+    )
+    if not scored:
+        return hidden
+    score_prompt(job, hidden[0], start, end, weights, texts)
+    return hidden[:, -1]
 
 
 def score_prompt(
