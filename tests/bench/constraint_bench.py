@@ -6,6 +6,10 @@ The engine alone (no server), the embedded model, greedy:
   same prompt unconstrained, for 1 stream and 8 streams, the two sides
   alternating within each round (which goes first alternating between rounds),
   ratios per round and their median;
+* the same comparison step by step: two engines, one running the constrained
+  jobs and one the plain ones, stepped alternately (which first alternating),
+  and the median of the per-step time ratios (robust to a machine whose load
+  changes from second to second);
 * the mask's CPU time per step (p50, p99), replayed over the constrained
   outputs' own tokens, so the figure is the work the engine did;
 * compile times of schemas, a regex and a grammar (cache misses).
@@ -143,6 +147,15 @@ def run(results: list[dict[str, Any]], *, say: Callable[[str], None] = print) ->
                 "goal": ">= 0.9",
             }
         )
+    for streams in STREAMS:
+        ratio, low, high, steps = _interleaved(engine, compiled, streams)
+        results.append(
+            {
+                "metric": f"the same, step by step (interleaved engines), {streams} stream(s)",
+                "value": f"{ratio:.3f}x (quartiles {low:.3f} to {high:.3f}) over {steps} steps",
+                "goal": ">= 0.9",
+            }
+        )
     # The masks the constrained jobs needed, replayed over their own tokens.
     masks = MaskRows(engine.info.vocab_size, 1)
     times: list[float] = []
@@ -185,6 +198,56 @@ def run(results: list[dict[str, Any]], *, say: Callable[[str], None] = print) ->
         }
     )
     engine.close()
+
+
+def _interleaved(
+    constrained: CpuEngine, compiled: Any, streams: int, steps: int = 120
+) -> tuple[float, float, float, int]:
+    """Plain step time / constrained step time, per pair of steps taken one
+    after the other (the order alternating), over the steps where every job
+    of both engines decodes: the median and the quartiles."""
+    plain = CpuEngine.load(max_batch=max(STREAMS), prefix_cache_bytes=0)
+    eos = frozenset(constrained.info.eos_token_ids)
+    new = steps + 8
+    a_specs = [
+        GenerationSpec(
+            10_000 + i,
+            _prompt(constrained, 900 + i),
+            new,
+            sampling=GREEDY,
+            stop_token_ids=eos,
+            constraint=compiled,
+        )
+        for i in range(streams)
+    ]
+    b_specs = [
+        GenerationSpec(20_000 + i, _prompt(plain, 900 + i), new, sampling=GREEDY)
+        for i in range(streams)
+    ]
+    # Prefill both, outside the timing.
+    for engine, specs in ((constrained, a_specs), (plain, b_specs)):
+        engine.step(specs, [])
+        engine.step([], [])
+    ratios: list[float] = []
+    for i in range(steps):
+        order = (
+            [(constrained, "a"), (plain, "b")] if i % 2 == 0 else [(plain, "b"), (constrained, "a")]
+        )
+        took: dict[str, float] = {}
+        ended = False
+        for engine, side in order:
+            started = time.perf_counter()
+            updates = engine.step([], [])
+            took[side] = time.perf_counter() - started
+            ended = ended or any(not isinstance(u, TextUpdate) for u in updates)
+        if ended:
+            break
+        ratios.append(took["b"] / took["a"])
+    for engine, specs in ((constrained, a_specs), (plain, b_specs)):
+        engine.step([], [s.job_id for s in specs])
+    plain.close()
+    quartiles = statistics.quantiles(ratios, n=4)
+    return _median(ratios), quartiles[0], quartiles[2], len(ratios)
 
 
 def _timed(grammars: Grammars, constraint: Constraint) -> float:
