@@ -511,3 +511,16 @@ async def _calls(
             return [(names[i], arguments.get(i, "")) for i in sorted(names)], reason
 
         return await trio.to_thread.run_sync(ask)
+
+
+@pytest.mark.parametrize("fmt", sorted(TOOL_FORMATS))
+def test_a_call_cut_short_keeps_only_its_arguments(fmt: str) -> None:
+    form = TOOL_FORMATS[fmt]
+    whole = form.calls_text([CALLS[0]])
+    for cut in range(len(whole) - len(form.end) - len(form.close) - 1, len(whole)):
+        reader = ToolCallReader(form)
+        reader.feed(whole[:cut])
+        reader.finish()
+        (call,) = reader.calls
+        # Never the wrapper's brace or the end marker, even when they are cut.
+        assert call.arguments in ('{"a": 1, "b": 2}', '{"a": 1, "b": 2')

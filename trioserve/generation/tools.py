@@ -402,6 +402,15 @@ class ToolCallReader:
         rest, self._buffer = self._buffer, ""
         if self._head is not None:
             arguments = rest[self._head.end() :]
+            closing = "}" + self.fmt.end
+            try:
+                _, end = json.JSONDecoder().raw_decode(arguments)
+            except ValueError:
+                pass
+            else:
+                if closing.startswith(arguments[end:]):
+                    # The value is whole; what follows is the call's cut closing.
+                    arguments = arguments[:end]
             if len(arguments) > self._sent:
                 events.append(CallArguments(len(self.calls), arguments[self._sent :]))
             call = ToolCall(self._id, self._name, arguments)
