@@ -367,6 +367,20 @@ async def attack_constraints(
             nursery.start_soon(_send_and_wait, server, state, frame)
 
 
+async def attack_hot_sampler(
+    server: ServerProcess, state: AttackState, facts: dict[str, Any]
+) -> None:
+    """The constraints attack's requests without their constraints: what
+    four rows at temperature 1000 with no filters cost by themselves."""
+    frames = [
+        json.dumps(infer(PROMPT, 128, temperature=1000.0, top_k=0, top_p=1.0, seed=n))
+        for n in range(len(HOSTILE_CONSTRAINTS))
+    ]
+    async with trio.open_nursery() as nursery:
+        for frame in frames:
+            nursery.start_soon(_send_and_wait, server, state, frame)
+
+
 async def attack_idle(server: ServerProcess, state: AttackState, facts: dict[str, Any]) -> None:
     """Nothing to do while the round runs: the idle connections are opened (by
     a client subprocess, for the file descriptors) before it starts."""
@@ -381,6 +395,7 @@ ATTACKS: dict[str, Attack] = {
     "flood": attack_flood,
     "idle": attack_idle,
     "constraints": attack_constraints,
+    "hot_sampler": attack_hot_sampler,
 }
 
 
