@@ -592,20 +592,14 @@ def stop_string_setup(request: pytest.FixtureRequest) -> tuple[Any, str, float]:
     return engine, STORY, 4.0
 
 
-@pytest.mark.slow
-async def test_300k_stop_strings_are_refused_or_cost_no_one_else(
-    stop_string_setup: tuple[Any, str, float],
-) -> None:
-    """Issue 8, defect 6: 300 k stop strings were scanned in Python for every
-    token of the shared step (another client fell from 10.8 to 2.3 tok/s),
-    and decoding the frame blocked the loop for 0.8 s. Either answer is
-    right: refused naming ``$.stop_conditions``, or served at a cost that
-    does not cut another client's rate below 0.4 of what it is beside the
-    same request without the stop strings."""
-    engine, prompt, window = stop_string_setup
-    stops = [f"zq{i}x" for i in range(300_000)]
-    benign = infer(prompt, 3000, temperature=0, request_id="benign")
-    attack = {**benign, "stop_conditions": stops, "request_id": "stops"}
+async def victim_beside(
+    engine: Any, prompt: str, window: float, benign: dict[str, Any], attack: dict[str, Any]
+) -> tuple[float, float, float, list[dict[str, Any]]]:
+    """A victim streams ``prompt`` (EOS banned) while another connection sends
+    ``benign``, then ``attack`` (each stopped by its ``request_id``): the
+    victim's chunk rate during each (over ``window`` seconds), the longest
+    wait of an echo probe during the attack, and the frames the attacking
+    connection received before its stop reply."""
     async with serving(engine, max_message_bytes=8 * MiB) as (_, listening):
         async with open_echo_probe(listening.url) as probe, raw_client(listening.url) as victim:
             await victim.send(
@@ -627,17 +621,35 @@ async def test_300k_stop_strings_are_refused_or_cost_no_one_else(
             async with raw_client(listening.url) as other:
                 await other.send(benign)
                 before = await rate()
-                await other.send({"action": "stop", "target": "benign"})
+                await other.send({"action": "stop", "target": benign["request_id"]})
                 await other.until("stop", within=120)
                 probe.reset()
                 await other.send(attack)
                 during = await rate()
                 stall = probe.longest()
-                await other.send({"action": "stop", "target": "stops"})
+                await other.send({"action": "stop", "target": attack["request_id"]})
                 _, frames = await other.until("stop", within=300)
-            (reply,) = frames
             await victim.send({"action": "stop"})
             await victim.until("stop", within=120)
+    return before, during, stall, frames
+
+
+@pytest.mark.slow
+async def test_300k_stop_strings_are_refused_or_cost_no_one_else(
+    stop_string_setup: tuple[Any, str, float],
+) -> None:
+    """Issue 8, defect 6: 300 k stop strings were scanned in Python for every
+    token of the shared step (another client fell from 10.8 to 2.3 tok/s),
+    and decoding the frame blocked the loop for 0.8 s. Either answer is
+    right: refused naming ``$.stop_conditions``, or served at a cost that
+    does not cut another client's rate below 0.4 of what it is beside the
+    same request without the stop strings."""
+    engine, prompt, window = stop_string_setup
+    stops = [f"zq{i}x" for i in range(300_000)]
+    benign = infer(prompt, 3000, temperature=0, request_id="benign")
+    attack = {**benign, "stop_conditions": stops, "request_id": "stops"}
+    before, during, stall, frames = await victim_beside(engine, prompt, window, benign, attack)
+    (reply,) = frames
     assert stall < STALL_BOUND, f"another connection's echo waited {stall:.2f} s"
     if reply["response_type"] == "error":
         assert reply["error"]["type"] == "invalid_request", reply
@@ -1123,36 +1135,8 @@ async def test_hostile_constraints_are_refused_or_bounded(
     attack = infer(
         STORY, 400, temperature=1000.0, top_k=0, top_p=1.0, seed=1, request_id="h", **{kind: value}
     )
-    async with serving(cpu_engine, max_message_bytes=8 * MiB) as (_, listening):
-        async with open_echo_probe(listening.url) as probe, raw_client(listening.url) as victim:
-            await victim.send(
-                infer(STORY, 3000, stream=True, temperature=0, bann_bann=[SMOL_EOS], request_id="v")
-            )
-            await victim.recv(within=120)
-
-            async def rate() -> float:
-                start, count = time.perf_counter(), 0
-                with trio.move_on_after(window):
-                    while True:
-                        frame = await victim.recv(within=120)
-                        assert frame["response_type"] == "chunk", frame
-                        count += 1
-                return count / (time.perf_counter() - start)
-
-            async with raw_client(listening.url) as other:
-                await other.send(benign)
-                before = await rate()
-                await other.send({"action": "stop", "target": "b"})
-                await other.until("stop", within=120)
-                probe.reset()
-                await other.send(attack)
-                during = await rate()
-                stall = probe.longest()
-                await other.send({"action": "stop", "target": "h"})
-                _, frames = await other.until("stop", within=300)
-            (reply,) = [f for f in frames if f.get("request_id") == "h"]
-            await victim.send({"action": "stop"})
-            await victim.until("stop", within=120)
+    before, during, stall, frames = await victim_beside(cpu_engine, STORY, window, benign, attack)
+    (reply,) = [f for f in frames if f.get("request_id") == "h"]
     print(
         f"{kind} {str(value)[:40]!r}: {reply['response_type']}, victim {before:.1f} ->"
         f" {during:.1f} tok/s, echo stall {stall * 1000:.0f} ms"
