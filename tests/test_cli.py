@@ -188,6 +188,7 @@ def test_environment_sets_every_option_and_the_command_line_wins() -> None:
         "max_requests_per_connection": ("2", 2),
         "max_running_per_client": ("3", 3),
         "max_requests_per_client": ("5", 5),
+        "max_n": ("4", 4),
         "trusted_proxies": ("10.0.0.0/8, ::1", ("10.0.0.0/8", "::1")),
         "max_waiting_jobs": ("7", 7),
         "max_output_bytes": ("65536", 65536),

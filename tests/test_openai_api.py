@@ -20,9 +20,11 @@ from trioserve.generation.generation import build_spec as pipeline_build_spec
 from trioserve.generation.generation import check_request, fit_prompt
 from trioserve.openai import (
     SSE_DONE,
+    ChatChoice,
     ChatCompletionRequest,
     ChatCompletionStream,
     ChatMessage,
+    CompletionChoice,
     CompletionRequest,
     CompletionStream,
     OpenAIError,
@@ -210,8 +212,15 @@ def test_null_means_default() -> None:
         ({"bann_bann": [-1]}, "bann_bann[0]"),
         ({"bann_bann": list(range(OpenAILimits().max_banned_ids + 1))}, "bann_bann"),
         ({"model": 5}, "model"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 9}, "n"),
+        ({"n": True}, "n"),
+        ({"n": "2"}, "n"),
+        ({"n": 2.5}, "n"),
+        ({"n": 2**70}, "n"),
         ({"best_of": 3}, "best_of"),
+        ({"n": 2, "best_of": 9}, "best_of"),
+        ({"best_of": 0}, "best_of"),
         ({"logprobs": 6}, "logprobs"),
         ({"logprobs": "5"}, "logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
@@ -483,8 +492,7 @@ def test_completion_response_parses_as_the_sdks_completion() -> None:
         id=new_id("cmpl"),
         created=1700000000,
         model=MODEL.model_name,
-        text=" there",
-        finish_reason="stop",
+        choices=[CompletionChoice(text=" there", finish_reason="stop")],
         usage=USAGE,
     )
     parsed = Completion.model_validate(json.loads(raw))
@@ -507,8 +515,7 @@ def test_chat_completion_response_parses_as_the_sdks_chat_completion() -> None:
         id=new_id("chatcmpl"),
         created=1700000000,
         model=MODEL.model_name,
-        content="Paris.",
-        finish_reason="length",
+        choices=[ChatChoice(content="Paris.", finish_reason="length")],
         usage=USAGE,
     )
     parsed = ChatCompletion.model_validate(json.loads(raw))
@@ -623,3 +630,36 @@ def test_the_doc_table_is_the_declared_one() -> None:
 
     doc = Path(__file__).resolve().parents[1] / "docs" / "openai.md"
     assert field_table() in doc.read_text(encoding="utf-8")
+
+
+# -- every parameter the official SDK sends is known and documented ---------------------
+
+#: The SDK's own transport arguments, not body fields.
+_SDK_TRANSPORT = frozenset({"self", "extra_headers", "extra_query", "extra_body", "timeout"})
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_every_sdk_parameter_is_known_and_documented(route: str) -> None:
+    import inspect
+    from pathlib import Path
+
+    from openai.resources.chat.completions import Completions as ChatResource
+    from openai.resources.completions import Completions as CompletionResource
+
+    resource = ChatResource if route == "chat" else CompletionResource
+    params = [p for p in inspect.signature(resource.create).parameters if p not in _SDK_TRANSPORT]
+    assert len(params) > 15  # the SDK's signature was read, not an empty list
+    doc = (Path(__file__).parents[1] / "docs" / "openai.md").read_text(encoding="utf-8")
+    parse = parse_chat_request if route == "chat" else parse_completion_request
+    base: dict[str, Any] = (
+        {"messages": [{"role": "user", "content": "x"}]} if route == "chat" else {"prompt": "x"}
+    )
+    for param in params:
+        assert f"`{param}`" in doc, f"docs/openai.md does not say what becomes of {param}"
+        # Accepted, ignored, or refused naming it: never an unknown field.
+        code = None
+        try:
+            parse(body(**{**base, param: base.get(param)}))
+        except OpenAIError as exc:
+            code = exc.code
+        assert code != "unknown_parameter", param

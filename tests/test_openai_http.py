@@ -18,8 +18,10 @@ from trioserve.engine.base import EngineInfo
 from trioserve.generation import InvalidGeneration
 from trioserve.generation.generation import check_request, fit_prompt
 from trioserve.openai import (
+    ChatChoice,
     ChatCompletionRequest,
     ChatCompletionStream,
+    CompletionChoice,
     CompletionRequest,
     CompletionStream,
     OpenAIError,
@@ -122,8 +124,7 @@ class Routes:
                 id=new_id("cmpl"),
                 created=self.created,
                 model=MODEL.model_name,
-                text=text,
-                finish_reason=reason,  # type: ignore[arg-type]
+                choices=[CompletionChoice(text=text, finish_reason=reason)],  # type: ignore[arg-type]
                 usage=usage,
             )
             return Response(200, body)
@@ -149,8 +150,7 @@ class Routes:
                 id=new_id("chatcmpl"),
                 created=self.created,
                 model=MODEL.model_name,
-                content="".join(pieces),
-                finish_reason=reason,  # type: ignore[arg-type]
+                choices=[ChatChoice(content="".join(pieces), finish_reason=reason)],  # type: ignore[arg-type]
                 usage=usage,
             )
             return Response(200, body)

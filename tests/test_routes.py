@@ -380,8 +380,8 @@ UNSUPPORTED: list[tuple[str, dict[str, Any], str]] = [
     ("chat", {"logprobs": True}, "logprobs"),
     ("chat", {"logprobs": True, "top_logprobs": 2}, "logprobs"),  # an engine without them
     ("completions", {"logprobs": 2}, "logprobs"),
-    ("chat", {"n": 2}, "n"),
     ("completions", {"best_of": 2}, "best_of"),
+    ("completions", {"n": 2, "best_of": 3}, "best_of"),
     ("completions", {"prompt": ["one", "two"]}, "prompt"),
     ("chat", {"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
     (
@@ -438,7 +438,7 @@ async def test_bad_requests_and_the_key() -> None:
         assert isinstance(error, openai.BadRequestError)
         assert isinstance(error.body, dict) and error.body["param"] == "max_tokens"
         error = await in_thread(
-            lambda: raised(lambda: sdk.completions.create(model="m", prompt="x", n=3))
+            lambda: raised(lambda: sdk.completions.create(model="m", prompt="x", n=9))
         )
         assert isinstance(error, openai.BadRequestError)
         error = await in_thread(lambda: raised(lambda: served.client("nope").models.list()))

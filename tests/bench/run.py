@@ -10,6 +10,7 @@ top of the output. Progress goes to stderr, the tables to stdout.
     python tests/bench/run.py --only server    # one part
     python tests/bench/run.py --only hostile   # the hostile-client bench (docs/reliability.md)
     python tests/bench/run.py --only constraints  # structured output's cost (docs/performance.md)
+    python tests/bench/run.py --only choices   # n choices against n requests (docs/performance.md)
     python tests/bench/run.py --only llama-server  # trioserve against llama.cpp's llama-server
 """
 
@@ -34,6 +35,7 @@ import torch  # noqa: E402
 import trio  # noqa: E402
 
 from tests.bench import (  # noqa: E402
+    choices_bench,
     constraint_bench,
     engine_bench,
     hostile_bench,
@@ -44,7 +46,7 @@ from trioserve.engine.cpu import DTYPES, CpuEngine  # noqa: E402
 from trioserve.engine.models import default_model_dir  # noqa: E402
 from trioserve.generation.engine_thread import open_engine_thread  # noqa: E402
 
-PARTS = ("engine", "server", "hostile", "constraints", "llama-server")
+PARTS = ("engine", "server", "hostile", "constraints", "choices", "llama-server")
 
 
 def cpu_model() -> str:
@@ -176,6 +178,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         constraint_bench.run(constraint_results, say=say)
         print("\n## Structured output\n")
         print(constraint_bench.markdown(constraint_results))
+    if "choices" in parts:
+        say("choices bench")
+        choice_results: list[dict[str, Any]] = []
+        choices_bench.run(choice_results, say=say)
+        print("\n## Several choices\n")
+        print(choices_bench.markdown(choice_results))
     if "llama-server" in parts:
         say("trioserve against llama-server (skipped, saying why, without the binary)")
         versus: list[dict[str, Any]] = []

@@ -454,6 +454,14 @@ OPTIONS: Final[tuple[Option, ...]] = (
         metavar="N",
     ),
     Option(
+        "max_n",
+        LIMITS,
+        "choices one OpenAI request may ask for (n); each is a generation of its client and"
+        " counts against the client's request limit, which caps n too when lower",
+        S,
+        metavar="N",
+    ),
+    Option(
         "max_running_per_client",
         LIMITS,
         "engine slots one client may hold while others wait",

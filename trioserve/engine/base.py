@@ -405,6 +405,11 @@ class GenerationSpec:
     #: with this many alternatives, on :class:`Finished`; None reports none.
     #: With it, ``max_new_tokens`` may be 0: the prompt is only scored.
     prompt_logprobs: int | None = None
+    #: Jobs with the same prompt are about to follow (the choices of one
+    #: request): offer the prompt's keys and values to the prefix cache as
+    #: soon as it is prefilled, not only when the job ends. An engine that
+    #: shares a prompt among running jobs by other means may ignore it.
+    share_prompt: bool = False
 
 
 @attrs.frozen

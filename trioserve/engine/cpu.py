@@ -425,8 +425,7 @@ class CpuEngine:
     ) -> tuple[list[CpuJob], list[Tensor]]:
         """Run the plan's prefill chunks; the jobs whose prompt is done, with
         the hidden state of their last position. A chunk that fails fails its job."""
-        rows: list[CpuJob] = []
-        row_hidden: list[Tensor] = []
+        rows, row_hidden = list[CpuJob](), list[Tensor]()
         for chunk in chunks:
             job = jobs[chunk.job]
             try:
@@ -437,9 +436,10 @@ class CpuEngine:
                 updates.append(self._fail(job, f"the engine failed during prefill: {exc}"))
                 continue
             job.cached = chunk.end
+            if chunk.completes and (job.spec.share_prompt or job.spec.max_new_tokens == 0):
+                self._keep_prefix(job)  # the choices that follow start from it
             if chunk.completes and job.spec.max_new_tokens == 0:
                 updates.append(job.finish_scored())  # only scored: no token to sample
-                self._keep_prefix(job)
                 self._free(job)
             elif chunk.completes:
                 rows.append(job)

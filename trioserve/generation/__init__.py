@@ -5,6 +5,7 @@ fairness and routing), and the :class:`~.engine_thread.EngineThread` that runs
 every torch call. Knows trio and the Engine protocol; no sockets, no wire
 format."""
 
+from .choices import follow_choices, start_choices
 from .engine_thread import EngineThread, EngineThreadClosed, open_engine_thread
 from .generation import (
     Fit,
@@ -35,5 +36,7 @@ __all__ = [
     "SchedulerStatistics",
     "StepRecord",
     "Tokenizing",
+    "follow_choices",
     "open_engine_thread",
+    "start_choices",
 ]

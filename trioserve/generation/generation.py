@@ -12,15 +12,15 @@ answer from the ``Generation`` (text so far, counts, timing, the outcome) and
 decides how to send it; nothing here knows a frame, a socket or a wire format.
 
 The pure part (:func:`check_request`, :func:`fit_prompt`, :func:`build_spec`)
-is separate so it can be tested without trio.
+is in :mod:`.request`, tested without trio.
 """
 
 from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias
 
 import attrs
 import trio
@@ -30,18 +30,26 @@ from trioserve.engine.base import (
     EngineInfo,
     Failed,
     Finished,
-    GenerationSpec,
-    SamplingSettings,
     TextUpdate,
     TokenLogprob,
 )
-from trioserve.engine.constraint import Constraint
-from trioserve.errors import TrioserveError
 
 from .constraining import ConstraintRefused, compile_constraint, tools_constraint
+from .request import (
+    Fit,
+    GenerationRequest,
+    InvalidGeneration,
+    Overloaded,
+    build_spec,
+    check_request,
+    fit_prompt,
+    tail_chars,
+    trim_prompt,
+    with_seed_offset,
+)
 from .scheduler import Job, QueueFull, Scheduler, SchedulerClosed
 from .tokenizing import Tokenizing
-from .tools import ToolFormat, ToolUse, format_for, prompt_messages, takes_tools
+from .tools import ToolFormat, format_for, prompt_messages, takes_tools
 
 if TYPE_CHECKING:  # llguidance and torch load with the engine, not with this module
     from trioserve.engine.grammars import CompiledGrammar, Grammars
@@ -62,277 +70,6 @@ __all__ = [
     "tail_chars",
     "trim_prompt",
 ]
-
-
-class InvalidGeneration(TrioserveError):
-    """The request cannot run on this model; a client's mistake.
-
-    ``field`` is the request's field by its neutral name (``prompt``,
-    ``messages``, ``max_new_tokens``, ``stop_token_ids``, ``banned_ids``,
-    ``logit_bias``, ``constraint``); ``index`` the element of a list field;
-    each door names it in its own wire terms. ``code`` is a machine-readable
-    reason where one helps a client (``context_length_exceeded``,
-    ``no_chat_template``, ``chat_template_error``). ``wire_name`` is the field
-    as the client wrote it, when the request knows it (a constraint's).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        field: str,
-        *,
-        index: int | None = None,
-        code: str | None = None,
-        wire_name: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.field = field
-        self.index = index
-        self.code = code
-        self.wire_name = wire_name
-
-
-class Overloaded(TrioserveError):
-    """No room for the job now (queue full, the client's limit, or the server
-    is shutting down); the client may retry."""
-
-    def __init__(self, message: str, *, draining: bool = False) -> None:
-        super().__init__(message)
-        self.message = message
-        self.draining = draining
-
-
-#: What to do with a prompt that leaves less room than ``max_new_tokens``:
-#: ``trim`` keeps its end (the WebSocket ``infer``, protocol.md 3.4), ``refuse``
-#: answers ``context_length_exceeded`` (OpenAI: a chat must not be answered
-#: as if cut short).
-Fit: TypeAlias = Literal["trim", "refuse"]
-
-
-@attrs.frozen(kw_only=True)
-class GenerationRequest:
-    """What to generate, whatever door asked for it. The prompt is one of
-    ``text`` (with ``custom_bos`` before it), ``messages`` (rendered with the
-    model's chat template) or ``prompt_ids``."""
-
-    text: str = ""
-    custom_bos: str = ""
-    #: A chat as the template reads it (``{"role", "content", ...}`` each).
-    messages: tuple[Mapping[str, Any], ...] | None = None
-    prompt_ids: tuple[int, ...] | None = None
-    #: None: as many as the context leaves, up to the server's cap (and up
-    #: to ``default_max_new_tokens`` when that is set).
-    max_new_tokens: int | None
-    #: The door's default for an absent ``max_new_tokens`` (16 for an OpenAI
-    #: completion): an upper bound, never an error, whatever room is left.
-    default_max_new_tokens: int | None = None
-    fit: Fit = "trim"
-    sampling: SamplingSettings = attrs.field(factory=SamplingSettings)
-    stop_strings: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    banned_ids: tuple[int, ...] = ()
-    token_healing: bool = False
-    #: The output must match this (at most one constraint per request).
-    constraint: Constraint | None = None
-    #: The tools the model may call (chat only).
-    tools: ToolUse | None = None
-    #: Each generated token's log probability with this many alternatives.
-    logprobs: int | None = None
-    #: Each prompt token's, with this many; ``max_new_tokens`` may then be 0.
-    prompt_logprobs: int | None = None
-
-    @property
-    def prompt_field(self) -> str:
-        return "messages" if self.messages is not None else "prompt"
-
-    def describe_prompt(self) -> str:
-        """The prompt as text, for logs (before it is rendered or tokenized)."""
-        if self.messages is not None:
-            return "\n".join(str(m.get("content", "")) for m in self.messages)
-        return self.custom_bos + self.text
-
-
-# --------------------------------------------------------------------------
-# The pure part
-
-
-def check_request(
-    request: GenerationRequest,
-    info: EngineInfo,
-    *,
-    max_new_tokens: int,
-    renders_messages: bool,
-) -> None:
-    """The checks that depend on the model and need no tokenizer (protocol
-    section 3.4): ``max_new_tokens`` within the server's cap, token ids within
-    the vocabulary, ``messages`` only where the model has a chat template.
-    Raises :class:`InvalidGeneration`."""
-    if request.max_new_tokens is not None and request.max_new_tokens > max_new_tokens:
-        raise InvalidGeneration(
-            f"max_new_tokens must be at most {max_new_tokens} for this model (context length "
-            f"{info.context_length}), got {request.max_new_tokens!r}",
-            "max_new_tokens",
-        )
-    vocab = info.vocab_size
-    for field, ids, what in (
-        ("prompt", request.prompt_ids or (), "prompt token ids"),
-        ("stop_token_ids", request.stop_token_ids, "stop token ids"),
-        ("banned_ids", request.banned_ids, "banned token ids"),
-    ):
-        for index, token in enumerate(ids):
-            if not 0 <= token < vocab:
-                raise InvalidGeneration(
-                    f"{what} must be in 0..{vocab - 1}, got {token!r}", field, index=index
-                )
-    for index, (token, _) in enumerate(request.sampling.logit_bias):
-        if not 0 <= token < vocab:
-            raise InvalidGeneration(
-                f"logit_bias keys must be token ids in 0..{vocab - 1}, got {str(token)!r}",
-                "logit_bias",
-                index=index,
-            )
-    if (request.logprobs, request.prompt_logprobs) != (None, None) and not info.logprobs:
-        raise InvalidGeneration(
-            f"the {info.engine} engine does not report log probabilities",
-            "logprobs",
-            code="unsupported_parameter",
-        )
-    if request.max_new_tokens == 0 and request.prompt_logprobs is None:
-        raise InvalidGeneration(
-            "max_new_tokens may be 0 only to score the prompt (with its log probabilities)",
-            "max_new_tokens",
-        )
-    if request.messages is not None and not renders_messages:
-        raise InvalidGeneration(
-            "this model has no chat template to render messages with: send the prompt as text",
-            "messages",
-            code="no_chat_template",
-        )
-    constraint = request.constraint
-    if constraint is not None:
-        if constraint.kind not in info.constraints:
-            supported = ", ".join(info.constraints) or "none"
-            raise InvalidGeneration(
-                f"the {info.engine} engine does not enforce {constraint.kind} constraints"
-                f" (it enforces: {supported})",
-                "constraint",
-                wire_name=constraint.field,
-            )
-        if request.token_healing:
-            raise InvalidGeneration(
-                "token_healing cannot be used with a constraint: it would let the first token"
-                " bypass it",
-                "token_healing",
-            )
-    tools = request.tools
-    if tools is not None and tools.calls_allowed:
-        if "grammar" not in info.constraints:
-            raise InvalidGeneration(
-                f"the {info.engine} engine cannot constrain tool calls (it enforces no grammars)",
-                "tools",
-            )
-        if request.token_healing:
-            raise InvalidGeneration(
-                "token_healing cannot be used with tools: it would let the first token bypass"
-                " the calls' grammar",
-                "token_healing",
-            )
-
-
-def trim_prompt(ids: Sequence[int], keep: int, *, keep_first: bool) -> list[int]:
-    """The last ``keep`` ids of ``ids``; with ``keep_first``, the first id stays
-    in front (the ``customBos`` rule of protocol.md 3.4)."""
-    if len(ids) <= keep:
-        return list(ids)
-    if keep_first:
-        return [ids[0], *ids[len(ids) - (keep - 1) :]] if keep > 1 else [ids[0]]
-    return list(ids[len(ids) - keep :])
-
-
-def fit_prompt(
-    request: GenerationRequest, ids: Sequence[int], info: EngineInfo, *, max_new_tokens: int
-) -> tuple[list[int], int]:
-    """``ids`` fitted to the context for ``request``: the prompt ids (trimmed
-    when the request says so) and the job's ``max_new_tokens`` (the request's,
-    or what the context leaves up to the server's cap ``max_new_tokens``).
-    Raises :class:`InvalidGeneration` for an empty prompt, or one that does
-    not fit and may not be trimmed."""
-    field = request.prompt_field
-    if not ids:
-        raise InvalidGeneration("the prompt must encode to at least one token", field)
-    context = info.context_length
-    if request.max_new_tokens is None:
-        room = context - len(ids)
-        if room < 1 and request.fit == "refuse":
-            raise InvalidGeneration(
-                f"this model's maximum context length is {context} tokens, and the prompt has "
-                f"{len(ids)}: no room is left to generate",
-                field,
-                code="context_length_exceeded",
-            )
-        cap = max_new_tokens
-        if request.default_max_new_tokens is not None:
-            cap = min(cap, request.default_max_new_tokens)
-        new = max(1, min(cap, room))
-    else:
-        new = request.max_new_tokens
-    keep = context - new
-    if len(ids) <= keep:
-        return list(ids), new
-    if request.fit == "refuse":
-        raise InvalidGeneration(
-            f"this model's maximum context length is {context} tokens; the prompt has "
-            f"{len(ids)} and max_new_tokens asks for {new}: reduce one of them",
-            "max_new_tokens" if request.max_new_tokens is not None else field,
-            code="context_length_exceeded",
-        )
-    return trim_prompt(ids, keep, keep_first=bool(request.custom_bos)), new
-
-
-def tail_chars(info: EngineInfo, keep: int) -> int | None:
-    """How many characters at the end of a prompt can matter when it is
-    trimmed to ``keep`` tokens, or None when the engine cannot say.
-
-    One token covers at most ``max_token_chars`` characters, so the last
-    ``keep`` tokens of a text lie within its last ``keep * max_token_chars``
-    characters. A margin of 64 tokens more keeps the tokens near the cut
-    (where tokenizing the tail alone may split a word differently) out of
-    the kept part.
-    """
-    if info.max_token_chars is None:
-        return None
-    return (keep + 64) * max(1, info.max_token_chars)
-
-
-def build_spec(
-    job_id: int,
-    request: GenerationRequest,
-    prompt_ids: Sequence[int],
-    info: EngineInfo,
-    *,
-    max_new_tokens: int,
-    constraint: CompiledGrammar | None = None,
-) -> GenerationSpec:
-    """The engine's job for ``request`` with its fitted prompt ids and
-    ``max_new_tokens`` (:func:`fit_prompt`), and its constraint compiled."""
-    return GenerationSpec(
-        job_id=job_id,
-        prompt_ids=tuple(prompt_ids),
-        max_new_tokens=max_new_tokens,
-        sampling=request.sampling,
-        stop_token_ids=frozenset(info.eos_token_ids) | frozenset(request.stop_token_ids),
-        stop_strings=request.stop_strings,
-        banned_ids=frozenset(request.banned_ids),
-        token_healing=request.token_healing,
-        constraint=constraint,
-        logprobs=request.logprobs,
-        prompt_logprobs=request.prompt_logprobs,
-    )
-
-
-# --------------------------------------------------------------------------
-# Off the event loop
 
 
 # --------------------------------------------------------------------------
@@ -409,23 +146,48 @@ class Generations:
         request (:class:`InvalidGeneration`) and admission
         (:class:`Overloaded`); the generation counts against the client's
         limit until it is :meth:`Generation.close`\\ d."""
+        return self.open_choices(request, 1, client=client, owner=owner, api=api)[0]
+
+    def open_choices(
+        self,
+        request: GenerationRequest,
+        n: int,
+        *,
+        client: Hashable,
+        owner: Hashable | None = None,
+        api: str = "websocket",
+    ) -> list[Generation]:
+        """``n`` generations of one ``request`` (the ``n`` choices of an
+        OpenAI request), as :meth:`open` does one: each counts against the
+        client's limit, so all of them are admitted or none. Choice ``i``
+        samples with the request's seed plus ``i`` (when it has one), so that
+        each choice draws its own stream. Start them with
+        :func:`~trioserve.generation.choices.start_choices`."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n!r}")
         self.check(request)
         if self.is_draining():
             raise Overloaded("the server is shutting down and takes no new requests", draining=True)
-        if self._in_flight[client] >= self.max_requests_per_client:
+        held = self._in_flight[client]
+        if held + n > self.max_requests_per_client:
+            asks = "" if n == 1 else f" and this request asks for {n} choices"
             raise Overloaded(
-                f"this client already has {self._in_flight[client]} requests in flight (the "
-                f"limit is {self.max_requests_per_client}); wait for one to finish"
+                f"this client already has {held} requests in flight{asks} (the limit is "
+                f"{self.max_requests_per_client}); wait for one to finish"
             )
-        self._in_flight[client] += 1
-        return Generation(
-            request=request,
-            generations=self,
-            client=client,
-            owner=owner if owner is not None else client,
-            received=trio.current_time(),
-            api=api,
-        )
+        self._in_flight[client] += n
+        received = trio.current_time()
+        return [
+            Generation(
+                request=request if index == 0 else with_seed_offset(request, index),
+                generations=self,
+                client=client,
+                owner=owner if owner is not None else client,
+                received=received,
+                api=api,
+            )
+            for index in range(n)
+        ]
 
     def in_flight(self, client: Hashable) -> int:
         return self._in_flight[client]
@@ -486,6 +248,7 @@ class Generation:
     tool_format: ToolFormat | None = None
     _prompt_ids: list[int] = attrs.field(factory=list, init=False, repr=False)
     _max_new_tokens: int = attrs.field(default=0, init=False, repr=False)
+    _compiled: CompiledGrammar | None = attrs.field(default=None, init=False, repr=False)
     _closed: bool = attrs.field(default=False, init=False, repr=False)
 
     @property
@@ -499,26 +262,55 @@ class Generation:
         await self.start()
         await self.follow()
 
-    async def start(self) -> None:
-        """Render, tokenize, fit and submit the job. Raises
+    async def start(self, *, share_prompt: bool = False) -> None:
+        """Render, tokenize, fit and submit the job (``share_prompt``: other
+        choices of the request will follow it, :func:`build_spec`). Raises
         :class:`InvalidGeneration` or :class:`Overloaded`; nothing is queued
         then."""
-        generations = self.generations
-        scheduler = generations.scheduler
+        self._check_room()
+        self._compiled = await self._compile()
+        await self._prepare()
+        self._submit(share_prompt=share_prompt)
+
+    def start_like(self, first: Generation) -> None:
+        """Submit the job with ``first``'s prompt, as rendered, tokenized and
+        fitted, and its compiled constraint: the other choices of a request
+        (their own sampling, the same prompt). Raises :class:`Overloaded`."""
+        self._check_room()
+        self.util_text = first.util_text
+        self.prompt_tokens = first.prompt_tokens
+        self.trimmed_tokens = first.trimmed_tokens
+        self.tool_format = first.tool_format
+        self._prompt_ids = first._prompt_ids
+        self._max_new_tokens = first._max_new_tokens
+        self._compiled = first._compiled
+        self._submit(share_prompt=False)
+
+    def settle_unrun(self, first: Generation) -> None:
+        """End a choice that is not run because ``first``, the request's
+        first choice, failed or was interrupted: the same outcome."""
+        assert first.outcome is not None and self.job is None
+        self._settle(first.outcome, failure=first.failure)
+
+    def _check_room(self) -> None:
         # Room first, so a full server does not tokenize megabytes for nothing.
+        scheduler = self.generations.scheduler
         if not scheduler.has_room(self.client):
             raise Overloaded(
                 f"{scheduler.max_waiting} jobs are already waiting for the engine; retry later"
             )
-        compiled = await self._compile()
-        await self._prepare()
+
+    def _submit(self, *, share_prompt: bool) -> None:
+        generations = self.generations
+        scheduler = generations.scheduler
         spec = build_spec(
             scheduler.new_job_id(),
             self.request,
             self._prompt_ids,
             generations.info,
             max_new_tokens=self._max_new_tokens,
-            constraint=compiled,
+            constraint=self._compiled,
+            share_prompt=share_prompt,
         )
         if generations.is_draining():
             raise Overloaded("the server is shutting down and takes no new requests", draining=True)
@@ -533,6 +325,8 @@ class Generation:
 
     async def follow(self) -> None:
         """Read the job's updates until it ends; the outcome says how."""
+        if self.outcome is not None:
+            return  # ended by its first update, or never run (:meth:`settle_unrun`)
         job = self.job
         assert job is not None, "start() first"
         async for update in job.updates:
@@ -540,6 +334,18 @@ class Generation:
                 return
         # The job was cancelled under us (a shutdown past its grace).
         self.interrupt()
+
+    async def first_update(self) -> None:
+        """Wait for the job's first update (its prompt is prefilled by then)
+        and take it; :meth:`follow` reads the rest."""
+        job = self.job
+        assert job is not None, "start() first"
+        try:
+            update = await job.updates.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            self.interrupt()
+            return
+        self._apply(update)
 
     async def _compile(self) -> CompiledGrammar | None:
         """The request's constraint (or its tools') compiled for the model,

@@ -22,7 +22,9 @@ from .requests import (
 )
 from .responses import (
     SSE_DONE,
+    ChatChoice,
     ChatCompletionStream,
+    CompletionChoice,
     CompletionStream,
     FinishReason,
     TokenUsage,
@@ -41,9 +43,11 @@ __all__ = [
     "OPENAI_NAMES",
     "OPENAI_RANGES",
     "SSE_DONE",
+    "ChatChoice",
     "ChatCompletionRequest",
     "ChatCompletionStream",
     "ChatMessage",
+    "CompletionChoice",
     "CompletionRequest",
     "CompletionStream",
     "FinishReason",

@@ -82,6 +82,9 @@ class OpenAILimits:
     max_messages: int = _rule("messages").max_count  # type: ignore[attr-defined]
     max_name_chars: int = 256
     max_content_parts: int = 1024
+    #: Choices one request may ask for (``n``): each is a generation of
+    #: the client, counted against its request limit.
+    max_n: int = 8
 
 
 #: This API's name -> the engine's, for every sampler setting.

@@ -123,6 +123,11 @@ class _Generation:
     constraint: Constraint | None = None
     #: ``logprobs`` / ``top_logprobs`` (:mod:`trioserve.openai.logprobs`).
     logprobs: LogprobsAsked = attrs.field(factory=LogprobsAsked)
+    #: How many choices to generate (at most ``OpenAILimits.max_n``).
+    n: int = 1
+    #: OpenAI's ``best_of``: only ``n`` (or absent) is served; ranking more
+    #: candidates than are returned is not implemented.
+    best_of: int | None = None
 
     def sampling_settings(self) -> SamplingSettings:
         values = {**OPENAI_DEFAULTS, **self.sampler}
@@ -269,6 +274,20 @@ def _ids_rule(name: str, cap: int) -> _Hook:
     return hook
 
 
+def _count_rule(name: str, cap: int, *, default: int | None) -> _Hook:
+    def hook(value: Any, _: Any) -> int | None:
+        if value is None:
+            return default
+        number = as_int(value)
+        if number is None or not 1 <= number <= cap:
+            raise _BadParam(
+                name, f"{name} must be an integer in 1..{cap} on this server, got {_show(value)}"
+            )
+        return number
+
+    return hook
+
+
 def _prompt_hook(value: Any, _: Any) -> str | tuple[int, ...]:
     # A prompt is a string, a list of one string, or token ids (a list of
     # ints, or a list of one such list). Several prompts are a batch, which
@@ -311,8 +330,6 @@ def _none_or(*values: Any) -> Callable[[Any], bool]:
 #: Fields accepted only with a value that asks for nothing; anything else
 #: would change the output in a way this server cannot honour.
 _REFUSED: Final[Mapping[str, Callable[[str, Any], None]]] = {
-    "n": _harmless(_none_or(1), "must be 1: this server generates one choice per request"),
-    "best_of": _harmless(_none_or(1), "must be 1: this server generates one choice per request"),
     "suffix": _harmless(_none_or(""), "is not supported: insertion is not implemented"),
     "modalities": _harmless(
         _none_or(["text"]), "must be ['text']: this model reads and writes text only"
@@ -348,6 +365,8 @@ _FIELDS_COMMON: Final = frozenset(
         "token_healing",
         "bann_bann",
         "stop_token_ids",
+        "n",
+        "best_of",
     }
 )
 
@@ -416,6 +435,8 @@ def _common_hooks(limits: OpenAILimits) -> dict[str, Any]:
             struct_hook=_ids_rule("stop_token_ids", limits.max_stop_token_ids)
         ),
         "sampler": override(struct_hook=_sampler_hook),
+        "n": override(struct_hook=_count_rule("n", limits.max_n, default=1)),
+        "best_of": override(struct_hook=_count_rule("best_of", limits.max_n, default=None)),
     }
 
 
@@ -570,6 +591,7 @@ def parse_completion_request(
     if _read_tools(payload.pop(_TOOLS, {})) is not None:
         raise _invalid("tools are for /v1/chat/completions", "tools", UNSUPPORTED)
     request: CompletionRequest = _structure(payload, _parsers(limits).completion, "prompt")
+    _check_best_of(request)
     max_tokens = 0 if asked.score_only else request.max_tokens
     return attrs.evolve(request, constraint=constraint, logprobs=asked, max_tokens=max_tokens)
 
@@ -583,7 +605,18 @@ def parse_chat_request(body: bytes, limits: OpenAILimits = DEFAULT_LIMITS) -> Ch
     constraint = read_constraint(payload.pop(_CONSTRAINTS, {}))
     tools = _read_tools(payload.pop(_TOOLS, {}))
     request: ChatCompletionRequest = _structure(payload, _parsers(limits).chat, "messages")
+    _check_best_of(request)
     return attrs.evolve(request, constraint=constraint, tools=tools, logprobs=asked)
+
+
+def _check_best_of(request: _Generation) -> None:
+    if request.best_of is not None and request.best_of != request.n:
+        raise _invalid(
+            f"best_of must equal n ({request.n}) on this server: returning the best of more"
+            f" candidates than are returned is not implemented; got {request.best_of}",
+            "best_of",
+            UNSUPPORTED,
+        )
 
 
 def _read_tools(fields: dict[str, Any]) -> ToolUse | None:

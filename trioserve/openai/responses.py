@@ -17,7 +17,9 @@ from .errors import OpenAIError
 
 __all__ = [
     "SSE_DONE",
+    "ChatChoice",
     "ChatCompletionStream",
+    "CompletionChoice",
     "CompletionStream",
     "FinishReason",
     "TokenUsage",
@@ -71,15 +73,59 @@ class TokenUsage:
         }
 
 
+@attrs.frozen(kw_only=True)
+class CompletionChoice:
+    """One choice of a whole ``/v1/completions`` answer."""
+
+    text: str
+    finish_reason: FinishReason
+    index: int = 0
+    logprobs: dict[str, Any] | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "text": self.text,
+            "logprobs": self.logprobs,
+            "finish_reason": self.finish_reason,
+        }
+
+
+@attrs.frozen(kw_only=True)
+class ChatChoice:
+    """One choice of a whole ``/v1/chat/completions`` answer (its
+    ``content`` is null when the answer is tool calls alone, as OpenAI
+    writes it)."""
+
+    content: str
+    finish_reason: FinishReason
+    index: int = 0
+    tool_calls: Sequence[ToolCall] = ()
+    logprobs: dict[str, Any] | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": self.content if self.content or not self.tool_calls else None,
+            "refusal": None,
+        }
+        if self.tool_calls:
+            message["tool_calls"] = [tool_call_json(call) for call in self.tool_calls]
+        return {
+            "index": self.index,
+            "message": message,
+            "logprobs": self.logprobs,
+            "finish_reason": self.finish_reason,
+        }
+
+
 def completion_response(
     *,
     id: str,
     created: int,
     model: str,
-    text: str,
-    finish_reason: FinishReason,
+    choices: Sequence[CompletionChoice],
     usage: TokenUsage,
-    logprobs: dict[str, Any] | None = None,
 ) -> bytes:
     """The body of a whole ``/v1/completions`` answer."""
     return _dumps(
@@ -88,9 +134,7 @@ def completion_response(
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [
-                {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-            ],
+            "choices": [choice.as_json() for choice in choices],
             "usage": usage.as_json(),
             "system_fingerprint": None,
         }
@@ -102,35 +146,17 @@ def chat_completion_response(
     id: str,
     created: int,
     model: str,
-    content: str,
-    finish_reason: FinishReason,
+    choices: Sequence[ChatChoice],
     usage: TokenUsage,
-    tool_calls: Sequence[ToolCall] = (),
-    logprobs: dict[str, Any] | None = None,
 ) -> bytes:
-    """The body of a whole ``/v1/chat/completions`` answer (``content`` is
-    null when the answer is tool calls alone, as OpenAI writes it)."""
-    message: dict[str, Any] = {
-        "role": "assistant",
-        "content": content if content or not tool_calls else None,
-        "refusal": None,
-    }
-    if tool_calls:
-        message["tool_calls"] = [tool_call_json(call) for call in tool_calls]
+    """The body of a whole ``/v1/chat/completions`` answer."""
     return _dumps(
         {
             "id": id,
             "object": "chat.completion",
             "created": created,
             "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "logprobs": logprobs,
-                    "finish_reason": finish_reason,
-                }
-            ],
+            "choices": [choice.as_json() for choice in choices],
             "usage": usage.as_json(),
             "system_fingerprint": None,
         }
@@ -165,10 +191,14 @@ class _Stream:
             chunk["usage"] = None
         return chunk
 
-    def _end(self, obj: str, last: list[dict[str, Any]], usage: TokenUsage) -> bytes:
-        out = sse_event(self._chunk(obj, last))
+    _object: str = attrs.field(default="", init=False)
+
+    def end(self, usage: TokenUsage) -> bytes:
+        """The end of the stream, after every choice's last chunk: the usage
+        chunk when the client asked for it, then ``[DONE]``."""
+        out = b""
         if self.include_usage:
-            final = self._chunk(obj, [])
+            final = self._chunk(self._object, [])
             final["usage"] = usage.as_json()
             out += sse_event(final)
         return out + SSE_DONE
@@ -183,15 +213,30 @@ class _Stream:
 class CompletionStream(_Stream):
     """The events of one streamed ``/v1/completions`` answer, in order:
     :meth:`text` for each piece, then :meth:`finish` (its finish reason,
-    the usage chunk when asked for, and ``[DONE]``)."""
+    the usage chunk when asked for, and ``[DONE]``). With several choices,
+    each piece names its choice (``index``), each choice ends with
+    :meth:`finish_choice`, and :meth:`end` ends the stream."""
 
-    def text(self, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
+    _object: str = attrs.field(default="text_completion", init=False)
+
+    def text(self, text: str, logprobs: dict[str, Any] | None = None, *, index: int = 0) -> bytes:
         return sse_event(
             self._chunk(
-                "text_completion",
-                [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}],
+                self._object,
+                [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}],
             )
         )
+
+    def finish_choice(
+        self,
+        reason: FinishReason,
+        text: str = "",
+        logprobs: dict[str, Any] | None = None,
+        *,
+        index: int = 0,
+    ) -> bytes:
+        last = [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]
+        return sse_event(self._chunk(self._object, last))
 
     def finish(
         self,
@@ -200,56 +245,58 @@ class CompletionStream(_Stream):
         text: str = "",
         logprobs: dict[str, Any] | None = None,
     ) -> bytes:
-        last = [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}]
-        return self._end("text_completion", last, usage)
+        """The one choice's last chunk, then the end."""
+        return self.finish_choice(reason, text, logprobs) + self.end(usage)
 
 
 @attrs.define
 class ChatCompletionStream(_Stream):
     """The events of one streamed ``/v1/chat/completions`` answer, in order:
     :meth:`start` (the assistant role), :meth:`text` for each piece, then
-    :meth:`finish`."""
+    :meth:`finish`. With several choices, each chunk names its choice
+    (``index``): each starts with its role, ends with :meth:`finish_choice`,
+    and :meth:`end` ends the stream."""
 
-    def start(self) -> bytes:
-        return sse_event(
-            self._chunk(
-                "chat.completion.chunk",
-                [
-                    {
-                        "index": 0,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-            )
-        )
+    _object: str = attrs.field(default="chat.completion.chunk", init=False)
 
-    def text(self, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
-        choice = {"index": 0, "delta": {"content": text}, "logprobs": logprobs}
-        return sse_event(self._chunk("chat.completion.chunk", [{**choice, "finish_reason": None}]))
+    def _delta(
+        self,
+        index: int,
+        delta: dict[str, Any],
+        logprobs: dict[str, Any] | None = None,
+        reason: FinishReason | None = None,
+    ) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return sse_event(self._chunk(self._object, [choice]))
 
-    def tool_call(self, index: int, *, id: str = "", name: str = "", arguments: str = "") -> bytes:
-        """A piece of tool call ``index``: its first chunk carries the id,
-        type and name (and no arguments yet), the next ones arguments only."""
-        call: dict[str, Any] = {"index": index}
+    def start(self, *, index: int = 0) -> bytes:
+        return self._delta(index, {"role": "assistant", "content": ""})
+
+    def text(self, text: str, logprobs: dict[str, Any] | None = None, *, index: int = 0) -> bytes:
+        return self._delta(index, {"content": text}, logprobs)
+
+    def tool_call(
+        self, call_index: int, *, id: str = "", name: str = "", arguments: str = "", index: int = 0
+    ) -> bytes:
+        """A piece of tool call ``call_index`` of choice ``index``: its first
+        chunk carries the id, type and name (and no arguments yet), the next
+        ones arguments only."""
+        call: dict[str, Any] = {"index": call_index}
         if id:
             call.update(id=id, type="function", function={"name": name, "arguments": ""})
         else:
             call["function"] = {"arguments": arguments}
-        return sse_event(
-            self._chunk(
-                "chat.completion.chunk",
-                [
-                    {
-                        "index": 0,
-                        "delta": {"tool_calls": [call]},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-            )
-        )
+        return self._delta(index, {"tool_calls": [call]})
+
+    def finish_choice(
+        self,
+        reason: FinishReason,
+        text: str = "",
+        logprobs: dict[str, Any] | None = None,
+        *,
+        index: int = 0,
+    ) -> bytes:
+        return self._delta(index, {"content": text} if text else {}, logprobs, reason)
 
     def finish(
         self,
@@ -258,9 +305,8 @@ class ChatCompletionStream(_Stream):
         text: str = "",
         logprobs: dict[str, Any] | None = None,
     ) -> bytes:
-        delta = {"content": text} if text else {}
-        last = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]
-        return self._end("chat.completion.chunk", last, usage)
+        """The one choice's last chunk, then the end."""
+        return self.finish_choice(reason, text, logprobs) + self.end(usage)
 
 
 def tool_call_json(call: ToolCall) -> dict[str, Any]:

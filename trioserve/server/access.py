@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import attrs
@@ -176,19 +176,42 @@ def log_request(
     access_log.log(level, "%s done", name, extra={"fields": fields})
 
 
+def _choices_timings(choices: Sequence[Generation]) -> dict[str, Any]:
+    """The figures of a request's choices: the prompt once (the first
+    choice's), the generated tokens of all, the first token's time, and
+    the decode rate over all choices together."""
+    if len(choices) <= 1:
+        return _timings(choices[0] if choices else None)
+    first = choices[0]
+    generated = sum(c.generated_tokens for c in choices)
+    starts = [c.first_token_at for c in choices if c.first_token_at is not None]
+    ends = [c.ended_at for c in choices if c.ended_at is not None]
+    counted = generated - len(starts)  # after each choice's first token
+    span = max(ends) - min(starts) if starts and len(ends) == len(choices) else 0.0
+    return {
+        "prompt_tokens": first.prompt_tokens,
+        "generated_tokens": generated,
+        "cached_tokens": first.cached_tokens,
+        "ttft_s": _rounded(first.first_token_s, 4),
+        "tok_s": _rounded(counted / span if span > 0 and counted > 0 else None, 1),
+        "choices": len(choices),
+    }
+
+
 def log_openai(
     metrics: Metrics | None,
     peer: str,
     action: str,
-    generation: Generation | None,
+    choices: Sequence[Generation],
     outcome: str,
     *,
     duration: float,
     cancel_cause: str,
 ) -> None:
-    """Count and log one finished OpenAI request; ``cancel_cause`` is counted
-    when it was interrupted."""
-    timings = _timings(generation)
+    """Count and log one finished OpenAI request (``choices``: its
+    generations, none when it was refused before any); ``cancel_cause`` is
+    counted when it was interrupted."""
+    timings = _choices_timings(choices)
     if metrics is not None:
         metrics.request_finished(
             api="openai",
@@ -199,7 +222,7 @@ def log_openai(
             cached_tokens=timings["cached_tokens"],
             duration=duration,
         )
-        if generation is not None and outcome == "interrupted":
+        if choices and outcome == "interrupted":
             metrics.cancelled(cancel_cause)
     fields: dict[str, Any] = {
         "peer": peer,

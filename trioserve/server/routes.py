@@ -28,7 +28,14 @@ import trio
 from trioserve import openai as oa
 from trioserve._version import __version__
 from trioserve.engine.base import TokenLogprob
-from trioserve.generation import Generation, Generations, InvalidGeneration, Overloaded
+from trioserve.generation import (
+    Generation,
+    Generations,
+    InvalidGeneration,
+    Overloaded,
+    follow_choices,
+    start_choices,
+)
 from trioserve.generation.tools import (
     CallArguments,
     CallStart,
@@ -214,40 +221,43 @@ class OpenAIRoutes:
     ) -> Response | StreamingResponse:
         arrived = trio.current_time()
         client = self.identity.of(http.head)
-        generation: Generation | None = None
+        choices: list[Generation] = []
         try:
             parsed: oa.CompletionRequest | oa.ChatCompletionRequest
             if action == "completions":
                 parsed = oa.parse_completion_request(http.body, self.limits)
             else:
                 parsed = oa.parse_chat_request(http.body, self.limits)
-            generation = self._open(parsed, client)
-            generation.received = arrived
+            choices = self._open(parsed, client)
+            for choice in choices:
+                choice.received = arrived
             try:
-                await generation.start()
+                await start_choices(choices)
             except InvalidGeneration as exc:
                 raise openai_error(exc) from None
             except Overloaded as exc:
                 raise _overloaded(exc) from None
         except oa.OpenAIError as exc:
-            if generation is not None:
-                generation.close()
-            self._finish(http, action, generation, _outcome(exc.status), arrived)
+            for choice in choices:
+                choice.close()
+            self._finish(http, action, choices, _outcome(exc.status), arrived)
             raise
         except BaseException:
-            if generation is not None:
-                generation.close()
+            for choice in choices:
+                choice.close()
             raise
-        reply = _Reply(self, http, action, parsed, generation)
+        reply = _Reply(self, http, action, parsed, choices)
         if not parsed.stream:
             return await reply.whole()
         return event_stream(reply.stream)
 
     def _open(
         self, parsed: oa.CompletionRequest | oa.ChatCompletionRequest, client: Hashable
-    ) -> Generation:
+    ) -> list[Generation]:
         try:
-            return self.generations.open(from_openai(parsed), client=client, api="openai")
+            return self.generations.open_choices(
+                from_openai(parsed), parsed.n, client=client, api="openai"
+            )
         except InvalidGeneration as exc:
             raise openai_error(exc) from None
         except Overloaded as exc:
@@ -262,7 +272,7 @@ class OpenAIRoutes:
         self,
         http: HTTPRequest,
         action: str,
-        generation: Generation | None,
+        choices: Sequence[Generation],
         outcome: str,
         arrived: float,
     ) -> None:
@@ -271,7 +281,7 @@ class OpenAIRoutes:
             self.metrics,
             http.head.peer,
             action,
-            generation,
+            choices,
             outcome,
             duration=trio.current_time() - arrived,
             cancel_cause="shutdown" if self.generations.is_draining() else "disconnect",
@@ -279,19 +289,32 @@ class OpenAIRoutes:
 
 
 @attrs.define(eq=False)
+class _Choice:
+    """One choice of a streamed reply: what of it has been sent."""
+
+    index: int
+    generation: Generation
+    calls: _CallEvents
+    #: The legacy completions ``logprobs`` objects, their offsets counted on.
+    legacy: oa.LegacyLogprobs = attrs.Factory(oa.LegacyLogprobs)
+    sent: int = 0
+    entries: int = 0
+    ended: bool = False
+
+
+@attrs.define(eq=False)
 class _Reply:
-    """The answer to one started OpenAI generation, whole or streamed."""
+    """The answer to one started OpenAI request (its ``n`` choices), whole or
+    streamed."""
 
     routes: OpenAIRoutes
     http: HTTPRequest
     action: str
     request: oa.CompletionRequest | oa.ChatCompletionRequest
-    generation: Generation
+    choices: list[Generation]
     id: str = ""
     created: int = attrs.Factory(lambda: int(time.time()))
     done: bool = False
-    #: The legacy completions ``logprobs`` objects, their offsets counted on.
-    legacy: oa.LegacyLogprobs = attrs.Factory(oa.LegacyLogprobs)
 
     def __attrs_post_init__(self) -> None:
         self.id = oa.new_id("chatcmpl" if self.chat else "cmpl")
@@ -301,98 +324,117 @@ class _Reply:
         return isinstance(self.request, oa.ChatCompletionRequest)
 
     @property
+    def first(self) -> Generation:
+        return self.choices[0]
+
+    @property
     def echo(self) -> str:
         request = self.request
         if isinstance(request, oa.CompletionRequest) and request.echo:
             # Token ids are echoed as their text (lm-evaluation-harness sends ids).
-            return request.prompt if isinstance(request.prompt, str) else self.generation.util_text
+            return request.prompt if isinstance(request.prompt, str) else self.first.util_text
         return ""
 
     def _usage(self) -> oa.TokenUsage:
-        g = self.generation
-        return oa.TokenUsage(g.prompt_tokens, g.generated_tokens, g.cached_tokens)
+        # The prompt is counted once: the choices share it.
+        first = self.first
+        generated = sum(choice.generated_tokens for choice in self.choices)
+        return oa.TokenUsage(first.prompt_tokens, generated, first.cached_tokens)
 
     def _end(self, outcome: str) -> None:
         if not self.done:
             self.done = True
-            self.routes._finish(
-                self.http, self.action, self.generation, outcome, self.generation.received
-            )
+            self.routes._finish(self.http, self.action, self.choices, outcome, self.first.received)
 
     def _failure(self) -> oa.OpenAIError:
-        """The error of a generation that did not finish."""
-        generation = self.generation
-        if generation.outcome == "failed" and not self.routes.generations.is_draining():
+        """The error of a request whose choices did not all finish."""
+        failed = [c for c in self.choices if c.outcome == "failed"]
+        if failed and not self.routes.generations.is_draining():
             self._end("internal")
-            log.error("generation failed: %s", generation.failure)
-            return oa.OpenAIError(500, generation.failure or "the engine failed", code="internal")
+            log.error("generation failed: %s", failed[0].failure)
+            return oa.OpenAIError(500, failed[0].failure or "the engine failed", code="internal")
         # Interrupted under us: only the shutdown does that.
         self._end("interrupted")
         return oa.OpenAIError(503, _SHUTTING_DOWN, code="overloaded", retry_after=1)
 
     def _outcome(self) -> str:
-        finished = self.generation.finished
+        finished = self.first.finished
         assert finished is not None
         return "num_tokens" if finished.reason == "max_new_tokens" else "eos"
 
-    def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+    def _logprobs(
+        self, entries: Sequence[TokenLogprob], legacy: oa.LegacyLogprobs
+    ) -> dict[str, Any] | None:
         """The ``logprobs`` object of these entries, when the request asked."""
         if self.request.logprobs.top is None:
             return None
         if self.chat:
             return oa.chat_logprobs(entries)
-        return self.legacy.of(entries)
+        return legacy.of(entries)
 
     async def whole(self) -> Response:
-        generation = self.generation
         try:
-            await generation.follow()
+            await follow_choices(self.choices)
         finally:
             self._release()
-        finished = generation.finished
-        if finished is None:
+        if any(choice.finished is None for choice in self.choices):
             raise self._failure()
         self._end(self._outcome())
-        reason = oa.finish_reason(finished)
         name = self.routes.model_name
         if self.chat:
-            content, calls = generation.response, []
-            if generation.tool_format is not None:
-                reader = ToolCallReader(generation.tool_format)
-                events = reader.feed(content) + reader.finish()
-                content = "".join(e.text for e in events if isinstance(e, Content))
-                calls = reader.calls
-                if calls and reason == "stop":
-                    reason = "tool_calls"
             body = oa.chat_completion_response(
                 id=self.id,
                 created=self.created,
                 model=name,
-                content=content,
-                finish_reason=reason,
+                choices=[self._chat_choice(i, c) for i, c in enumerate(self.choices)],
                 usage=self._usage(),
-                tool_calls=calls,
-                logprobs=self._logprobs(generation.logprobs),
             )
         else:
-            entries = [*generation.prompt_logprobs, *generation.logprobs]
             body = oa.completion_response(
                 id=self.id,
                 created=self.created,
                 model=name,
-                text=self.echo + generation.response,
-                finish_reason=reason,
+                choices=[self._completion_choice(i, c) for i, c in enumerate(self.choices)],
                 usage=self._usage(),
-                logprobs=self._logprobs(entries),
             )
         return Response(200, body)
 
+    def _chat_choice(self, index: int, generation: Generation) -> oa.ChatChoice:
+        finished = generation.finished
+        assert finished is not None
+        reason = oa.finish_reason(finished)
+        content, calls = generation.response, []
+        if generation.tool_format is not None:
+            reader = ToolCallReader(generation.tool_format)
+            events = reader.feed(content) + reader.finish()
+            content = "".join(e.text for e in events if isinstance(e, Content))
+            calls = reader.calls
+            if calls and reason == "stop":
+                reason = "tool_calls"
+        return oa.ChatChoice(
+            index=index,
+            content=content,
+            finish_reason=reason,
+            tool_calls=calls,
+            logprobs=self._logprobs(generation.logprobs, oa.LegacyLogprobs()),
+        )
+
+    def _completion_choice(self, index: int, generation: Generation) -> oa.CompletionChoice:
+        finished = generation.finished
+        assert finished is not None
+        entries = [*generation.prompt_logprobs, *generation.logprobs]
+        return oa.CompletionChoice(
+            index=index,
+            text=self.echo + generation.response,
+            finish_reason=oa.finish_reason(finished),
+            logprobs=self._logprobs(entries, oa.LegacyLogprobs()),
+        )
+
     async def stream(self, out: BodyWriter) -> None:
-        """Send the generation as Server-Sent Events. Text released while a
+        """Send the choices as Server-Sent Events. Text released while a
         write waits on the client is sent as one event with the next write
         (never lost, never reordered): a slow reader gets fewer, larger
         events, and the generation never waits on the socket."""
-        generation = self.generation
         request = self.request
         name = self.routes.model_name
         stream: oa.ChatCompletionStream | oa.CompletionStream
@@ -400,78 +442,107 @@ class _Reply:
             stream = oa.ChatCompletionStream(self.id, self.created, name, request.include_usage)
         else:
             stream = oa.CompletionStream(self.id, self.created, name, request.include_usage)
+        choices = [
+            _Choice(index, generation, _CallEvents(stream, generation.tool_format, index))
+            for index, generation in enumerate(self.choices)
+        ]
+        # Set: the first choice may have released text before the stream began.
         wake = trio.Event()
+        wake.set()
 
         def released(_text: str) -> None:
             wake.set()
 
-        generation.on_text = released
-        sent = entries = 0
+        for choice in choices:
+            choice.generation.on_text = released
         try:
             async with trio.open_nursery() as nursery:
 
                 async def follow() -> None:
                     try:
-                        await generation.follow()
+                        await follow_choices(self.choices)
                     finally:
                         wake.set()
 
                 nursery.start_soon(follow)
-                if isinstance(stream, oa.ChatCompletionStream):
-                    await out.send(stream.start())
-                if self.echo:
-                    await out.send(stream.text(self.echo))
-                calls = _CallEvents(stream, generation.tool_format)
+                opening = b""
+                for choice in choices:
+                    if isinstance(stream, oa.ChatCompletionStream):
+                        opening += stream.start(index=choice.index)
+                    if self.echo:
+                        opening += stream.text(self.echo, index=choice.index)
+                await out.send(opening)
                 while True:
                     await wake.wait()
                     wake = trio.Event()
-                    ended = generation.outcome is not None
-                    text = generation.response[sent:]
-                    sent += len(text)
-                    new = generation.logprobs[entries:]
-                    if not ended:
-                        if text:
-                            # With a tool-call reader the text is split into content and
-                            # calls: the entries then go with the last chunk.
-                            logprobs = None if calls.reader is not None else self._logprobs(new)
-                            entries += 0 if logprobs is None else len(new)
-                            await out.send(calls.text(text, logprobs))
-                        continue
-                    if generation.finished is not None:
+                    data = b""
+                    for choice in choices:
+                        if not choice.ended:
+                            data += self._progress(choice, stream)
+                    if any(c.ended and c.generation.finished is None for c in choices):
+                        await out.send(data + stream.error(self._failure()))
+                        return
+                    if all(choice.ended for choice in choices):
                         self._end(self._outcome())
-                        reason = oa.finish_reason(generation.finished)
-                        events = calls.text(text) + calls.finish()
-                        if calls.made and reason == "stop":
-                            reason = "tool_calls"
-                        rest = self._logprobs(generation.logprobs[entries:])
-                        await out.send(events + stream.finish(reason, self._usage(), "", rest))
-                    else:
-                        await out.send(calls.text(text) + calls.finish())
-                        await out.send(stream.error(self._failure()))
-                    return
+                        await out.send(data + stream.end(self._usage()))
+                        return
+                    if data:
+                        await out.send(data)
         finally:
             self._release()
 
+    def _progress(
+        self, choice: _Choice, stream: oa.ChatCompletionStream | oa.CompletionStream
+    ) -> bytes:
+        """The events of what one choice released since the last call, and
+        its last chunk when it has ended."""
+        generation = choice.generation
+        ended = generation.outcome is not None
+        text = generation.response[choice.sent :]
+        choice.sent += len(text)
+        calls = choice.calls
+        if not ended:
+            if not text:
+                return b""
+            # With a tool-call reader the text is split into content and
+            # calls: the entries then go with the last chunk.
+            new = generation.logprobs[choice.entries :]
+            logprobs = None if calls.reader is not None else self._logprobs(new, choice.legacy)
+            choice.entries += 0 if logprobs is None else len(new)
+            return calls.text(text, logprobs)
+        choice.ended = True
+        events = calls.text(text) + calls.finish()
+        if generation.finished is None:
+            return events
+        reason = oa.finish_reason(generation.finished)
+        if calls.made and reason == "stop":
+            reason = "tool_calls"
+        rest = self._logprobs(generation.logprobs[choice.entries :], choice.legacy)
+        return events + stream.finish_choice(reason, "", rest, index=choice.index)
+
     def _release(self) -> None:
-        """The job's end, in a ``finally``: a request that has no outcome yet
+        """The jobs' end, in a ``finally``: a choice that has no outcome yet
         is being abandoned by its client."""
-        generation = self.generation
-        abandoned = generation.outcome is None
-        if abandoned:
-            generation.interrupt()
-        generation.close()
+        abandoned = False
+        for generation in self.choices:
+            if generation.outcome is None:
+                abandoned = True
+                generation.interrupt()
+            generation.close()
         if abandoned and not self.done:
             self._end("interrupted")
 
 
 @attrs.define
 class _CallEvents:
-    """A stream's released text as events: content as it is, or, when the
+    """A choice's released text as events: content as it is, or, when the
     request lets the model call tools, content and tool calls apart (no call
     marker reaches the content; a call's arguments stream in pieces)."""
 
     stream: oa.ChatCompletionStream | oa.CompletionStream
     fmt: ToolFormat | None
+    #: The choice's index.
+    index: int = 0
     reader: ToolCallReader | None = None
     made: bool = False
 
@@ -481,7 +552,7 @@ class _CallEvents:
 
     def text(self, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
         if self.reader is None:
-            return self.stream.text(text, logprobs) if text else b""
+            return self.stream.text(text, logprobs, index=self.index) if text else b""
         return self._events(self.reader.feed(text)) if text else b""
 
     def finish(self) -> bytes:
@@ -494,10 +565,10 @@ class _CallEvents:
         for event in events:
             if isinstance(event, Content):
                 if event.text:
-                    out += stream.text(event.text)
+                    out += stream.text(event.text, index=self.index)
             elif isinstance(event, CallStart):
                 self.made = True
-                out += stream.tool_call(event.index, id=event.id, name=event.name)
+                out += stream.tool_call(event.index, id=event.id, name=event.name, index=self.index)
             elif isinstance(event, CallArguments):
-                out += stream.tool_call(event.index, arguments=event.text)
+                out += stream.tool_call(event.index, arguments=event.text, index=self.index)
         return out

@@ -37,6 +37,7 @@ from trioserve.generation.engine_thread import EngineThread, open_loaded_engine
 from trioserve.generation.scheduler import Scheduler, SchedulerStatistics, StepRecord
 from trioserve.generation.tools import TOOL_FORMATS
 from trioserve.metrics import Metrics
+from trioserve.openai import OpenAILimits
 
 from .connection import Connection, ConnectionServices, ConnectionSettings
 from .doors import ClientIdentity
@@ -100,6 +101,10 @@ class ServerConfig:
     max_requests_per_client: int = attrs.field(
         default=64, validator=_positive("max requests per client")
     )
+    #: Choices one OpenAI request may ask for (``n``); each is a generation
+    #: of its client, counted against ``max_requests_per_client`` (which
+    #: caps ``n`` too when it is lower).
+    max_n: int = attrs.field(default=8, validator=_positive("max n"))
     #: Engine slots one client may hold while others wait; None: all but
     #: one of the engine's slots (so a newcomer always finds one).
     max_running_per_client: int | None = None
@@ -294,7 +299,12 @@ class Server:
         OpsRoutes(readiness=self.readiness, metrics=self.metrics, info=self._info_page).install(
             router
         )
-        self._openai_routes = OpenAIRoutes(self.generations, self.identity, metrics=self.metrics)
+        self._openai_routes = OpenAIRoutes(
+            self.generations,
+            self.identity,
+            limits=OpenAILimits(max_n=min(config.max_n, config.max_requests_per_client)),
+            metrics=self.metrics,
+        )
         self._openai_routes.install(router)
         self.front_door = FrontDoor(
             router,
