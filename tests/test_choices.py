@@ -7,6 +7,7 @@ constraints, tools and logprobs per choice."""
 from __future__ import annotations
 
 import json
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -393,3 +394,50 @@ def test_open_choices_refuses_n_below_one() -> None:
             0,
             client="c",
         )
+
+
+async def test_many_choices_starve_no_other_connection() -> None:
+    """The largest ``n`` on the HTTP door beside the same client's WebSocket
+    stream: the choices are the client's jobs, so they wait their turn for
+    its slots and never take the stream's; its chunk rate holds, and a
+    disconnect frees all 8 choices."""
+    from tests.helpers import raw_client
+
+    engine = ScriptedEngine(max_batch=4, step_delay=0.004)
+    async with serving(engine) as (server, listening):
+        async with raw_client(listening.url) as victim:
+            frame = {"action": "infer", "text": "say:" + "v" * 3000, "max_new_tokens": 3000}
+            await victim.send({**frame, "stream": True, "request_id": "v"})
+            await victim.recv()
+
+            async def rate(window: float = 0.5) -> float:
+                start, count = time.perf_counter(), 0
+                with trio.move_on_after(window):
+                    while True:
+                        assert (await victim.recv())["response_type"] == "chunk"
+                        count += 1
+                return count / (time.perf_counter() - start)
+
+            before = await rate()
+            sdk = client(listening.port)
+            readers: list[Any] = []  # kept: a dropped reader closes its response
+
+            def attack() -> None:
+                stream = sdk.completions.create(
+                    model="m", prompt="say:" + "a" * 3000, n=8, max_tokens=3000, stream=True
+                )
+                readers.extend((stream, iter(stream)))
+                next(readers[1])
+
+            await trio.to_thread.run_sync(attack)
+            stats = server.generations.scheduler.statistics()
+            # All but one slot for the client: the stream and two choices run,
+            # the other six wait their turn.
+            assert stats.running == 3 and stats.waiting == 6
+            during = await rate()
+            assert during >= 0.7 * before, (before, during)
+            await trio.to_thread.run_sync(readers[0].close)  # the response: a disconnect
+            await until(lambda: server.generations.in_flight(ME) == 1)()
+            await victim.send({"action": "stop"})
+            await victim.until("stop")
+        await until(lambda: idle(server))()
