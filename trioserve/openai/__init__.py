@@ -34,6 +34,16 @@ from .responses import (
     new_id,
     sse_event,
 )
+from .tokenize import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    TokenizerLimits,
+    detokenize_response,
+    parse_detokenize_request,
+    parse_tokenize_request,
+    tokenize_response,
+    tokenizer_info_response,
+)
 
 __all__ = [
     "COMPLETIONS_MAX_TOKENS",
@@ -46,15 +56,19 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "CompletionStream",
+    "DetokenizeRequest",
     "FinishReason",
     "LegacyLogprobs",
     "LogprobsAsked",
     "OpenAIError",
     "OpenAILimits",
     "TokenUsage",
+    "TokenizeRequest",
+    "TokenizerLimits",
     "chat_completion_response",
     "chat_logprobs",
     "completion_response",
+    "detokenize_response",
     "error_body",
     "finish_reason",
     "model_object",
@@ -62,5 +76,9 @@ __all__ = [
     "new_id",
     "parse_chat_request",
     "parse_completion_request",
+    "parse_detokenize_request",
+    "parse_tokenize_request",
     "sse_event",
+    "tokenize_response",
+    "tokenizer_info_response",
 ]

@@ -43,6 +43,7 @@ from .doors import ClientIdentity
 from .front_door import FrontDoor, serve_front_door
 from .http_types import AccessPolicy, HTTPLimits, Reject, RequestHead, Router, parse_networks
 from .routes import OpenAIRoutes, OpsRoutes, Readiness
+from .tokenizer_routes import TokenizerRoutes
 
 __all__ = ["Listening", "Server", "ServerConfig", "ServerStatistics", "serve"]
 
@@ -296,6 +297,7 @@ class Server:
         )
         self._openai_routes = OpenAIRoutes(self.generations, self.identity, metrics=self.metrics)
         self._openai_routes.install(router)
+        TokenizerRoutes(self.generations).install(router)
         self.front_door = FrontDoor(
             router,
             policy=AccessPolicy(
