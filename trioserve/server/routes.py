@@ -27,7 +27,7 @@ import trio
 
 from trioserve import openai as oa
 from trioserve._version import __version__
-from trioserve.engine.base import TokenLogprob
+from trioserve.engine.base import Finished, TokenLogprob
 from trioserve.generation import Generation, Generations, InvalidGeneration, Overloaded
 from trioserve.generation.tools import (
     CallArguments,
@@ -375,7 +375,7 @@ class _Reply:
                 logprobs=self._logprobs(generation.logprobs),
             )
         else:
-            entries = [*generation.prompt_logprobs, *generation.logprobs]
+            entries = [*generation.prompt_logprobs, *generation.logprobs, *_stop_entry(finished)]
             body = oa.completion_response(
                 id=self.id,
                 created=self.created,
@@ -443,8 +443,13 @@ class _Reply:
                         events = calls.text(text) + calls.finish()
                         if calls.made and reason == "stop":
                             reason = "tool_calls"
-                        rest = self._logprobs(generation.logprobs[entries:])
-                        await out.send(events + stream.finish(reason, self._usage(), "", rest))
+                        rest = generation.logprobs[entries:]
+                        if not self.chat:
+                            rest = [*rest, *_stop_entry(generation.finished)]
+                        rest_logprobs = self._logprobs(rest)
+                        await out.send(
+                            events + stream.finish(reason, self._usage(), "", rest_logprobs)
+                        )
                     else:
                         await out.send(calls.text(text) + calls.finish())
                         await out.send(stream.error(self._failure()))
@@ -462,6 +467,14 @@ class _Reply:
         generation.close()
         if abandoned and not self.done:
             self._end("interrupted")
+
+
+def _stop_entry(finished: Finished) -> tuple[TokenLogprob, ...]:
+    """The stop token's entry of a completion that ended on one: listed last
+    in the legacy ``logprobs``, as OpenAI lists ``<|endoftext|>`` (its text is
+    not in ``text``). lm-evaluation-harness scores ``prompt + 1 token`` and
+    drops the last entry: without it, the prompt's last token would go."""
+    return () if finished.stop_logprob is None else (finished.stop_logprob,)
 
 
 @attrs.define
