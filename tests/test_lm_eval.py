@@ -10,7 +10,8 @@ lm-eval finds the server's tokenizer by itself: ``/tokenizer_info`` answers,
 so it takes ``tokenizer_backend=remote`` (``/tokenize``, ``/detokenize``) and
 sends token-id prompts with ``echo``, ``max_tokens: 1`` and ``logprobs: 1``.
 
-lm-eval is not in the ``test`` group (it pulls pandas, pyarrow, scikit-learn
+The command is docs/openai.md's (``lm-eval``), run as shown. lm-eval is
+not in the ``test`` group (it pulls pandas, pyarrow, scikit-learn
 ...): ``nox -s clients`` installs the ``clients`` group and runs this file;
 without lm-eval the test skips, saying so.
 """
@@ -21,6 +22,7 @@ import importlib.util
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -49,7 +51,6 @@ pytestmark = [
     ),
 ]
 
-TASKS = ROOT / "tests" / "data" / "lm_eval"
 DIFFERENCE = 1e-3
 
 
@@ -77,38 +78,35 @@ def samples(out: Path, task: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def documented_command(port: int, out: Path) -> tuple[list[str], dict[str, str]]:
+    """docs/openai.md's lm-eval command (its ``VAR=value`` prefix as the
+    environment) for the server on ``port``, writing to ``out``, run by this
+    interpreter's ``-m lm_eval``."""
+    from .test_doc_blocks import block_named
+
+    text = block_named("lm-eval").text.replace("\\\n", " ")
+    words = shlex.split(text.replace("127.0.0.1:7862", f"127.0.0.1:{port}"))
+    env = {}
+    while "=" in words[0]:
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    assert words[0] == "lm_eval"
+    words[words.index("--output_path") + 1] = str(out)
+    return [sys.executable, "-m", *words], env
+
+
 async def test_lm_eval_scores_as_the_engine_does(cpu_engine: CpuEngine, tmp_path: Path) -> None:
     began = time.monotonic()
     out = tmp_path / "out"
     async with open_server_process() as server:
-        command = [
-            sys.executable,
-            "-m",
-            "lm_eval",
-            "run",
-            "--model",
-            "local-completions",
-            "--model_args",
-            f"base_url=http://127.0.0.1:{server.port}/v1/completions,model=smollm2",
-            "--include_path",
-            str(TASKS.relative_to(ROOT)),
-            "--tasks",
-            "trioserve_mc,trioserve_rolling",
-            "--log_samples",
-            "--output_path",
-            str(out),
-        ]
-        offline = {
-            "HF_HUB_OFFLINE": "1",
-            "HF_DATASETS_OFFLINE": "1",
-            "HF_DATASETS_CACHE": str(tmp_path / "datasets"),
-            "HF_HOME": str(tmp_path / "hf"),
-        }
+        command, env = documented_command(server.port, out)
+        assert env == {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        caches = {"HF_DATASETS_CACHE": str(tmp_path / "datasets"), "HF_HOME": str(tmp_path / "hf")}
         with trio.fail_after(900):
             run = await trio.run_process(
                 command,
                 cwd=ROOT,
-                env={**os.environ, **offline},
+                env={**os.environ, **env, **caches},
                 capture_stdout=True,
                 capture_stderr=True,
                 check=False,
