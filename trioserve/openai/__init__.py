@@ -1,6 +1,7 @@
 """The OpenAI-compatible API as a pure core: request bodies in, typed
 requests out (:mod:`.requests`); answers, stream chunks (:mod:`.responses`)
-and errors (:mod:`.errors`) in OpenAI's shape. No I/O, no trio, no torch.
+and errors (:mod:`.errors`) in OpenAI's shape; vLLM's tokenizer routes
+(:mod:`.tokenize`). No I/O, no trio, no torch.
 
 What is accepted is listed in ``docs/openai.md``; its field table is
 generated from the declarations (:func:`field_table`).
