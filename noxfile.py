@@ -1,5 +1,5 @@
 """Developer sessions: ``nox -s tests`` (default), ``lint``, ``typecheck``, ``bench``,
-``fuzz``, ``soak``, ``scale-out``, ``gpu``.
+``fuzz``, ``soak``, ``scale-out``, ``clients``, ``gpu``.
 
 Each session installs the project into its own virtual environment (reused by
 later runs), torch first: ``torch==2.13.0``, the version the project is tested
@@ -166,6 +166,19 @@ def scale_out(session: nox.Session) -> None:
         "-rA",
         "tests/deploy",
         *session.posargs,
+    )
+
+
+@nox.session(default=False)
+def clients(session: nox.Session) -> None:
+    """Client programs run unchanged against ``python -m trioserve`` that are too
+    heavy for the test group: lm-evaluation-harness on two local tasks, every
+    loglikelihood checked against the engine (tests/test_lm_eval.py, docs/openai.md).
+    Installs the ``clients`` group (lm-eval[api]: about 45 packages, 620 MB).
+    Arguments go to pytest."""
+    install_project(session, "clients")
+    session.run(
+        "pytest", "-p", "no:cacheprovider", "-rA", "tests/test_lm_eval.py", *session.posargs
     )
 
 

@@ -131,6 +131,8 @@ RUNNERS: dict[str, str] = {
     "openai-error": "tests.test_doc_blocks::test_commands_against_one_server",
     "client-once": "tests.test_doc_blocks::test_commands_against_one_server",
     "python-client": "tests.test_doc_blocks::test_commands_against_one_server",
+    "tokenize-curl": "tests.test_doc_blocks::test_commands_against_one_server",
+    "lm-eval": "tests.test_lm_eval::test_lm_eval_scores_as_the_engine_does",
 }
 
 
@@ -469,7 +471,7 @@ async def _post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
 
 @pytest.mark.slow
 async def test_commands_against_one_server(model_dir: Path) -> None:
-    """openai.md's SDK snippet, curl command and error; quickstart.md's
+    """openai.md's SDK snippet, curl commands and error; quickstart.md's
     ``--once`` command and its output; the Python clients of quickstart.md
     and protocol.md: all against one server started as the docs start it."""
     from .serverproc import open_server_process
@@ -496,6 +498,11 @@ async def test_commands_against_one_server(model_dir: Path) -> None:
             {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 100000},
         )
         assert (status, body) == (400, json.loads(block_named("openai-error").text))
+
+        # openai.md: the tokenizer route's curl command answers what is shown.
+        command, shown = blocks_named("tokenize-curl")
+        result = await _run(["bash", "-c", _at(command.text, server)])
+        assert json.loads(result.stdout) == json.loads(shown.text)
 
         # quickstart.md: the --once command prints the answer shown.
         command, output = blocks_named("client-once")

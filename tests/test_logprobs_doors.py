@@ -152,6 +152,57 @@ async def test_completions_logprobs_and_echo_score_the_prompt(cpu_engine: CpuEng
         await trio.to_thread.run_sync(use_the_sdk)
 
 
+ANSWERED = "<|im_start|>user\nSay yes.<|im_end|>\n<|im_start|>assistant\nYes."
+
+
+async def test_a_completion_lists_its_stop_token_last(cpu_engine: CpuEngine) -> None:
+    # lm-evaluation-harness sends prompt ids with echo and max_tokens 1 and
+    # drops the last entry: when the model's next token is the end of its
+    # turn, that entry must still be there, or the prompt's last one goes.
+    ids = cpu_engine.encode(ANSWERED)
+    direct = direct_logprobs(cpu_engine, ids)
+    end = int(direct[-1].argmax())
+    assert end in cpu_engine.info.eos_token_ids  # the premise: greedy ends the turn
+    async with running_server(cpu_engine) as listening:
+        base = f"http://127.0.0.1:{listening.port}/v1"
+
+        def use_the_sdk() -> None:
+            client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+            scored = client.completions.create(
+                model="m", prompt=[ids], echo=True, max_tokens=1, logprobs=1, temperature=0
+            ).choices[0]
+            assert scored.finish_reason == "stop"
+            assert scored.text == ANSWERED  # the stop token's text is not in the text
+            lp = scored.logprobs
+            assert lp is not None and lp.token_logprobs is not None and lp.tokens is not None
+            assert len(lp.token_logprobs) == len(ids) + 1
+            assert lp.tokens[-1] == cpu_engine.decode([end])
+            # A generated token's figure: a few thousandths (docs/sampling.md, "Exactness").
+            assert lp.token_logprobs[-1] == pytest.approx(float(direct[-1][end]), abs=5e-3)
+            for i in range(1, len(ids)):
+                assert lp.token_logprobs[i] == pytest.approx(float(direct[i - 1][ids[i]]), abs=1e-3)
+            # Generated and streamed: the last chunk carries it.
+            tokens: list[str] = []
+            for chunk in client.completions.create(
+                model="m", prompt=ANSWERED, max_tokens=4, logprobs=1, temperature=0, stream=True
+            ):
+                if chunk.choices and chunk.choices[0].logprobs is not None:
+                    tokens.extend(chunk.choices[0].logprobs.tokens or [])
+            assert tokens == [cpu_engine.decode([end])]
+            # Chat lists the content's tokens only, as OpenAI's does.
+            chat = client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "Say yes."}],
+                max_tokens=8,
+                temperature=0,
+                logprobs=True,
+            ).choices[0]
+            assert chat.logprobs is not None and chat.logprobs.content is not None
+            assert "".join(t.token for t in chat.logprobs.content) == chat.message.content
+
+        await trio.to_thread.run_sync(use_the_sdk)
+
+
 async def test_alternatives_respect_a_constraint(cpu_engine: CpuEngine) -> None:
     choices = ("yes", "no", "maybe")
     async with running_server(cpu_engine) as listening:

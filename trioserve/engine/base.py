@@ -461,6 +461,11 @@ class Finished:
     #: With :attr:`GenerationSpec.prompt_logprobs`: one entry per prompt
     #: token run, the first one's ``logprob`` None (nothing comes before it).
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    #: With :attr:`GenerationSpec.logprobs`, when ``reason == "stop_token"``:
+    #: the stop token's entry, which is in no ``logprobs`` above (its text is
+    #: never released). The legacy completions list it last, as OpenAI's list
+    #: ``<|endoftext|>``: a client scoring ``prompt + 1 token`` counts on it.
+    stop_logprob: TokenLogprob | None = None
 
 
 @attrs.frozen

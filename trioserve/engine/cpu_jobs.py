@@ -131,11 +131,12 @@ class CpuJob:
             self.dry.append(token)
         spec = self.spec
         if token in spec.stop_token_ids:
-            # The stop token's own text is never emitted (nor its entry); held
-            # text was not a stop string after all, so it is released.
+            # The stop token's own text is never emitted (its entry goes apart);
+            # held text was not a stop string after all, so it is released.
             text = self.stream.flush()
             self.released += len(text)
-            return self._finished(text, "stop_token", stop_token=token)
+            stop_entry = entry if self.entries is not None else None
+            return self._finished(text, "stop_token", stop_token=token, stop_entry=stop_entry)
         piece = self.stream.push([token])
         self.released += len(piece.text)
         if self.entries is not None and entry is not None:
@@ -167,6 +168,7 @@ class CpuJob:
         *,
         stop_string: str | None = None,
         stop_token: int | None = None,
+        stop_entry: TokenLogprob | None = None,
     ) -> Finished:
         entries: tuple[TokenLogprob, ...] = ()
         if self.entries is not None:
@@ -183,6 +185,7 @@ class CpuJob:
             cached_tokens=self.reused,
             logprobs=entries,
             prompt_logprobs=tuple(self.prompt_entries),
+            stop_logprob=stop_entry,
         )
 
 

@@ -42,6 +42,17 @@ class Tokenizing:
             return self.engine.decode(ids)
         return await trio.to_thread.run_sync(self.engine.decode, ids, limiter=self.limiter)
 
+    async def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Each id's text, decoded alone (a piece of a multi-byte character
+        comes out as U+FFFD)."""
+
+        def texts() -> list[str]:
+            return [self.engine.decode([i]) for i in ids]
+
+        if len(ids) <= self.inline_chars // 64:
+            return texts()
+        return await trio.to_thread.run_sync(texts, limiter=self.limiter)
+
     async def render(
         self,
         template: ChatTemplate,

@@ -1,6 +1,7 @@
 """The OpenAI-compatible API as a pure core: request bodies in, typed
 requests out (:mod:`.requests`); answers, stream chunks (:mod:`.responses`)
-and errors (:mod:`.errors`) in OpenAI's shape. No I/O, no trio, no torch.
+and errors (:mod:`.errors`) in OpenAI's shape; vLLM's tokenizer routes
+(:mod:`.tokenize`). No I/O, no trio, no torch.
 
 What is accepted is listed in ``docs/openai.md``; its field table is
 generated from the declarations (:func:`field_table`).
@@ -36,6 +37,16 @@ from .responses import (
     new_id,
     sse_event,
 )
+from .tokenize import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    TokenizerLimits,
+    detokenize_response,
+    parse_detokenize_request,
+    parse_tokenize_request,
+    tokenize_response,
+    tokenizer_info_response,
+)
 
 __all__ = [
     "COMPLETIONS_MAX_TOKENS",
@@ -50,15 +61,19 @@ __all__ = [
     "CompletionChoice",
     "CompletionRequest",
     "CompletionStream",
+    "DetokenizeRequest",
     "FinishReason",
     "LegacyLogprobs",
     "LogprobsAsked",
     "OpenAIError",
     "OpenAILimits",
     "TokenUsage",
+    "TokenizeRequest",
+    "TokenizerLimits",
     "chat_completion_response",
     "chat_logprobs",
     "completion_response",
+    "detokenize_response",
     "error_body",
     "finish_reason",
     "model_object",
@@ -66,5 +81,9 @@ __all__ = [
     "new_id",
     "parse_chat_request",
     "parse_completion_request",
+    "parse_detokenize_request",
+    "parse_tokenize_request",
     "sse_event",
+    "tokenize_response",
+    "tokenizer_info_response",
 ]

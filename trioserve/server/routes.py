@@ -27,7 +27,7 @@ import trio
 
 from trioserve import openai as oa
 from trioserve._version import __version__
-from trioserve.engine.base import TokenLogprob
+from trioserve.engine.base import Finished, TokenLogprob
 from trioserve.generation import (
     Generation,
     Generations,
@@ -422,7 +422,7 @@ class _Reply:
     def _completion_choice(self, index: int, generation: Generation) -> oa.CompletionChoice:
         finished = generation.finished
         assert finished is not None
-        entries = [*generation.prompt_logprobs, *generation.logprobs]
+        entries = [*generation.prompt_logprobs, *generation.logprobs, *_stop_entry(finished)]
         return oa.CompletionChoice(
             index=index,
             text=self.echo + generation.response,
@@ -517,8 +517,11 @@ class _Reply:
         reason = oa.finish_reason(generation.finished)
         if calls.made and reason == "stop":
             reason = "tool_calls"
-        rest = self._logprobs(generation.logprobs[choice.entries :], choice.legacy)
-        return events + stream.finish_choice(reason, "", rest, index=choice.index)
+        rest = generation.logprobs[choice.entries :]
+        if not self.chat:
+            rest = [*rest, *_stop_entry(generation.finished)]
+        logprobs = self._logprobs(rest, choice.legacy)
+        return events + stream.finish_choice(reason, "", logprobs, index=choice.index)
 
     def _release(self) -> None:
         """The jobs' end, in a ``finally``: a choice that has no outcome yet
@@ -531,6 +534,14 @@ class _Reply:
             generation.close()
         if abandoned and not self.done:
             self._end("interrupted")
+
+
+def _stop_entry(finished: Finished) -> tuple[TokenLogprob, ...]:
+    """The stop token's entry of a completion that ended on one: listed last
+    in the legacy ``logprobs``, as OpenAI lists ``<|endoftext|>`` (its text is
+    not in ``text``). lm-evaluation-harness scores ``prompt + 1 token`` and
+    drops the last entry: without it, the prompt's last token would go."""
+    return () if finished.stop_logprob is None else (finished.stop_logprob,)
 
 
 @attrs.define

@@ -44,6 +44,7 @@ from .doors import ClientIdentity
 from .front_door import FrontDoor, serve_front_door
 from .http_types import AccessPolicy, HTTPLimits, Reject, RequestHead, Router, parse_networks
 from .routes import OpenAIRoutes, OpsRoutes, Readiness
+from .tokenizer_routes import TokenizerRoutes
 
 __all__ = ["Listening", "Server", "ServerConfig", "ServerStatistics", "serve"]
 
@@ -306,6 +307,7 @@ class Server:
             metrics=self.metrics,
         )
         self._openai_routes.install(router)
+        TokenizerRoutes(self.generations).install(router)
         self.front_door = FrontDoor(
             router,
             policy=AccessPolicy(
