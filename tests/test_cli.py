@@ -447,7 +447,10 @@ async def test_sigterm_during_infers_sends_their_final_frames(
                 async with trio.open_nursery() as nursery:
                     for name in streams:
                         nursery.start_soon(read, name)
-                    await running["long"].wait()
+                    # Both have generated before the signal (on a loaded machine
+                    # the short one may otherwise still be waiting for its first).
+                    for event in running.values():
+                        await event.wait()
                     server.process.send_signal(signal.SIGTERM)
                 # The connection is closed after the final frames, as "going away".
                 await wait_until(lambda: client.closed, within=60)
