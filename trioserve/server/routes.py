@@ -113,6 +113,7 @@ class OpsRoutes:
                 **self.info(),
                 "websocket": "/ (the ExLlamaV2 WebSocket protocol: docs/protocol.md)",
                 "openai": "/v1 (models, completions, chat/completions: docs/openai.md)",
+                "tokenizer": "/tokenize, /detokenize, /tokenizer_info (vLLM's: docs/openai.md)",
                 "health": "/health",
                 "ready": "/ready",
                 "metrics": "/metrics" if self.metrics is not None else None,
