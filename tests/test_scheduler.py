@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import trio
@@ -282,3 +283,33 @@ async def test_no_step_runs_after_the_task_ends() -> None:
     await trio.sleep(0.05)
     assert engine.steps == steps
     assert engine.running_jobs == 0
+
+
+async def test_a_routing_bug_ends_the_task_with_its_error_and_fails_the_jobs() -> None:
+    """Routing runs outside any task (docs/performance.md, lever 5): an error
+    there must not reach trio's loop. The task ends raising it, and the jobs
+    are failed, so no owner is left waiting."""
+
+    class Garbled(ScriptedEngine):
+        def step(self, submit: Any, cancel: Any) -> list[Any]:
+            return [*super().step(submit, cancel), "not an update"]
+
+    engine = Garbled(step_delay=0.01)
+    scheduler = Scheduler(engine)
+    ends: list[Finished | Failed] = []
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(scheduler.run)
+            job = scheduler.open_job(make_spec(scheduler, engine, "endless", n=200))
+            nursery.start_soon(lambda: _keep_end(job, ends))
+
+    with pytest.raises(BaseExceptionGroup) as caught:
+        await run()
+    assert caught.group_contains(AttributeError)
+    (end,) = ends
+    assert isinstance(end, Failed) and "shutting down" in end.message
+
+
+async def _keep_end(job: Job, ends: list[Finished | Failed]) -> None:
+    ends.append((await collect(job))[1])
