@@ -498,14 +498,17 @@ class Connection:
             self._put(entry)
 
     async def _stop(self, request: p.StopRequest) -> int:
-        targets = [
-            e for e in self.requests if e.request.matches_stop(request) and not e.generation.decided
-        ]
+        matching = [e for e in self.requests if e.request.matches_stop(request)]
+        # A request whose last update the engine has delivered is decided: too
+        # late to stop (it keeps its outcome) and not counted as stopped.
+        targets = [e for e in matching if not e.generation.decided]
         for entry in targets:
             entry.cancel_cause = "stop"
             entry.scope.cancel()
-        # Their final frames go out before this stop's reply.
-        for entry in targets:
+        # Every matching request's final frame goes out before this stop's
+        # reply, the decided ones' too (their task may still be reading the
+        # updates the engine delivered ahead of it).
+        for entry in matching:
             await entry.done.wait()
         return len(targets)
 
