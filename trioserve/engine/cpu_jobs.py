@@ -465,14 +465,29 @@ class StepSampler:
         ``hidden`` (``[R, D]``) holds, job after job, the hidden state of
         each position the step fed it: its pending token's (or its last
         prompt token's), then one per draft of ``drafts[i]`` (row i's drafts,
-        fed after it). A job takes the token sampled at its first position,
-        then, while that token is the draft fed after it, the next
-        position's (:mod:`trioserve.engine.speculative`); its updates are
-        merged into one. ``finish`` is called with each job that ended (it
-        frees the slot); ``fail`` gives the failure of a job that could not
-        be sampled.
+        fed after it). See :meth:`settle`.
         """
-        logits = llama.logits(weights, hidden)
+        exact = _exact_rows(weights, hidden)
+        return self.settle(rows, drafts, llama.logits(weights, hidden), exact, finish, fail)
+
+    def settle(
+        self,
+        rows: list[CpuJob],
+        drafts: Sequence[Sequence[int]],
+        logits: Tensor,
+        exact: Exact,
+        finish: Callable[[CpuJob], None],
+        fail: Callable[[CpuJob, str], Failed],
+    ) -> list[Update]:
+        """:meth:`sample` from the rows' ``logits`` (``[R, V]``, and
+        ``exact`` logits of some of their ids for log probabilities).
+
+        A job takes the token sampled at its first position, then, while
+        that token is the draft fed after it, the next position's
+        (:mod:`trioserve.engine.speculative`); its updates are merged into
+        one. ``finish`` is called with each job that ended (it frees the
+        slot); ``fail`` gives the failure of a job that could not be sampled.
+        """
         starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
         taken: list[list[Update]] = [[] for _ in rows]
         row_of = {job: row for row, job in enumerate(rows)}
@@ -480,9 +495,8 @@ class StepSampler:
         live = list(range(len(rows)))
         depth = 0
         while live:
-            index = torch.tensor([starts[row] + depth for row in live], device=hidden.device)
-            whole = index.numel() == hidden.shape[0]  # the usual step: no drafts
-            part = hidden if whole else hidden.index_select(0, index)
+            index = torch.tensor([starts[row] + depth for row in live], device=logits.device)
+            whole = index.numel() == logits.shape[0]  # the usual step: no drafts
             outcomes = sample_jobs(
                 [rows[row] for row in live],
                 logits if whole else logits.index_select(0, index),
@@ -490,7 +504,7 @@ class StepSampler:
                 vocab=self.vocab,
                 device=self.device,
                 masks=self.masks,
-                exact=_exact_rows(weights, part),
+                exact=exact if whole else _kept_rows(exact, index),
             )
             live = []
             for job, outcome, raw in outcomes:

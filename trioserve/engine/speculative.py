@@ -47,6 +47,7 @@ __all__ = [
     "SPECULATIVE_MODES",
     "DraftCounts",
     "NgramIndex",
+    "SpeculativeMode",
     "merged",
 ]
 
