@@ -10,6 +10,7 @@ top of the output. Progress goes to stderr, the tables to stdout.
     python tests/bench/run.py --only server    # one part
     python tests/bench/run.py --only hostile   # the hostile-client bench (docs/reliability.md)
     python tests/bench/run.py --only constraints  # structured output's cost (docs/performance.md)
+    python tests/bench/run.py --only speculative  # drafts by prompt lookup against plain decoding
     python tests/bench/run.py --only llama-server  # trioserve against llama.cpp's llama-server
 """
 
@@ -44,7 +45,7 @@ from trioserve.engine.cpu import DTYPES, CpuEngine  # noqa: E402
 from trioserve.engine.models import default_model_dir  # noqa: E402
 from trioserve.generation.engine_thread import open_engine_thread  # noqa: E402
 
-PARTS = ("engine", "server", "hostile", "constraints", "llama-server")
+PARTS = ("engine", "server", "hostile", "constraints", "speculative", "llama-server")
 
 
 def cpu_model() -> str:
@@ -176,6 +177,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         constraint_bench.run(constraint_results, say=say)
         print("\n## Structured output\n")
         print(constraint_bench.markdown(constraint_results))
+    if "speculative" in parts:
+        say("speculative bench")
+        speculative_results: list[dict[str, Any]] = []
+        engine_bench.run_speculative(
+            speculative_results, say=say, rounds=3 if args.quick else engine_bench.ROUNDS
+        )
+        print("\n## Speculative decoding\n")
+        print(engine_bench.markdown(speculative_results, "speculative"))
     if "llama-server" in parts:
         say("trioserve against llama-server (skipped, saying why, without the binary)")
         versus: list[dict[str, Any]] = []

@@ -122,6 +122,9 @@ class CpuJob:
     prompt_entries: list[TokenLogprob] = attrs.field(factory=list)
     #: Where the context's n-grams last ended, once the job drafts.
     lookup: NgramIndex | None = None
+    #: Drafts to feed at the next step that finds some, at most (see
+    #: :meth:`drafts_taken`); None: as many as the engine allows.
+    draft_limit: int | None = None
 
     def state_for_plan(self) -> JobState:
         return JobState(len(self.prompt), self.cached, decoding=self.pending is not None)
@@ -130,12 +133,24 @@ class CpuJob:
         """Up to ``most`` tokens to feed after the pending one, looked up in
         the job's context (:mod:`trioserve.engine.speculative`); no more than
         its ``max_new_tokens`` leave room to sample after them."""
-        most = min(most, self.spec.max_new_tokens - self.generated - 1)
+        most = min(most, self.draft_limit or most, self.spec.max_new_tokens - self.generated - 1)
         if most <= 0:
             return ()
         if self.lookup is None:
             self.lookup = NgramIndex()
         return self.lookup.draft(self.tokens, most)
+
+    def drafts_taken(self, fed: int, taken: int) -> None:
+        """Adapt the draft length to how often this job's drafts are taken
+        (the heuristic of Hugging Face's assisted generation): two more after
+        a step that took every draft, one fewer (but at least one) after a
+        step that did not. A draft that is not taken costs a row of the
+        forward: a job whose context does not predict its text drafts one
+        token at a time."""
+        if taken >= fed:
+            self.draft_limit = fed + 2
+        else:
+            self.draft_limit = max(1, min(self.draft_limit or fed, fed) - 1)
 
     def accept(self, token: int, entry: TokenLogprob | None = None) -> TextUpdate | Finished:
         """Take the sampled ``token`` (it is fed at the next decode step) and
@@ -491,6 +506,7 @@ class StepSampler:
         starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
         taken: list[list[Update]] = [[] for _ in rows]
         row_of = {job: row for row, job in enumerate(rows)}
+        first_token = {job: len(job.tokens) for job in rows}
         order: list[int] = []  # sample_jobs' order: the jobs that failed early first
         live = list(range(len(rows)))
         depth = 0
@@ -529,6 +545,9 @@ class StepSampler:
                     live.append(row)
             live.sort()
             depth += 1
+        for job, draft in zip(rows, drafts, strict=True):
+            if draft:
+                job.drafts_taken(len(draft), len(job.tokens) - 1 - first_token[job])
         self.drafts.drafted += sum(len(draft) for draft in drafts)
         return [update for row in order for update in merged(taken[row])]
 
