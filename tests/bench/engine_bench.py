@@ -482,11 +482,11 @@ SPECULATIVE_TOKENS = 128
 @attrs.define
 class _Side:
     """One engine of :func:`speculative_speed`: its job, and its first job's
-    decode steps (seconds, tokens)."""
+    decode steps (wall-clock seconds, CPU seconds, tokens)."""
 
     engine: CpuEngine
     spec: GenerationSpec
-    steps: list[tuple[float, int]] = attrs.field(factory=list)
+    steps: list[tuple[float, float, int]] = attrs.field(factory=list)
     generated: int = 0
     submit: bool = True
     done: bool = False
@@ -499,43 +499,48 @@ def speculative_speed(
     question: str,
     sampling: SamplingSettings,
     salt: int,
-) -> tuple[float, float, float]:
+) -> tuple[float, float, float, float]:
     """Decode tokens per second of one job on ``on`` (drafts on) and on
-    ``off`` (drafts off), and the share of drafts taken on ``on``.
+    ``off`` (drafts off), the ratio of their tokens per CPU second (the
+    process's, all threads), and the share of drafts taken on ``on``.
 
     The two engines are stepped alternately (which goes first alternates
     with ``salt``), so that both see the same machine load step by step; a
     side whose job is done runs it again, unmeasured, until the other's is
     done. Each side's speed is its first job's tokens over its time, its
     first step (the prefill and first token) left out. Both produce the
-    same tokens (greedy or seeded text does not depend on speculation)."""
+    same tokens (greedy or seeded text does not depend on speculation).
+    CPU time is less sensitive than wall-clock time to other processes
+    (with one torch thread it is hardly sensitive at all); both are given."""
     prompt = tuple(on.encode(chat(f"Request {salt}. " + question.format(salt=salt))))
     spec = attrs.evolve(_spec(ids(), prompt, SPECULATIVE_TOKENS), sampling=sampling)
     sides = [_Side(engine, spec) for engine in (on, off)]
-    before = on.statistics()
+    before = after = on.statistics()
     while not all(side.done for side in sides):
         for side in sides if salt % 2 == 0 else sides[::-1]:
             submit = [attrs.evolve(side.spec, job_id=ids())] if side.submit else []
             first, side.submit = side.submit, False
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             updates = side.engine.step(submit, [])
-            seconds = time.perf_counter() - start
+            seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
             for update in updates:
                 if not isinstance(update, TextUpdate | Finished):
                     raise RuntimeError(f"benchmark job failed: {update}")
                 if not side.done and not first:
-                    side.steps.append((seconds, update.generated_tokens - side.generated))
+                    side.steps.append((seconds, cpu, update.generated_tokens - side.generated))
                 side.generated = update.generated_tokens
                 if isinstance(update, Finished):
+                    if side.engine is on and not side.done:
+                        after = on.statistics()  # the first job's drafts only
                     side.done, side.submit, side.generated = True, True, 0
-    after = on.statistics()
     drafted = after.drafted_tokens - before.drafted_tokens
     accepted = after.accepted_tokens - before.accepted_tokens
-    speeds = [
-        sum(tokens for _, tokens in side.steps) / sum(seconds for seconds, _ in side.steps)
-        for side in sides
+    tokens = [sum(step[2] for step in side.steps) for side in sides]
+    wall = [t / sum(step[0] for step in side.steps) for t, side in zip(tokens, sides, strict=True)]
+    cpu_speed = [
+        t / sum(step[1] for step in side.steps) for t, side in zip(tokens, sides, strict=True)
     ]
-    return speeds[0], speeds[1], accepted / max(drafted, 1)
+    return wall[0], wall[1], cpu_speed[0] / cpu_speed[1], accepted / max(drafted, 1)
 
 
 def run_speculative(
@@ -559,13 +564,14 @@ def run_speculative(
         for r in range(rounds):
             say(f"speculative bench: round {r + 1}/{rounds}, load average {load_average()}")
             for name, (question, sampling) in SPECULATIVE_PROMPTS.items():
-                fast, plain, taken = speculative_speed(on, off, ids, question, sampling, r)
-                for key, value in (("on", fast), ("off", plain), ("ratio", fast / plain)):
+                fast, plain, cpu, taken = speculative_speed(on, off, ids, question, sampling, r)
+                measured = {"on": fast, "off": plain, "ratio": fast / plain, "cpu": cpu}
+                for key, value in [*measured.items(), ("taken", taken)]:
                     series.setdefault(f"{name} {key}", []).append(value)
-                series.setdefault(f"{name} taken", []).append(taken)
                 say(
                     f"speculative bench: {name}: {fast:.1f} tok/s with drafts, {plain:.1f}"
-                    f" without ({fast / plain:.2f}x), {taken:.0%} of drafts taken"
+                    f" without ({fast / plain:.2f}x; per CPU second {cpu:.2f}x),"
+                    f" {taken:.0%} of drafts taken"
                 )
     finally:
         on.close()
@@ -575,6 +581,7 @@ def run_speculative(
             ("on", f"{name}: decode with --speculative ngram", "tok/s"),
             ("off", f"{name}: decode without", "tok/s"),
             ("ratio", f"{name}: with / without", "x"),
+            ("cpu", f"{name}: with / without, tokens per CPU second", "x"),
             ("taken", f"{name}: share of drafts taken", "x"),
         ):
             values = series[f"{name} {key}"]
