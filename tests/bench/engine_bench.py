@@ -487,6 +487,9 @@ class _Side:
     engine: CpuEngine
     spec: GenerationSpec
     steps: list[tuple[float, float, int]] = attrs.field(factory=list)
+    text: str = ""
+    #: The job running now (a rerun once the first is done).
+    running: int | None = None
     generated: int = 0
     submit: bool = True
     done: bool = False
@@ -519,6 +522,7 @@ def speculative_speed(
     while not all(side.done for side in sides):
         for side in sides if salt % 2 == 0 else sides[::-1]:
             submit = [attrs.evolve(side.spec, job_id=ids())] if side.submit else []
+            side.running = submit[0].job_id if submit else side.running
             first, side.submit = side.submit, False
             start, cpu = time.perf_counter(), time.process_time()
             updates = side.engine.step(submit, [])
@@ -526,13 +530,21 @@ def speculative_speed(
             for update in updates:
                 if not isinstance(update, TextUpdate | Finished):
                     raise RuntimeError(f"benchmark job failed: {update}")
+                if not side.done:
+                    side.text += update.text
                 if not side.done and not first:
                     side.steps.append((seconds, cpu, update.generated_tokens - side.generated))
                 side.generated = update.generated_tokens
                 if isinstance(update, Finished):
+                    side.running = None
                     if side.engine is on and not side.done:
                         after = on.statistics()  # the first job's drafts only
                     side.done, side.submit, side.generated = True, True, 0
+    for side in sides:
+        # A rerun still going would hold the engine's slot in the next measurement.
+        side.engine.step([], [] if side.running is None else [side.running])
+    if sides[0].text != sides[1].text:
+        raise RuntimeError(f"drafts changed the text: {sides[0].text!r} != {sides[1].text!r}")
     drafted = after.drafted_tokens - before.drafted_tokens
     accepted = after.accepted_tokens - before.accepted_tokens
     tokens = [sum(step[2] for step in side.steps) for side in sides]
