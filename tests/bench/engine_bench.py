@@ -578,7 +578,7 @@ def run_speculative(
             for name, (question, sampling) in SPECULATIVE_PROMPTS.items():
                 fast, plain, cpu, taken = speculative_speed(on, off, ids, question, sampling, r)
                 measured = {"on": fast, "off": plain, "ratio": fast / plain, "cpu": cpu}
-                for key, value in [*measured.items(), ("taken", taken)]:
+                for key, value in [*measured.items(), ("taken", 100 * taken)]:
                     series.setdefault(f"{name} {key}", []).append(value)
                 say(
                     f"speculative bench: {name}: {fast:.1f} tok/s with drafts, {plain:.1f}"
@@ -594,7 +594,7 @@ def run_speculative(
             ("off", f"{name}: decode without", "tok/s"),
             ("ratio", f"{name}: with / without", "x"),
             ("cpu", f"{name}: with / without, tokens per CPU second", "x"),
-            ("taken", f"{name}: share of drafts taken", "x"),
+            ("taken", f"{name}: drafts taken", "%"),
         ):
             values = series[f"{name} {key}"]
             results.append(

@@ -50,6 +50,7 @@ from trioserve.engine.cpu_jobs import (
     StepSampler,
     XtcProtected,
     decode_rows,
+    draft_rows,
     prefill_chunk,
     spec_problem,
     start_job,
@@ -373,11 +374,7 @@ class CpuEngine:
         jobs = list(self._slots)
         rules = PrefillRules(self.prefill_chunk, self.prefill_share)
         plan = plan_step([job.state_for_plan() for job in jobs], rules, self._prefill_balance)
-        # Jobs without drafts first: their rows' slots stay consecutive.
-        drafted = sorted(
-            ((jobs[i].draft(self.draft_tokens), jobs[i]) for i in plan.decode),
-            key=lambda d: len(d[0]) > 0,
-        )
+        drafted = draft_rows([jobs[i] for i in plan.decode], self.draft_tokens)
         # Room for every slot's next writes (drafts included); also gives
         # memory back when the longest jobs have left.
         self._cache.fit(

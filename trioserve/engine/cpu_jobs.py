@@ -52,7 +52,7 @@ from trioserve.engine.sampling import (
     sample,
     settings_problem,
 )
-from trioserve.engine.speculative import DraftCounts, NgramIndex, merged
+from trioserve.engine.speculative import DraftCounts, NgramIndex, draft_budget, merged
 from trioserve.engine.text import TextStream
 from trioserve.engine.tokenizer import Tokenizer
 
@@ -61,6 +61,7 @@ __all__ = [
     "StepSampler",
     "XtcProtected",
     "decode_rows",
+    "draft_rows",
     "prefill_chunk",
     "sample_jobs",
     "score_prompt",
@@ -255,6 +256,22 @@ def prefill_chunk(
         return hidden
     score_prompt(job, hidden[0], start, end, weights, texts)
     return hidden[:, -1]
+
+
+def draft_rows(
+    decoding: Sequence[CpuJob], draft_tokens: int
+) -> list[tuple[tuple[int, ...], CpuJob]]:
+    """Each decoding job with its drafts (up to ``draft_tokens`` each, as
+    many in all as :func:`~trioserve.engine.speculative.draft_budget`
+    allows, first come first served), the jobs without drafts first: their
+    rows' slots stay consecutive (one attention call for them all)."""
+    budget = draft_budget(len(decoding), draft_tokens)
+    drafted = []
+    for job in decoding:
+        draft = job.draft(min(draft_tokens, budget))
+        budget -= len(draft)
+        drafted.append((draft, job))
+    return sorted(drafted, key=lambda pair: len(pair[0]) > 0)
 
 
 def decode_rows(

@@ -48,17 +48,21 @@ __all__ = [
     "DraftCounts",
     "NgramIndex",
     "SpeculativeMode",
+    "draft_budget",
     "merged",
 ]
 
 SpeculativeMode = Literal["off", "ngram"]
 #: What the engine's ``speculative`` setting accepts.
 SPECULATIVE_MODES: tuple[SpeculativeMode, ...] = ("off", "ngram")
-#: Drafts fed after a job's pending token, at most, per step. Three make
-#: four rows, which the 4-bit and 8-bit kernels run for about 1.35 times
-#: one row's CPU time; a fifth row costs about as much again (measured on
-#: the embedded model: 1.10x, 1.23x, 1.35x, 1.91x for 2 to 5 rows).
-DEFAULT_DRAFT_TOKENS = 3
+#: Rows of a forward that cost about as much as one more (measured on the
+#: embedded model, one thread, the forward and the vocabulary projection:
+#: 1.10x, 1.23x, 1.35x one row's CPU time for 2 to 4 rows, then 1.91x for
+#: 5): the 4-bit and 8-bit kernels work in blocks of four rows.
+ROW_BLOCK = 4
+#: Drafts fed after a job's pending token, at most, per step: one job's
+#: rows then fill one block.
+DEFAULT_DRAFT_TOKENS = ROW_BLOCK - 1
 #: The context's last n tokens are looked up for n from the longest to the
 #: shortest (vLLM's ``prompt_lookup_max`` and ``prompt_lookup_min``): a
 #: single token recurs everywhere in prose and predicts little.
@@ -107,6 +111,17 @@ class NgramIndex:
             if found is not None:
                 return tuple(tokens[found + 1 : found + 1 + most])
         return ()
+
+
+def draft_budget(rows: int, draft_tokens: int) -> int:
+    """The draft rows a step may add to its ``rows`` decoding jobs' rows:
+    those that fill its last block of ``max(ROW_BLOCK, draft_tokens + 1)``
+    rows. One stream gets ``draft_tokens`` drafts; four streams (with the
+    default) get none, as their forward has no cheap row left: a draft that
+    is not taken would cost them nearly a block's time."""
+    if draft_tokens <= 0:
+        return 0
+    return -rows % max(ROW_BLOCK, draft_tokens + 1)
 
 
 @attrs.define
