@@ -87,9 +87,10 @@ class EngineOptions:
     #: prompts' prefill may take (0 < share <= 1).
     prefill_share: float = 0.5
     #: CPU engine: speculative decoding, ``off`` or ``ngram`` (drafts looked
-    #: up in the job's own context; the output is the same either way), and
+    #: up in the job's own context; the output is the same either way; on by
+    #: default: docs/performance.md measures what it gains and costs), and
     #: the drafts fed per job and step, at most.
-    speculative: SpeculativeMode = "off"
+    speculative: SpeculativeMode = "ngram"
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     #: ExLlamaV2 engine: cache type and size (tokens, a multiple of 256),
     #: GPU split in GB per device (None = autosplit), tensor parallel.

@@ -199,7 +199,8 @@ class CpuEngine:
         ``prefill_share`` (0 < share <= 1) bounds the share of time that
         prompts' prefill takes while other jobs are decoding (see
         :attr:`prefill_share`). ``speculative`` ``"ngram"`` feeds decoding
-        jobs up to ``draft_tokens`` drafts a step (:attr:`draft_tokens`).
+        jobs up to ``draft_tokens`` drafts a step (:attr:`draft_tokens`; off
+        here, on in the server's :class:`~trioserve.engine.EngineOptions`).
 
         Raises:
             ConfigError: a bad dtype, device, context length, batch or thread count.
