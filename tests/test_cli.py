@@ -176,6 +176,8 @@ def test_environment_sets_every_option_and_the_command_line_wins() -> None:
         "vocab_projection": ("bfloat16", "bfloat16"),
         "prefix_cache_mib": ("0", 0),
         "prefill_share": ("0.25", 0.25),
+        "speculative": ("ngram", "ngram"),
+        "draft_tokens": ("6", 6),
         "context_length": ("512", 512),
         "max_batch": ("4", 4),
         "offline": ("yes", True),

@@ -47,6 +47,7 @@ from trioserve.engine.models import (
     cache_root,
     default_model_dir,
 )
+from trioserve.engine.speculative import DEFAULT_DRAFT_TOKENS
 from trioserve.errors import ModelError
 
 GREEDY = SamplingSettings(temperature=0.0, rep_pen=1.0)
@@ -452,7 +453,164 @@ def run(results: list[dict[str, Any]], *, say: Any = print, rounds: int = ROUNDS
     )
 
 
-def markdown(results: Sequence[dict[str, Any]]) -> str:
+#: Speculative decoding's prompts and samplers: two answers that copy the
+#: prompt (where drafts looked up in it pay) and the story (where they should
+#: cost nothing), greedy; and the story sampled (seeded: both sides sample
+#: the same tokens), which repeats itself less than greedy text does.
+CODE = """def total_price(items, discount):
+    total = 0
+    for item in items:
+        total += item.price * item.quantity
+    if discount:
+        total = total * (1 - discount)
+    return total
+"""
+STORY = "Tell me a long story about lighthouse number {salt}."
+SPECULATIVE_PROMPTS = {
+    "summary": ("Summarize this paragraph in two sentences:\n\n" + PARAGRAPH * 2, GREEDY),
+    "code edit": (
+        "Add type hints to this Python function. Show the complete function.\n"
+        f"```python\n{CODE}```",
+        GREEDY,
+    ),
+    "story": (STORY, GREEDY),
+    "story, sampled": (STORY, SamplingSettings(temperature=0.8, top_p=0.95, rep_pen=1.0, seed=7)),
+}
+SPECULATIVE_TOKENS = 128
+
+
+@attrs.define
+class _Side:
+    """One engine of :func:`speculative_speed`: its job, and its first job's
+    decode steps (wall-clock seconds, CPU seconds, tokens)."""
+
+    engine: CpuEngine
+    spec: GenerationSpec
+    steps: list[tuple[float, float, int]] = attrs.field(factory=list)
+    text: str = ""
+    #: The job running now (a rerun once the first is done).
+    running: int | None = None
+    generated: int = 0
+    submit: bool = True
+    done: bool = False
+
+
+def speculative_speed(
+    on: CpuEngine,
+    off: CpuEngine,
+    ids: _Ids,
+    question: str,
+    sampling: SamplingSettings,
+    salt: int,
+) -> tuple[float, float, float, float]:
+    """Decode tokens per second of one job on ``on`` (drafts on) and on
+    ``off`` (drafts off), the ratio of their tokens per CPU second (the
+    process's, all threads), and the share of drafts taken on ``on``.
+
+    The two engines are stepped alternately (which goes first alternates
+    with ``salt``), so that both see the same machine load step by step; a
+    side whose job is done runs it again, unmeasured, until the other's is
+    done. Each side's speed is its first job's tokens over its time, its
+    first step (the prefill and first token) left out. Both produce the
+    same tokens (greedy or seeded text does not depend on speculation).
+    CPU time is less sensitive than wall-clock time to other processes
+    (with one torch thread it is hardly sensitive at all); both are given."""
+    prompt = tuple(on.encode(chat(f"Request {salt}. " + question.format(salt=salt))))
+    spec = attrs.evolve(_spec(ids(), prompt, SPECULATIVE_TOKENS), sampling=sampling)
+    sides = [_Side(engine, spec) for engine in (on, off)]
+    before = after = on.statistics()
+    while not all(side.done for side in sides):
+        for side in sides if salt % 2 == 0 else sides[::-1]:
+            submit = [attrs.evolve(side.spec, job_id=ids())] if side.submit else []
+            side.running = submit[0].job_id if submit else side.running
+            first, side.submit = side.submit, False
+            start, cpu = time.perf_counter(), time.process_time()
+            updates = side.engine.step(submit, [])
+            seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+            for update in updates:
+                if not isinstance(update, TextUpdate | Finished):
+                    raise RuntimeError(f"benchmark job failed: {update}")
+                if not side.done:
+                    side.text += update.text
+                if not side.done and not first:
+                    side.steps.append((seconds, cpu, update.generated_tokens - side.generated))
+                side.generated = update.generated_tokens
+                if isinstance(update, Finished):
+                    side.running = None
+                    if side.engine is on and not side.done:
+                        after = on.statistics()  # the first job's drafts only
+                    side.done, side.submit, side.generated = True, True, 0
+    for side in sides:
+        # A rerun still going would hold the engine's slot in the next measurement.
+        side.engine.step([], [] if side.running is None else [side.running])
+    if sides[0].text != sides[1].text:
+        raise RuntimeError(f"drafts changed the text: {sides[0].text!r} != {sides[1].text!r}")
+    drafted = after.drafted_tokens - before.drafted_tokens
+    accepted = after.accepted_tokens - before.accepted_tokens
+    tokens = [sum(step[2] for step in side.steps) for side in sides]
+    wall = [t / sum(step[0] for step in side.steps) for t, side in zip(tokens, sides, strict=True)]
+    cpu_speed = [
+        t / sum(step[1] for step in side.steps) for t, side in zip(tokens, sides, strict=True)
+    ]
+    return wall[0], wall[1], cpu_speed[0] / cpu_speed[1], accepted / max(drafted, 1)
+
+
+def run_speculative(
+    results: list[dict[str, Any]],
+    *,
+    say: Any = print,
+    rounds: int = ROUNDS,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+) -> None:
+    """Speculative decoding by prompt lookup against plain decoding, one
+    stream, on each of :data:`SPECULATIVE_PROMPTS`: one row per prompt and
+    figure, medians over ``rounds`` (ratios taken per round)."""
+    default_model_dir()
+    on = CpuEngine.load(max_batch=1, speculative="ngram", draft_tokens=draft_tokens)
+    off = CpuEngine.load(max_batch=1)
+    ids = _Ids()
+    series: dict[str, list[float]] = {}
+    try:
+        _drive(on, [_spec(ids(), on.encode(chat("Hello")), 8)])
+        _drive(off, [_spec(ids(), off.encode(chat("Hello")), 8)])
+        for r in range(rounds):
+            say(f"speculative bench: round {r + 1}/{rounds}, load average {load_average()}")
+            for name, (question, sampling) in SPECULATIVE_PROMPTS.items():
+                fast, plain, cpu, taken = speculative_speed(on, off, ids, question, sampling, r)
+                measured = {"on": fast, "off": plain, "ratio": fast / plain, "cpu": cpu}
+                for key, value in [*measured.items(), ("taken", 100 * taken)]:
+                    series.setdefault(f"{name} {key}", []).append(value)
+                say(
+                    f"speculative bench: {name}: {fast:.1f} tok/s with drafts, {plain:.1f}"
+                    f" without ({fast / plain:.2f}x; per CPU second {cpu:.2f}x),"
+                    f" {taken:.0%} of drafts taken"
+                )
+    finally:
+        on.close()
+        off.close()
+    for name in SPECULATIVE_PROMPTS:
+        for key, metric, unit in (
+            ("on", f"{name}: decode with --speculative ngram", "tok/s"),
+            ("off", f"{name}: decode without", "tok/s"),
+            ("ratio", f"{name}: with / without", "x"),
+            ("cpu", f"{name}: with / without, tokens per CPU second", "x"),
+            ("taken", f"{name}: drafts taken", "%"),
+        ):
+            values = series[f"{name} {key}"]
+            results.append(
+                {
+                    "section": "speculative",
+                    "metric": metric,
+                    "value": _median(values),
+                    "unit": unit,
+                    "target": None,
+                    "llama_cpp": None,
+                    "spread": (min(values), max(values)),
+                }
+            )
+
+
+def markdown(results: Sequence[dict[str, Any]], section: str = "engine") -> str:
     have_ref = any(r["llama_cpp"] is not None for r in results)
     head = "| metric | trioserve cpu (median, rounds' range) | target |" + (
         " llama.cpp (Q4_1) |" if have_ref else ""
@@ -464,7 +622,7 @@ def markdown(results: Sequence[dict[str, Any]]) -> str:
         return f"{value:.2f}x" if unit == "x" else f"{value:.3g} {unit}"
 
     for r in results:
-        if r["section"] != "engine":
+        if r["section"] != section:
             continue
         value = fmt(r["value"], r["unit"])
         if r.get("spread"):
@@ -493,11 +651,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rss-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="rounds (medians over them)")
+    parser.add_argument(
+        "--speculative", action="store_true", help="only speculative decoding against plain"
+    )
     args = parser.parse_args(argv)
     if args.rss_child:
         peak_rss_child()
         return
     results: list[dict[str, Any]] = []
+    if args.speculative:
+        run_speculative(results, say=lambda line: print(line, file=sys.stderr), rounds=args.rounds)
+        print(f"Speculative decoding: {environment()}; load average {load_average()} after\n")
+        print(markdown(results, "speculative"))
+        return
     before = load_average()
     run(results, say=lambda line: print(line, file=sys.stderr, flush=True), rounds=args.rounds)
     print(f"Engine (CPU): {environment()}; load average {before} before, {load_average()} after\n")

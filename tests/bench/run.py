@@ -11,6 +11,7 @@ top of the output. Progress goes to stderr, the tables to stdout.
     python tests/bench/run.py --only hostile   # the hostile-client bench (docs/reliability.md)
     python tests/bench/run.py --only constraints  # structured output's cost (docs/performance.md)
     python tests/bench/run.py --only choices   # n choices against n requests (docs/performance.md)
+    python tests/bench/run.py --only speculative  # drafts by prompt lookup against plain decoding
     python tests/bench/run.py --only llama-server  # trioserve against llama.cpp's llama-server
 """
 
@@ -46,7 +47,7 @@ from trioserve.engine.cpu import DTYPES, CpuEngine  # noqa: E402
 from trioserve.engine.models import default_model_dir  # noqa: E402
 from trioserve.generation.engine_thread import open_engine_thread  # noqa: E402
 
-PARTS = ("engine", "server", "hostile", "constraints", "choices", "llama-server")
+PARTS = ("engine", "server", "hostile", "constraints", "choices", "speculative", "llama-server")
 
 
 def cpu_model() -> str:
@@ -184,6 +185,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices_bench.run(choice_results, say=say)
         print("\n## Several choices\n")
         print(choices_bench.markdown(choice_results))
+    if "speculative" in parts:
+        say("speculative bench")
+        speculative_results: list[dict[str, Any]] = []
+        engine_bench.run_speculative(
+            speculative_results, say=say, rounds=3 if args.quick else engine_bench.ROUNDS
+        )
+        print("\n## Speculative decoding\n")
+        print(engine_bench.markdown(speculative_results, "speculative"))
     if "llama-server" in parts:
         say("trioserve against llama-server (skipped, saying why, without the binary)")
         versus: list[dict[str, Any]] = []

@@ -16,7 +16,7 @@ from typing import Any, Final, Literal
 
 import attrs
 
-from ..engine import VOCAB_PROJECTIONS, EngineOptions
+from ..engine import SPECULATIVE_MODES, VOCAB_PROJECTIONS, EngineOptions
 from ..engine.base import WEIGHT_MODES
 from ..logs import LOG_FORMATS, LOG_LEVELS
 from ..server import ServerConfig
@@ -361,6 +361,24 @@ OPTIONS: Final[tuple[Option, ...]] = (
         E,
         _number,
         "SHARE",
+    ),
+    Option(
+        "speculative",
+        MODEL,
+        "cpu engine: speculative decoding: ngram feeds each stream up to --draft-tokens tokens "
+        "looked up in its own prompt and output and keeps those the model agrees with, several "
+        "tokens a step when the answer copies its prompt (code edits, quotes); the text is the "
+        "same either way",
+        E,
+        choices=SPECULATIVE_MODES,
+    ),
+    Option(
+        "draft_tokens",
+        MODEL,
+        "cpu engine: with --speculative ngram, the tokens drafted per stream and step, at most",
+        E,
+        _positive_int,
+        "N",
     ),
     Option(
         "threads",

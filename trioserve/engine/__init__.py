@@ -25,9 +25,11 @@ from .base import (
     TextUpdate,
     Update,
 )
+from .speculative import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES, SpeculativeMode
 
 __all__ = [
     "ENGINE_NAMES",
+    "SPECULATIVE_MODES",
     "VOCAB_PROJECTIONS",
     "Engine",
     "EngineInfo",
@@ -84,6 +86,12 @@ class EngineOptions:
     #: CPU engine: while jobs decode, the share of the engine's time that
     #: prompts' prefill may take (0 < share <= 1).
     prefill_share: float = 0.5
+    #: CPU engine: speculative decoding, ``off`` or ``ngram`` (drafts looked
+    #: up in the job's own context; the output is the same either way; on by
+    #: default: docs/performance.md measures what it gains and costs), and
+    #: the drafts fed per job and step, at most.
+    speculative: SpeculativeMode = "ngram"
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS
     #: ExLlamaV2 engine: cache type and size (tokens, a multiple of 256),
     #: GPU split in GB per device (None = autosplit), tensor parallel.
     cache_type: str = "fp16"
@@ -109,6 +117,12 @@ class EngineOptions:
             )
         if not 0.0 < self.prefill_share <= 1.0:
             raise ConfigError(f"prefill share must be > 0 and <= 1, got {self.prefill_share!r}")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ConfigError(
+                f"speculative must be one of {SPECULATIVE_MODES}, got {self.speculative!r}"
+            )
+        if self.draft_tokens < 1:
+            raise ConfigError(f"draft tokens must be >= 1, got {self.draft_tokens!r}")
         if self.prefix_cache_mib < 0:
             raise ConfigError(f"prefix cache must be >= 0 MiB, got {self.prefix_cache_mib!r}")
         if self.cache_size is not None and (self.cache_size <= 0 or self.cache_size % 256):
@@ -157,6 +171,8 @@ def load_engine(options: EngineOptions) -> Engine:
             prefix_cache_bytes=options.prefix_cache_mib * 2**20,
             prefill_share=options.prefill_share,
             projection=options.vocab_projection,
+            speculative=options.speculative,
+            draft_tokens=options.draft_tokens,
         )
     from .exllamav2 import ExLlamaV2Engine, probe_exllamav2
 

@@ -41,15 +41,17 @@ from trioserve.engine import llama
 from trioserve.engine.base import (
     EngineInfo,
     Failed,
-    Finished,
     GenerationSpec,
     Update,
 )
 from trioserve.engine.constraint import CONSTRAINT_KINDS
 from trioserve.engine.cpu_jobs import (
     CpuJob,
+    StepSampler,
+    XtcProtected,
+    decode_rows,
+    draft_rows,
     prefill_chunk,
-    sample_jobs,
     spec_problem,
     start_job,
 )
@@ -59,13 +61,14 @@ from trioserve.engine.models import DEFAULT_MODEL_NAME, default_model_dir
 from trioserve.engine.plan import Chunk, PrefillRules, plan_step
 from trioserve.engine.prefix import PrefixCache, PrefixCacheStatistics
 from trioserve.engine.quant import weight_kind
-from trioserve.engine.samplers import xtc_protected_ids
+from trioserve.engine.speculative import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError
 
 __all__ = [
     "DEFAULT_PREFIX_CACHE_BYTES",
     "DTYPES",
+    "SPECULATIVE_MODES",
     "WEIGHT_MODES",
     "CpuEngine",
     "CpuEngineStatistics",
@@ -98,6 +101,10 @@ class CpuEngineStatistics:
     #: Steps that ran only the decoding jobs although prompts were waiting for
     #: their prefill, because prefill had had its share (:attr:`CpuEngine.prefill_share`).
     prefill_deferrals: int = 0
+    #: Draft tokens fed after decoding jobs' pending tokens, and those of
+    #: them sampled as they were (:attr:`CpuEngine.draft_tokens`).
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 DTYPES: dict[str, torch.dtype] = {
@@ -120,6 +127,8 @@ class CpuEngine:
     _device: torch.device
     _prefix_cache: PrefixCache
     _texts: TokenTexts
+    #: Samples each step's rows and settles their jobs.
+    _sampler: StepSampler
     #: Prompt tokens per prefill chunk, and the prefill budget of one step
     #: over all new jobs (a step runs at least one chunk, and never splits one).
     prefill_chunk: int = 512
@@ -129,6 +138,10 @@ class CpuEngine:
     #: prefill per chunk on a CPU: without a share, every decoding job would
     #: get one token per chunk for as long as it lasts.
     prefill_share: float = 0.5
+    #: Draft tokens fed after each decoding job's pending token, at most
+    #: (speculative decoding by prompt lookup, :mod:`trioserve.engine.speculative`);
+    #: 0 turns speculation off. Outputs are the same either way.
+    draft_tokens: int = 0
     _waiting: deque[GenerationSpec] = attrs.field(factory=deque)
     _slots: list[CpuJob] = attrs.field(factory=list)
     #: Seconds of engine time that prefill may still take beside decoding
@@ -141,12 +154,8 @@ class CpuEngine:
     #: The weights' bytes, counted once at load (statistics() is read after
     #: every step; walking the weights costs about 0.1 ms).
     _weight_bytes: int = 0
-    #: The ids XTC never removes, built when a job first uses XTC. [V] bool
-    _xtc_protected: Tensor | None = None
     #: Compiles the requests' constraints for this model (off this thread).
     _grammars: Grammars | None = None
-    #: The step's constraint bitmask, allocated once.
-    _masks: MaskRows | None = None
 
     @classmethod
     def load(
@@ -163,6 +172,8 @@ class CpuEngine:
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         prefill_share: float = 0.5,
         projection: str = "auto",
+        speculative: str = "off",
+        draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     ) -> CpuEngine:
         """Load a Llama-family Hugging Face directory (the embedded SmolLM2 when
         ``model_dir`` is None, obtained with :func:`default_model_dir`).
@@ -187,7 +198,9 @@ class CpuEngine:
 
         ``prefill_share`` (0 < share <= 1) bounds the share of time that
         prompts' prefill takes while other jobs are decoding (see
-        :attr:`prefill_share`).
+        :attr:`prefill_share`). ``speculative`` ``"ngram"`` feeds decoding
+        jobs up to ``draft_tokens`` drafts a step (:attr:`draft_tokens`; off
+        here, on in the server's :class:`~trioserve.engine.EngineOptions`).
 
         Raises:
             ConfigError: a bad dtype, device, context length, batch or thread count.
@@ -202,6 +215,8 @@ class CpuEngine:
             weights=weights,
             prefix_cache_bytes=prefix_cache_bytes,
             prefill_share=prefill_share,
+            speculative=speculative,
+            draft_tokens=draft_tokens,
         )
         name = DEFAULT_MODEL_NAME
         if model_dir is None:
@@ -262,22 +277,30 @@ class CpuEngine:
             torch.get_num_threads(),
         )
         _give_back_freed_memory()
+        texts = TokenTexts(tokenizer)
         return cls(
             tokenizer=tokenizer,
             config=config,
             weights=model,
             cache=cache,
             prefix_cache=PrefixCache(prefix_cache_bytes, PREFIX_BLOCK_TOKENS),
-            texts=TokenTexts(tokenizer),
+            texts=texts,
+            sampler=StepSampler(
+                config.vocab_size,
+                torch_device,
+                texts,
+                XtcProtected(tokenizer, config.vocab_size, torch_device),
+                MaskRows(config.vocab_size, max_batch),
+            ),
             rope=llama.rope_tables(config, context, torch_device),
             info=info,
             device=torch_device,
             prefill_share=prefill_share,
+            draft_tokens=draft_tokens if speculative == "ngram" else 0,
             weight_bytes=model.nbytes,
             grammars=Grammars.for_model(
                 model_dir, vocab_size=config.vocab_size, eos_ids=tokenizer.eos_token_ids
             ),
-            masks=MaskRows(config.vocab_size, max_batch),
         )
 
     @property
@@ -312,6 +335,8 @@ class CpuEngine:
             weight_bytes=0 if self._weights is None else self._weight_bytes,
             prefix_cache=self._prefix_cache.statistics(),
             prefill_deferrals=self._prefill_deferrals,
+            drafted_tokens=self._sampler.drafts.drafted,
+            accepted_tokens=self._sampler.drafts.accepted,
         )
 
     def encode(self, text: str) -> list[int]:
@@ -350,9 +375,12 @@ class CpuEngine:
         jobs = list(self._slots)
         rules = PrefillRules(self.prefill_chunk, self.prefill_share)
         plan = plan_step([job.state_for_plan() for job in jobs], rules, self._prefill_balance)
-        # Room for every slot's next writes; also gives memory back when the
-        # longest jobs have left.
-        self._cache.fit(len(jobs), plan.positions)
+        drafted = draft_rows([jobs[i] for i in plan.decode], self.draft_tokens)
+        # Room for every slot's next writes (drafts included); also gives
+        # memory back when the longest jobs have left.
+        self._cache.fit(
+            len(jobs), max([plan.positions, *(j.cached + len(d) + 1 for d, j in drafted)])
+        )
         for job in jobs:
             if job.restore:
                 self._cache.write(job.slot, 0, torch.cat(job.restore, dim=2))
@@ -363,14 +391,15 @@ class CpuEngine:
         step_started = time.perf_counter()
         rows, row_hidden = self._prefill(weights, jobs, plan.chunks, updates)
         prefill_seconds = time.perf_counter() - step_started
-        decoding = [jobs[i] for i in plan.decode]
-        if decoding:
-            out = self._decode(weights, decoding, updates)
-            if out is not None:
-                rows.extend(decoding)
-                row_hidden.append(out)
+        drafts: list[tuple[int, ...]] = [() for _ in rows]
+        if drafted and (out := self._decode(weights, drafted, updates)) is not None:
+            rows.extend(job for _, job in drafted)
+            drafts.extend(draft for draft, _ in drafted)
+            row_hidden.append(out)
         if rows:
-            updates.extend(self._sample(weights, rows, torch.cat(row_hidden)))
+            hidden = torch.cat(row_hidden)
+            settle = (self._finish, self._fail)
+            updates.extend(self._sampler.sample(weights, rows, drafts, hidden, *settle))
         self._prefill_balance = plan.balance_after(
             self._prefill_balance,
             self.prefill_share,
@@ -436,75 +465,36 @@ class CpuEngine:
                 updates.append(self._fail(job, f"the engine failed during prefill: {exc}"))
                 continue
             job.cached = chunk.end
-            if chunk.completes and (job.spec.share_prompt or job.spec.max_new_tokens == 0):
+            if chunk.completes and job.spec.share_prompt:
                 self._keep_prefix(job)  # the choices that follow start from it
             if chunk.completes and job.spec.max_new_tokens == 0:
                 updates.append(job.finish_scored())  # only scored: no token to sample
-                self._free(job)
+                self._finish(job)
             elif chunk.completes:
                 rows.append(job)
                 row_hidden.append(hidden)
         return rows, row_hidden
 
     def _decode(
-        self, weights: llama.LlamaWeights, decoding: list[CpuJob], updates: list[Update]
+        self,
+        weights: llama.LlamaWeights,
+        drafted: list[tuple[tuple[int, ...], CpuJob]],
+        updates: list[Update],
     ) -> Tensor | None:
-        """Feed each decoding job its pending token in one batched forward;
-        their last hidden states, or None when the forward failed (and failed them)."""
+        """Feed each decoding job its pending token, then its drafts, a row
+        each, in one batched forward; the rows' hidden states, or None when
+        the forward failed (and failed them)."""
         try:
-            out = llama.forward(
-                weights,
-                self._config,
-                self._cache,
-                self._rope,
-                torch.tensor([job.pending for job in decoding], device=self._device)[:, None],
-                torch.tensor([job.cached for job in decoding], device=self._device)[:, None],
-                torch.tensor([job.slot for job in decoding], device=self._device),
-            )
+            where = (self._config, self._cache, self._rope, self._device)
+            out = decode_rows(weights, *where, drafted)
         except RuntimeError as exc:
-            log.exception("decode step of %d jobs failed", len(decoding))
-            for job in decoding:
+            log.exception("decode step of %d jobs failed", len(drafted))
+            for _, job in drafted:
                 updates.append(self._fail(job, f"the engine failed during decoding: {exc}"))
             return None
-        for job in decoding:
+        for _, job in drafted:
             job.cached += 1
         return out
-
-    def _sample(self, w: llama.LlamaWeights, rows: list[CpuJob], hidden: Tensor) -> list[Update]:
-        updates: list[Update] = []
-        outcomes = sample_jobs(
-            rows,
-            llama.logits(w, hidden),
-            self._xtc_mask,
-            vocab=self._config.vocab_size,
-            device=self._device,
-            masks=self._masks,
-            exact=lambda index, ids: llama.exact_logits(w, hidden[index], ids),
-        )
-        for job, outcome, raw in outcomes:
-            if isinstance(outcome, str):
-                # A constraint's own failure says so; the sampler's gets its prefix.
-                constraint = outcome.startswith("the constraint")
-                updates.append(
-                    self._fail(job, outcome if constraint else f"sampling failed: {outcome}")
-                )
-                continue
-            update = job.accept(outcome, None if raw is None else self._texts.entry(raw))
-            if isinstance(update, Finished):
-                self._keep_prefix(job)
-                self._free(job)
-            updates.append(update)
-        return updates
-
-    def _xtc_mask(self, rows: Sequence[CpuJob]) -> Tensor | None:
-        if all(job.spec.sampling.xtc_probability == 0 for job in rows):
-            return None
-        if self._xtc_protected is None:
-            mask = torch.zeros(self._config.vocab_size, dtype=torch.bool)
-            ids = [i for i in xtc_protected_ids(self._tokenizer) if i < mask.numel()]
-            mask[ids] = True
-            self._xtc_protected = mask.to(self._device)
-        return self._xtc_protected
 
     def _fail(self, job: CpuJob, message: str) -> Failed:
         self._free(job)
@@ -514,8 +504,11 @@ class CpuEngine:
         self._waiting = deque(spec for spec in self._waiting if spec.job_id not in job_ids)
         for job in [job for job in self._slots if job.spec.job_id in job_ids]:
             # What a stopped job computed is as good as a finished one's.
-            self._keep_prefix(job)
-            self._free(job)
+            self._finish(job)
+
+    def _finish(self, job: CpuJob) -> None:
+        self._keep_prefix(job)
+        self._free(job)
 
     def _keep_prefix(self, job: CpuJob) -> None:
         """Offer the job's cached positions to the prefix cache (whole blocks)."""
@@ -564,6 +557,8 @@ def _checked_device(
     weights: str,
     prefix_cache_bytes: int,
     prefill_share: float,
+    speculative: str,
+    draft_tokens: int,
 ) -> torch.device:
     """:meth:`CpuEngine.load`'s checks of its arguments; the torch device.
     Sets torch's thread count when ``threads`` is given."""
@@ -586,6 +581,12 @@ def _checked_device(
         raise ConfigError(f"max_batch must be >= 1, got {max_batch!r}")
     if not 0.0 < prefill_share <= 1.0:
         raise ConfigError(f"prefill_share must be > 0 and <= 1, got {prefill_share!r}")
+    if speculative not in SPECULATIVE_MODES:
+        raise ConfigError(
+            f"speculative must be one of {list(SPECULATIVE_MODES)!r}, got {speculative!r}"
+        )
+    if draft_tokens < 1:
+        raise ConfigError(f"draft_tokens must be >= 1, got {draft_tokens!r}")
     if prefix_cache_bytes < 0:
         raise ConfigError(f"prefix_cache_bytes must be >= 0, got {prefix_cache_bytes!r}")
     if threads is not None:

@@ -8,6 +8,7 @@ neither.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -19,11 +20,13 @@ from torch import Tensor
 from trioserve.engine import llama
 from trioserve.engine.base import (
     MAX_TOP_LOGPROBS,
+    Failed,
     Finished,
     FinishReason,
     GenerationSpec,
     TextUpdate,
     TokenLogprob,
+    Update,
 )
 from trioserve.engine.grammars import JobMatcher, MaskRows
 from trioserve.engine.logprobs import (
@@ -36,7 +39,12 @@ from trioserve.engine.logprobs import (
 )
 from trioserve.engine.plan import JobState
 from trioserve.engine.prefix import PrefixCache
-from trioserve.engine.samplers import DryHistory, bias_row, sequence_breaker_ids
+from trioserve.engine.samplers import (
+    DryHistory,
+    bias_row,
+    sequence_breaker_ids,
+    xtc_protected_ids,
+)
 from trioserve.engine.sampling import (
     RowState,
     SamplingError,
@@ -44,11 +52,16 @@ from trioserve.engine.sampling import (
     sample,
     settings_problem,
 )
+from trioserve.engine.speculative import DraftCounts, NgramIndex, draft_budget, merged
 from trioserve.engine.text import TextStream
 from trioserve.engine.tokenizer import Tokenizer
 
 __all__ = [
     "CpuJob",
+    "StepSampler",
+    "XtcProtected",
+    "decode_rows",
+    "draft_rows",
     "prefill_chunk",
     "sample_jobs",
     "score_prompt",
@@ -108,9 +121,37 @@ class CpuJob:
     released: int = 0
     #: With ``spec.prompt_logprobs``: the prompt's entries computed so far.
     prompt_entries: list[TokenLogprob] = attrs.field(factory=list)
+    #: Where the context's n-grams last ended, once the job drafts.
+    lookup: NgramIndex | None = None
+    #: Drafts to feed at the next step that finds some, at most (see
+    #: :meth:`drafts_taken`); None: as many as the engine allows.
+    draft_limit: int | None = None
 
     def state_for_plan(self) -> JobState:
         return JobState(len(self.prompt), self.cached, decoding=self.pending is not None)
+
+    def draft(self, most: int) -> tuple[int, ...]:
+        """Up to ``most`` tokens to feed after the pending one, looked up in
+        the job's context (:mod:`trioserve.engine.speculative`); no more than
+        its ``max_new_tokens`` leave room to sample after them."""
+        most = min(most, self.draft_limit or most, self.spec.max_new_tokens - self.generated - 1)
+        if most <= 0:
+            return ()
+        if self.lookup is None:
+            self.lookup = NgramIndex()
+        return self.lookup.draft(self.tokens, most)
+
+    def drafts_taken(self, fed: int, taken: int) -> None:
+        """Adapt the draft length to how often this job's drafts are taken
+        (the heuristic of Hugging Face's assisted generation): two more after
+        a step that took every draft, one fewer (but at least one) after a
+        step that did not. A draft that is not taken costs a row of the
+        forward: a job whose context does not predict its text drafts one
+        token at a time."""
+        if taken >= fed:
+            self.draft_limit = fed + 2
+        else:
+            self.draft_limit = max(1, min(self.draft_limit or fed, fed) - 1)
 
     def accept(self, token: int, entry: TokenLogprob | None = None) -> TextUpdate | Finished:
         """Take the sampled ``token`` (it is fed at the next decode step) and
@@ -218,6 +259,46 @@ def prefill_chunk(
         return hidden
     score_prompt(job, hidden[0], start, end, weights, texts)
     return hidden[:, -1]
+
+
+def draft_rows(
+    decoding: Sequence[CpuJob], draft_tokens: int
+) -> list[tuple[tuple[int, ...], CpuJob]]:
+    """Each decoding job with its drafts (up to ``draft_tokens`` each, as
+    many in all as :func:`~trioserve.engine.speculative.draft_budget`
+    allows, first come first served), the jobs without drafts first: their
+    rows' slots stay consecutive (one attention call for them all)."""
+    budget = draft_budget(len(decoding), draft_tokens)
+    drafted = []
+    for job in decoding:
+        draft = job.draft(min(draft_tokens, budget))
+        budget -= len(draft)
+        drafted.append((draft, job))
+    return sorted(drafted, key=lambda pair: len(pair[0]) > 0)
+
+
+def decode_rows(
+    weights: llama.LlamaWeights,
+    config: llama.LlamaConfig,
+    cache: llama.KVCache,
+    rope: tuple[Tensor, Tensor],
+    device: torch.device,
+    drafted: Sequence[tuple[Sequence[int], CpuJob]],
+) -> Tensor:
+    """Feed each decoding job its pending token, then its drafts, a row each
+    (in the job's slot, at its next positions), in one batched forward; the
+    rows' hidden states (``[R, D]``). A job's rows attend as decode rows do,
+    so each gives the logits that plain decoding would (see ``llama._spans``)."""
+    fed = [(t, job, i) for draft, job in drafted for i, t in enumerate((job.pending, *draft))]
+    return llama.forward(
+        weights,
+        config,
+        cache,
+        rope,
+        torch.tensor([t for t, _, _ in fed], device=device)[:, None],
+        torch.tensor([job.cached + i for _, job, i in fed], device=device)[:, None],
+        torch.tensor([job.slot for _, job, _ in fed], device=device),
+    )
 
 
 def score_prompt(
@@ -370,6 +451,130 @@ def start_job(
         entries=None if spec.logprobs is None else EntryQueue(),
         prompt_entries=[texts.first(prompt[0])] if scored else [],
     )
+
+
+class XtcProtected:
+    """The ids XTC never removes (``[V]`` bool), built when a job first uses XTC."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab: int, device: torch.device) -> None:
+        self._tokenizer = tokenizer
+        self._vocab = vocab
+        self._device = device
+        self._mask: Tensor | None = None
+
+    def __call__(self, rows: Sequence[CpuJob]) -> Tensor | None:
+        """The mask, or None when no row uses XTC."""
+        if all(job.spec.sampling.xtc_probability == 0 for job in rows):
+            return None
+        if self._mask is None:
+            mask = torch.zeros(self._vocab, dtype=torch.bool)
+            mask[[i for i in xtc_protected_ids(self._tokenizer) if i < self._vocab]] = True
+            self._mask = mask.to(self._device)
+        return self._mask
+
+
+@attrs.frozen
+class StepSampler:
+    """What sampling a step's rows needs of the engine, made once at its load."""
+
+    vocab: int
+    device: torch.device
+    texts: TokenTexts
+    xtc: XtcProtected
+    #: The step's constraint bitmask, allocated once.
+    masks: MaskRows | None
+    #: Drafts fed and accepted so far.
+    drafts: DraftCounts = attrs.field(factory=DraftCounts)
+
+    def sample(
+        self,
+        weights: llama.LlamaWeights,
+        rows: list[CpuJob],
+        drafts: Sequence[Sequence[int]],
+        hidden: Tensor,
+        finish: Callable[[CpuJob], None],
+        fail: Callable[[CpuJob, str], Failed],
+    ) -> list[Update]:
+        """Sample the step's tokens and let each job take them; their updates.
+
+        ``hidden`` (``[R, D]``) holds, job after job, the hidden state of
+        each position the step fed it: its pending token's (or its last
+        prompt token's), then one per draft of ``drafts[i]`` (row i's drafts,
+        fed after it). See :meth:`settle`.
+        """
+        exact = _exact_rows(weights, hidden)
+        return self.settle(rows, drafts, llama.logits(weights, hidden), exact, finish, fail)
+
+    def settle(
+        self,
+        rows: list[CpuJob],
+        drafts: Sequence[Sequence[int]],
+        logits: Tensor,
+        exact: Exact,
+        finish: Callable[[CpuJob], None],
+        fail: Callable[[CpuJob, str], Failed],
+    ) -> list[Update]:
+        """:meth:`sample` from the rows' ``logits`` (``[R, V]``, and
+        ``exact`` logits of some of their ids for log probabilities).
+
+        A job takes the token sampled at its first position, then, while
+        that token is the draft fed after it, the next position's
+        (:mod:`trioserve.engine.speculative`); its updates are merged into
+        one. ``finish`` is called with each job that ended (it frees the
+        slot); ``fail`` gives the failure of a job that could not be sampled.
+        """
+        starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
+        taken: list[list[Update]] = [[] for _ in rows]
+        row_of = {job: row for row, job in enumerate(rows)}
+        first_token = {job: len(job.tokens) for job in rows}
+        order: list[int] = []  # sample_jobs' order: the jobs that failed early first
+        live = list(range(len(rows)))
+        depth = 0
+        while live:
+            index = torch.tensor([starts[row] + depth for row in live], device=logits.device)
+            whole = index.numel() == logits.shape[0]  # the usual step: no drafts
+            outcomes = sample_jobs(
+                [rows[row] for row in live],
+                logits if whole else logits.index_select(0, index),
+                self.xtc,
+                vocab=self.vocab,
+                device=self.device,
+                masks=self.masks,
+                exact=exact if whole else _kept_rows(exact, index),
+            )
+            live = []
+            for job, outcome, raw in outcomes:
+                row = row_of[job]
+                if depth == 0:
+                    order.append(row)
+                if isinstance(outcome, str):
+                    # A constraint's own failure says so; the sampler's gets its prefix.
+                    failure = outcome if outcome.startswith("the constraint") else None
+                    taken[row].append(fail(job, failure or f"sampling failed: {outcome}"))
+                    continue
+                update = job.accept(outcome, None if raw is None else self.texts.entry(raw))
+                taken[row].append(update)
+                agreed = depth < len(drafts[row]) and outcome == drafts[row][depth]
+                self.drafts.accepted += agreed
+                if isinstance(update, Finished):
+                    finish(job)
+                elif agreed:
+                    # The draft fed at the next position is the token taken:
+                    # that position's keys, values and logits are the job's.
+                    job.cached += 1
+                    live.append(row)
+            live.sort()
+            depth += 1
+        for job, draft in zip(rows, drafts, strict=True):
+            if draft:
+                job.drafts_taken(len(draft), len(job.tokens) - 1 - first_token[job])
+        self.drafts.drafted += sum(len(draft) for draft in drafts)
+        return [update for row in order for update in merged(taken[row])]
+
+
+def _exact_rows(weights: llama.LlamaWeights, hidden: Tensor) -> Exact:
+    """The exact logits of some ids of some rows of ``hidden``."""
+    return lambda index, ids: llama.exact_logits(weights, hidden[index], ids)
 
 
 def sample_jobs(

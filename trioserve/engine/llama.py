@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -455,22 +456,33 @@ def _spans(
     b, c = positions.shape
     step = ATTENTION_BUCKET
     ends = [min(-(-(n + 1) // step) * step, cache.length) for n in positions.amax(dim=1).tolist()]
+    # Rows that share a slot (a job's draft positions, see
+    # trioserve.engine.speculative) are kept together in spans of their own,
+    # each attending to a view of that one slot.
+    counts = Counter(slots)
+    keys = [(end, slot if counts[slot] > 1 else -1) for end, slot in zip(ends, slots, strict=True)]
     device = positions.device
     spans: list[_Span] = []
     r0 = 0
     for r1 in range(1, b + 1):
-        if r1 < b and ends[r1] == ends[r0]:
+        if r1 < b and keys[r1] == keys[r0]:
             continue
         length = ends[r0]
         run = slots[r0:r1]
-        consecutive = run == list(range(run[0], run[0] + len(run)))
+        shared = keys[r0][1] >= 0
+        consecutive = shared or run == list(range(run[0], run[0] + len(run)))
         visible = torch.arange(length, device=device) <= positions[r0:r1, :, None]  # [n, C, T]
         bias = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(
             ~visible, float("-inf")
         )
         n = r1 - r0
         views = None
-        if consecutive:
+        if shared:
+            views = [
+                (k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1))
+                for k, v in cache.window(run[0], 1, length)
+            ]
+        elif consecutive:
             # Made once per pass instead of by every layer.
             views = cache.window(run[0], n, length)
         spans.append(
