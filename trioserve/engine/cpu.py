@@ -54,6 +54,7 @@ from trioserve.engine.cpu_jobs import (
     start_job,
 )
 from trioserve.engine.grammars import Grammars, MaskRows
+from trioserve.engine.kvcache import KV_CACHE_DTYPES
 from trioserve.engine.logprobs import TokenTexts
 from trioserve.engine.models import DEFAULT_MODEL_NAME, default_model_dir
 from trioserve.engine.plan import Chunk, PrefillRules, plan_step
@@ -78,7 +79,8 @@ log = logging.getLogger("trioserve.engine")
 WEIGHT_MODES = llama.WEIGHT_MODES
 
 #: The prefix cache's default bound: 128 MiB holds about 5,800 positions of
-#: the embedded model (23 KiB each), a few long conversations.
+#: the embedded model (23 KiB each; about 11,000 with an 8-bit KV cache), a few
+#: long conversations.
 DEFAULT_PREFIX_CACHE_BYTES = 128 * 2**20
 #: Tokens per prefix-cache block: a reused prefix is a multiple of this.
 PREFIX_BLOCK_TOKENS = 64
@@ -163,6 +165,7 @@ class CpuEngine:
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         prefill_share: float = 0.5,
         projection: str = "auto",
+        kv_cache_dtype: str = "auto",
     ) -> CpuEngine:
         """Load a Llama-family Hugging Face directory (the embedded SmolLM2 when
         ``model_dir`` is None, obtained with :func:`default_model_dir`).
@@ -185,6 +188,12 @@ class CpuEngine:
         chooses what the vocabulary projection runs on: ``"auto"`` an 8-bit
         copy of it when the linear layers are quantized, else bfloat16.
 
+        ``kv_cache_dtype`` (one of :data:`~trioserve.engine.kvcache.KV_CACHE_DTYPES`)
+        chooses what the KV cache stores: ``"auto"`` keys and values in
+        ``dtype``, ``"int8"`` 8 bits per value with a bfloat16 scale per 32
+        (about half the memory of bfloat16, for running jobs and the prefix
+        cache alike; see :mod:`trioserve.engine.kvcache`).
+
         ``prefill_share`` (0 < share <= 1) bounds the share of time that
         prompts' prefill takes while other jobs are decoding (see
         :attr:`prefill_share`).
@@ -202,6 +211,7 @@ class CpuEngine:
             weights=weights,
             prefix_cache_bytes=prefix_cache_bytes,
             prefill_share=prefill_share,
+            kv_cache_dtype=kv_cache_dtype,
         )
         name = DEFAULT_MODEL_NAME
         if model_dir is None:
@@ -231,7 +241,12 @@ class CpuEngine:
             projection=projection,
         )
         cache = llama.KVCache(
-            config.n_layers, config.n_kv_heads, config.head_dim, torch_dtype, torch_device
+            config.n_layers,
+            config.n_kv_heads,
+            config.head_dim,
+            torch_dtype,
+            torch_device,
+            quantized=kv_cache_dtype == "int8",
         )
         info = EngineInfo(
             engine="cpu",
@@ -249,7 +264,7 @@ class CpuEngine:
         )
         log.info(
             "cpu engine: %s, %s on %s (linear layers: %s; vocabulary projection: %s;"
-            " %.0f MiB of weights),"
+            " %.0f MiB of weights), KV cache %s,"
             " context %d, max batch %d, torch threads %d",
             name,
             dtype,
@@ -257,6 +272,7 @@ class CpuEngine:
             ", ".join(f"{n} {kind}" for kind, n in model.kinds().items()),
             weight_kind(model.lm_head if model.projection is None else model.projection),
             model.nbytes / 2**20,
+            "int8" if cache.quantized else dtype,
             context,
             max_batch,
             torch.get_num_threads(),
@@ -564,6 +580,7 @@ def _checked_device(
     weights: str,
     prefix_cache_bytes: int,
     prefill_share: float,
+    kv_cache_dtype: str = "auto",
 ) -> torch.device:
     """:meth:`CpuEngine.load`'s checks of its arguments; the torch device.
     Sets torch's thread count when ``threads`` is given."""
@@ -584,6 +601,10 @@ def _checked_device(
         raise EngineError(f"device {device!r} was asked for but torch has no CUDA here")
     if max_batch < 1:
         raise ConfigError(f"max_batch must be >= 1, got {max_batch!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(
+            f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)!r}, got {kv_cache_dtype!r}"
+        )
     if not 0.0 < prefill_share <= 1.0:
         raise ConfigError(f"prefill_share must be > 0 and <= 1, got {prefill_share!r}")
     if prefix_cache_bytes < 0:
