@@ -32,7 +32,6 @@ from tests.bench.engine_bench import (
     RSS_JOBS,
     RSS_NEW,
     RSS_PROMPT,
-    _drive,
     _vm_hwm,
     prompt_of,
 )
@@ -88,11 +87,16 @@ def interleaved(
     return times[a][:n], times[b][:n]
 
 
-def speed(kwargs_a: dict[str, Any], kwargs_b: dict[str, Any], rounds: int) -> None:
+def speed(
+    kwargs_a: dict[str, Any],
+    kwargs_b: dict[str, Any],
+    rounds: int,
+    cases: Sequence[tuple[int, int, int]] = CASES,
+) -> None:
     a = CpuEngine.load(max_batch=8, prefix_cache_bytes=0, **kwargs_a)
     b = CpuEngine.load(max_batch=8, prefix_cache_bytes=0, **kwargs_b)
     print(f"A = {kwargs_a}, B = {kwargs_b}; load average {os.getloadavg()[0]:.1f}")
-    for streams, prompt, steps in CASES:
+    for streams, prompt, steps in cases:
         ta: list[float] = []
         tb: list[float] = []
         for r in range(rounds):
@@ -125,16 +129,16 @@ def rss_child(kwargs: dict[str, Any]) -> None:
         for i in range(RSS_JOBS)
     ]
     largest = 0
-    step = engine.step
-
-    def counting(submit: Sequence[GenerationSpec], cancel: Sequence[int]) -> list[Update]:
-        nonlocal largest
-        out = step(submit, cancel)
+    open_jobs = {spec.job_id for spec in specs}
+    submit: Sequence[GenerationSpec] = specs
+    while open_jobs:
+        for update in engine.step(submit, []):
+            if isinstance(update, Failed):
+                raise RuntimeError(f"benchmark job failed: {update}")
+            if not isinstance(update, TextUpdate):
+                open_jobs.discard(update.job_id)
+        submit = []
         largest = max(largest, engine.statistics().kv_cache_bytes)
-        return out
-
-    engine.step = counting  # type: ignore[method-assign]
-    _drive(engine, specs)
     stats = engine.statistics()
     print(
         json.dumps(
@@ -169,16 +173,108 @@ def rss(settings: Sequence[dict[str, Any]], rounds: int) -> None:
             print(kwargs, out.stdout.strip().splitlines()[-1], flush=True)
 
 
+def paged(rounds: int) -> None:
+    """One layer's decode attention of the embedded model (K=3 key/value
+    heads of 64, G=3 queries each), four ways, interleaved call by call:
+    today's slot cache (a view of the slots), a pool of 64-position blocks
+    gathered per step into a contiguous buffer (``pool[table]``, then the
+    copy that puts the positions of a head together), a position-major pool
+    (per layer [2K, positions, E]) gathered with one index per position, and
+    that pool with each job's blocks contiguous, attended as one view per
+    job (one attention call per job). Jobs' blocks are scattered at random
+    in the pool for the gathers."""
+    import torch
+
+    print(f"load average {os.getloadavg()[0]:.1f}, torch threads {torch.get_num_threads()}")
+    for n, length in ((1, 192), (8, 192), (1, 1024), (8, 1024)):
+        times = _paged_case(n, length, rounds)
+        base = times["slots"]
+        parts = []
+        for name, ts in times.items():
+            ratio = statistics.median(y / x for x, y in zip(base, ts, strict=True))
+            parts.append(f"{name} {statistics.median(ts) * 1e6:.1f} us ({ratio:.2f}x)")
+        print(f"{n} streams, {length} positions: " + ", ".join(parts), flush=True)
+
+
+def _paged_case(n: int, length: int, rounds: int) -> dict[str, list[float]]:
+    import torch
+    import torch.nn.functional as F
+
+    k, g, e, block = 3, 3, 64, 64
+    gen = torch.Generator().manual_seed(n * length)
+    nb = length // block
+    slots = torch.randn(8, 2 * k, length, e, generator=gen).to(torch.bfloat16)
+    pool = torch.randn(8 * nb * 2, 2 * k, block, e, generator=gen).to(torch.bfloat16)
+    table = torch.randperm(pool.shape[0], generator=gen)[: n * nb].view(n, nb)
+    flat = pool.permute(1, 0, 2, 3).reshape(2 * k, -1, e)  # [2K, positions, E]
+    positions = (table[:, :, None] * block + torch.arange(block)).view(n, length)
+    q = torch.randn(n, k, g, e, generator=gen).to(torch.bfloat16)
+    mask = torch.zeros(n, 1, g, length, dtype=torch.bfloat16)
+
+    def slot_view() -> Any:
+        rows = slots[:n]
+        return F.scaled_dot_product_attention(q, rows[:, :k], rows[:, k:], attn_mask=mask)
+
+    def block_gather() -> Any:
+        rows = pool[table].permute(0, 2, 1, 3, 4).reshape(n, 2 * k, length, e)
+        return F.scaled_dot_product_attention(q, rows[:, :k], rows[:, k:], attn_mask=mask)
+
+    def position_gather() -> Any:
+        rows = flat[:, positions].permute(1, 0, 2, 3)  # [n, 2K, T, E], one copy
+        return F.scaled_dot_product_attention(q, rows[:, :k], rows[:, k:], attn_mask=mask)
+
+    def per_job() -> Any:
+        outs = []
+        for j in range(n):
+            rows = flat[:, j * 2 * length : j * 2 * length + length][None]
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[j : j + 1], rows[:, :k], rows[:, k:], attn_mask=mask[j : j + 1]
+                )
+            )
+        return outs[0] if n == 1 else torch.cat(outs)
+
+    variants = {
+        "slots": slot_view,
+        "blocks": block_gather,
+        "positions": position_gather,
+        "per-job views": per_job,
+    }
+    assert torch.equal(block_gather(), position_gather())
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    calls = max(200, 20_000 // (n * nb))
+    with torch.inference_mode():
+        for i in range(calls * rounds):
+            order = list(variants.items())
+            for name, f in order if i % 2 else reversed(order):
+                t0 = time.perf_counter()
+                f()
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("what", choices=("speed", "rss", "rss-child"))
+    parser.add_argument("what", choices=("speed", "rss", "rss-child", "paged"))
     parser.add_argument("settings", nargs="*", help="JSON CpuEngine.load keyword arguments")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--cases",
+        default=",".join(f"{s}x{p}" for s, p, _ in CASES),
+        help="speed cases as STREAMSxPROMPT, comma-separated (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     settings = [json.loads(s) for s in args.settings]
     if args.what == "speed":
         a, b = settings if len(settings) == 2 else ({}, {"kv_cache_dtype": "int8"})
-        speed(a, b, args.rounds)
+        steps = {(s, p): n for s, p, n in CASES}
+        cases = []
+        for case in args.cases.split(","):
+            streams, prompt = (int(x) for x in case.split("x"))
+            cases.append((streams, prompt, steps.get((streams, prompt), 48)))
+        speed(a, b, args.rounds, cases)
+    elif args.what == "paged":
+        paged(args.rounds)
     elif args.what == "rss":
         rss(settings or [{}, {"kv_cache_dtype": "int8"}], args.rounds)
     else:
