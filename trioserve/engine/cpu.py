@@ -188,11 +188,8 @@ class CpuEngine:
         chooses what the vocabulary projection runs on: ``"auto"`` an 8-bit
         copy of it when the linear layers are quantized, else bfloat16.
 
-        ``kv_cache_dtype`` (one of :data:`~trioserve.engine.kvcache.KV_CACHE_DTYPES`)
-        chooses what the KV cache stores: ``"auto"`` keys and values in
-        ``dtype``, ``"int8"`` 8 bits per value with a bfloat16 scale per 32
-        (about half the memory of bfloat16, for running jobs and the prefix
-        cache alike; see :mod:`trioserve.engine.kvcache`).
+        ``kv_cache_dtype`` ``"int8"`` stores keys and values in 8 bits, about
+        half the memory of ``"auto"`` (``dtype``; see :mod:`~trioserve.engine.kvcache`).
 
         ``prefill_share`` (0 < share <= 1) bounds the share of time that
         prompts' prefill takes while other jobs are decoding (see
@@ -240,14 +237,7 @@ class CpuEngine:
             weights=weights,
             projection=projection,
         )
-        cache = llama.KVCache(
-            config.n_layers,
-            config.n_kv_heads,
-            config.head_dim,
-            torch_dtype,
-            torch_device,
-            quantized=kv_cache_dtype == "int8",
-        )
+        cache = _kv_cache(config, torch_dtype, torch_device, kv_cache_dtype)
         info = EngineInfo(
             engine="cpu",
             model_name=name,
@@ -262,21 +252,7 @@ class CpuEngine:
             constraints=CONSTRAINT_KINDS,
             logprobs=True,
         )
-        log.info(
-            "cpu engine: %s, %s on %s (linear layers: %s; vocabulary projection: %s;"
-            " %.0f MiB of weights), KV cache %s,"
-            " context %d, max batch %d, torch threads %d",
-            name,
-            dtype,
-            torch_device,
-            ", ".join(f"{n} {kind}" for kind, n in model.kinds().items()),
-            weight_kind(model.lm_head if model.projection is None else model.projection),
-            model.nbytes / 2**20,
-            "int8" if cache.quantized else dtype,
-            context,
-            max_batch,
-            torch.get_num_threads(),
-        )
+        _log_loaded(name, dtype, torch_device, model, cache, context, max_batch)
         _give_back_freed_memory()
         return cls(
             tokenizer=tokenizer,
@@ -554,6 +530,42 @@ class CpuEngine:
             self._cache.move(last.slot, job.slot)
             last.slot = job.slot
             self._slots[job.slot] = last
+
+
+def _kv_cache(
+    config: llama.LlamaConfig, dtype: torch.dtype, device: torch.device, kv_cache_dtype: str
+) -> llama.KVCache:
+    """The engine's (empty) KV cache: keys and values in ``dtype``, or 8 bits."""
+    quantized = kv_cache_dtype == "int8"
+    return llama.KVCache(
+        config.n_layers, config.n_kv_heads, config.head_dim, dtype, device, quantized=quantized
+    )
+
+
+def _log_loaded(
+    name: str,
+    dtype: str,
+    device: torch.device,
+    model: llama.LlamaWeights,
+    cache: llama.KVCache,
+    context: int,
+    max_batch: int,
+) -> None:
+    log.info(
+        "cpu engine: %s, %s on %s (linear layers: %s; vocabulary projection: %s;"
+        " %.0f MiB of weights), KV cache %s,"
+        " context %d, max batch %d, torch threads %d",
+        name,
+        dtype,
+        device,
+        ", ".join(f"{n} {kind}" for kind, n in model.kinds().items()),
+        weight_kind(model.lm_head if model.projection is None else model.projection),
+        model.nbytes / 2**20,
+        "int8" if cache.quantized else dtype,
+        context,
+        max_batch,
+        torch.get_num_threads(),
+    )
 
 
 def _give_back_freed_memory() -> None:
