@@ -40,6 +40,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.gpu.greedy import NEAR_TIE, GreedyReference, check_greedy, divergences
+from trioserve.engine import EngineOptions, load_engine
+from trioserve.engine import exllamav2 as exllamav2_engine
 from trioserve.engine.base import (
     Engine,
     Failed,
@@ -50,7 +52,7 @@ from trioserve.engine.base import (
     TextUpdate,
     Update,
 )
-from trioserve.engine.exllamav2 import probe_exllamav2
+from trioserve.engine.exllamav2 import CACHE_CLASSES, probe_exllamav2
 from trioserve.engine.exllamav2_build import wait_for_build_lock
 from trioserve.engine.exllamav2_jobs import (
     JobState,
@@ -184,6 +186,43 @@ def test_no_build_lock_means_no_wait(tmp_path: Path) -> None:
     started = time.monotonic()
     assert wait_for_build_lock(tmp_path / "lock", 30) is None
     assert time.monotonic() - started < 1
+
+
+# -- the KV cache's type ------------------------------------------------------------------
+
+
+def test_kv_cache_dtype_int8_is_exllamav2s_q8_cache() -> None:
+    assert EngineOptions().exllamav2_cache_type == "fp16"
+    assert EngineOptions(cache_type="q4").exllamav2_cache_type == "q4"
+    assert EngineOptions(kv_cache_dtype="int8").exllamav2_cache_type == "q8"
+    assert EngineOptions(kv_cache_dtype="int8", cache_type="q8").exllamav2_cache_type == "q8"
+    assert CACHE_CLASSES == {
+        "fp16": "ExLlamaV2Cache",
+        "q4": "ExLlamaV2Cache_Q4",
+        "q6": "ExLlamaV2Cache_Q6",
+        "q8": "ExLlamaV2Cache_Q8",
+    }
+    # A quantized cache type is ExLlamaV2's own choice: it stays.
+    assert EngineOptions(kv_cache_dtype="int8", cache_type="q4").exllamav2_cache_type == "q4"
+    with pytest.raises(ConfigError, match=r"kv cache dtype .*'q8'"):
+        EngineOptions(kv_cache_dtype="q8")
+
+
+def test_load_engine_gives_exllamav2_the_mapped_cache_type(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without a GPU: the ExLlamaV2 engine's load is replaced by a recorder."""
+    seen: dict[str, Any] = {}
+
+    def fake_load(model: Path, **kwargs: Any) -> str:
+        seen.update(kwargs)
+        return "engine"
+
+    monkeypatch.setattr(exllamav2_engine, "probe_exllamav2", lambda: (True, "faked"))
+    monkeypatch.setattr(exllamav2_engine.ExLlamaV2Engine, "load", fake_load)
+    options = EngineOptions(engine="exllamav2", model=tmp_path, kv_cache_dtype="int8")
+    assert load_engine(options) == "engine"  # type: ignore[comparison-overlap]
+    assert seen["cache_type"] == "q8"
 
 
 # -- planning the load ------------------------------------------------------------------
@@ -1380,6 +1419,16 @@ def test_real_settings_have_the_reference_fields(real_jobs: RealJobs) -> None:
     assert set(fields) == SETTINGS_FIELDS
     for name, (annotation, default) in SETTINGS_REFERENCE.items():
         assert (str(fields[name].type), fields[name].default) == (annotation, default), name
+
+
+def test_real_cache_classes_take_the_arguments_the_engine_gives(real_jobs: RealJobs) -> None:
+    import inspect
+
+    import exllamav2
+
+    for name in CACHE_CLASSES.values():
+        parameters = inspect.signature(getattr(exllamav2, name)).parameters
+        assert list(parameters)[:5] == ["model", "batch_size", "max_seq_len", "copy_from", "lazy"]
 
 
 def test_real_token_bias_takes_the_banned_ids_too(real_jobs: RealJobs) -> None:

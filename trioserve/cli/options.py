@@ -17,7 +17,7 @@ from typing import Any, Final, Literal
 import attrs
 
 from ..engine import SPECULATIVE_MODES, VOCAB_PROJECTIONS, EngineOptions
-from ..engine.base import WEIGHT_MODES
+from ..engine.base import KV_CACHE_DTYPES, WEIGHT_MODES
 from ..logs import LOG_FORMATS, LOG_LEVELS
 from ..server import ServerConfig
 
@@ -342,6 +342,16 @@ OPTIONS: Final[tuple[Option, ...]] = (
         "candidates near the best are recomputed in float32, so greedy text is unchanged)",
         E,
         choices=VOCAB_PROJECTIONS,
+    ),
+    Option(
+        "kv_cache_dtype",
+        MODEL,
+        "what the KV cache stores: auto (the model's dtype; exllamav2: as --cache-type) or "
+        "int8 (8 bits and a scale per head and position: about half the memory for the "
+        "running requests and the prefix cache, slower decoding; exllamav2: its Q8 cache "
+        "where --cache-type is fp16)",
+        E,
+        choices=KV_CACHE_DTYPES,
     ),
     Option(
         "prefix_cache_mib",

@@ -14,6 +14,7 @@ import attrs
 
 from ..errors import ConfigError, EngineError
 from .base import (
+    KV_CACHE_DTYPES,
     WEIGHT_MODES,
     Engine,
     EngineInfo,
@@ -29,6 +30,7 @@ from .speculative import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES, SpeculativeMod
 
 __all__ = [
     "ENGINE_NAMES",
+    "KV_CACHE_DTYPES",
     "SPECULATIVE_MODES",
     "VOCAB_PROJECTIONS",
     "Engine",
@@ -92,6 +94,11 @@ class EngineOptions:
     #: the drafts fed per job and step, at most.
     speculative: SpeculativeMode = "ngram"
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    #: The KV cache's elements: ``auto`` the model's (the CPU engine's dtype;
+    #: ExLlamaV2: as ``cache_type``), ``int8`` 8 bits (the CPU engine: one
+    #: bfloat16 scale per head and position; ExLlamaV2: its Q8 cache where
+    #: ``cache_type`` is fp16, see :attr:`exllamav2_cache_type`).
+    kv_cache_dtype: str = "auto"
     #: ExLlamaV2 engine: cache type and size (tokens, a multiple of 256),
     #: GPU split in GB per device (None = autosplit), tensor parallel.
     cache_type: str = "fp16"
@@ -115,6 +122,10 @@ class EngineOptions:
                 f"vocab projection must be one of {VOCAB_PROJECTIONS},"
                 f" got {self.vocab_projection!r}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv cache dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if not 0.0 < self.prefill_share <= 1.0:
             raise ConfigError(f"prefill share must be > 0 and <= 1, got {self.prefill_share!r}")
         if self.speculative not in SPECULATIVE_MODES:
@@ -129,6 +140,15 @@ class EngineOptions:
             raise ConfigError(
                 f"cache size must be a positive multiple of 256, got {self.cache_size!r}"
             )
+
+    @property
+    def exllamav2_cache_type(self) -> str:
+        """ExLlamaV2's cache type: ``cache_type``, except that ``kv_cache_dtype``
+        int8 makes its default, fp16, ``q8`` (``ExLlamaV2Cache_Q8``); a
+        quantized ``cache_type`` is ExLlamaV2's own choice and stays."""
+        if self.kv_cache_dtype == "int8" and self.cache_type == "fp16":
+            return "q8"
+        return self.cache_type
 
 
 def choose_engine(name: EngineName) -> tuple[Literal["cpu", "exllamav2"], str]:
@@ -173,6 +193,7 @@ def load_engine(options: EngineOptions) -> Engine:
             projection=options.vocab_projection,
             speculative=options.speculative,
             draft_tokens=options.draft_tokens,
+            kv_cache_dtype=options.kv_cache_dtype,
         )
     from .exllamav2 import ExLlamaV2Engine, probe_exllamav2
 
@@ -187,7 +208,7 @@ def load_engine(options: EngineOptions) -> Engine:
         model = default_model_dir(offline=options.offline)
     return ExLlamaV2Engine.load(
         model,
-        cache_type=options.cache_type,
+        cache_type=options.exllamav2_cache_type,
         cache_size=options.cache_size,
         max_batch=options.max_batch or 32,
         context_length=options.context_length,

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DRY_SEQUENCE_BREAKERS",
+    "KV_CACHE_DTYPES",
     "MAX_TOP_LOGPROBS",
     "RANGE",
     "WEIGHT_MODES",
@@ -65,6 +66,10 @@ __all__ = [
 #: ``auto`` (the model's own 4-bit weights where a probe finds the kernel
 #: exact enough, else the dtype), ``float`` (the dtype), ``q4`` or ``int8``.
 WEIGHT_MODES: Final = ("auto", "float", "q4", "int8")
+#: What the CPU engine's KV cache may store: ``"auto"`` the model's dtype,
+#: ``"int8"`` 8 bits per value with one bfloat16 scale per head and position
+#: (see :mod:`trioserve.engine.kvcache`).
+KV_CACHE_DTYPES: Final = ("auto", "int8")
 
 
 @attrs.frozen

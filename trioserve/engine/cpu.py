@@ -56,6 +56,7 @@ from trioserve.engine.cpu_jobs import (
     start_job,
 )
 from trioserve.engine.grammars import Grammars, MaskRows
+from trioserve.engine.kvcache import KV_CACHE_DTYPES
 from trioserve.engine.logprobs import TokenTexts
 from trioserve.engine.models import DEFAULT_MODEL_NAME, default_model_dir
 from trioserve.engine.plan import Chunk, PrefillRules, plan_step
@@ -81,7 +82,8 @@ log = logging.getLogger("trioserve.engine")
 WEIGHT_MODES = llama.WEIGHT_MODES
 
 #: The prefix cache's default bound: 128 MiB holds about 5,800 positions of
-#: the embedded model (23 KiB each), a few long conversations.
+#: the embedded model (23 KiB each; about 11,000 with an 8-bit KV cache), a few
+#: long conversations.
 DEFAULT_PREFIX_CACHE_BYTES = 128 * 2**20
 #: Tokens per prefix-cache block: a reused prefix is a multiple of this.
 PREFIX_BLOCK_TOKENS = 64
@@ -174,6 +176,7 @@ class CpuEngine:
         projection: str = "auto",
         speculative: str = "off",
         draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+        kv_cache_dtype: str = "auto",
     ) -> CpuEngine:
         """Load a Llama-family Hugging Face directory (the embedded SmolLM2 when
         ``model_dir`` is None, obtained with :func:`default_model_dir`).
@@ -196,6 +199,9 @@ class CpuEngine:
         chooses what the vocabulary projection runs on: ``"auto"`` an 8-bit
         copy of it when the linear layers are quantized, else bfloat16.
 
+        ``kv_cache_dtype`` ``"int8"`` stores keys and values in 8 bits, about
+        half the memory of ``"auto"`` (``dtype``; see :mod:`~trioserve.engine.kvcache`).
+
         ``prefill_share`` (0 < share <= 1) bounds the share of time that
         prompts' prefill takes while other jobs are decoding (see
         :attr:`prefill_share`). ``speculative`` ``"ngram"`` feeds decoding
@@ -217,6 +223,7 @@ class CpuEngine:
             prefill_share=prefill_share,
             speculative=speculative,
             draft_tokens=draft_tokens,
+            kv_cache_dtype=kv_cache_dtype,
         )
         name = DEFAULT_MODEL_NAME
         if model_dir is None:
@@ -245,9 +252,7 @@ class CpuEngine:
             weights=weights,
             projection=projection,
         )
-        cache = llama.KVCache(
-            config.n_layers, config.n_kv_heads, config.head_dim, torch_dtype, torch_device
-        )
+        cache = _kv_cache(config, torch_dtype, torch_device, kv_cache_dtype)
         info = EngineInfo(
             engine="cpu",
             model_name=name,
@@ -262,20 +267,7 @@ class CpuEngine:
             constraints=CONSTRAINT_KINDS,
             logprobs=True,
         )
-        log.info(
-            "cpu engine: %s, %s on %s (linear layers: %s; vocabulary projection: %s;"
-            " %.0f MiB of weights),"
-            " context %d, max batch %d, torch threads %d",
-            name,
-            dtype,
-            torch_device,
-            ", ".join(f"{n} {kind}" for kind, n in model.kinds().items()),
-            weight_kind(model.lm_head if model.projection is None else model.projection),
-            model.nbytes / 2**20,
-            context,
-            max_batch,
-            torch.get_num_threads(),
-        )
+        _log_loaded(name, dtype, torch_device, model, cache, context, max_batch)
         _give_back_freed_memory()
         texts = TokenTexts(tokenizer)
         return cls(
@@ -533,6 +525,42 @@ class CpuEngine:
             self._slots[job.slot] = last
 
 
+def _kv_cache(
+    config: llama.LlamaConfig, dtype: torch.dtype, device: torch.device, kv_cache_dtype: str
+) -> llama.KVCache:
+    """The engine's (empty) KV cache: keys and values in ``dtype``, or 8 bits."""
+    quantized = kv_cache_dtype == "int8"
+    return llama.KVCache(
+        config.n_layers, config.n_kv_heads, config.head_dim, dtype, device, quantized=quantized
+    )
+
+
+def _log_loaded(
+    name: str,
+    dtype: str,
+    device: torch.device,
+    model: llama.LlamaWeights,
+    cache: llama.KVCache,
+    context: int,
+    max_batch: int,
+) -> None:
+    log.info(
+        "cpu engine: %s, %s on %s (linear layers: %s; vocabulary projection: %s;"
+        " %.0f MiB of weights), KV cache %s,"
+        " context %d, max batch %d, torch threads %d",
+        name,
+        dtype,
+        device,
+        ", ".join(f"{n} {kind}" for kind, n in model.kinds().items()),
+        weight_kind(model.lm_head if model.projection is None else model.projection),
+        model.nbytes / 2**20,
+        "int8" if cache.quantized else dtype,
+        context,
+        max_batch,
+        torch.get_num_threads(),
+    )
+
+
 def _give_back_freed_memory() -> None:
     """Return the heap that loading freed to the OS (glibc's ``malloc_trim``).
 
@@ -559,6 +587,7 @@ def _checked_device(
     prefill_share: float,
     speculative: str,
     draft_tokens: int,
+    kv_cache_dtype: str,
 ) -> torch.device:
     """:meth:`CpuEngine.load`'s checks of its arguments; the torch device.
     Sets torch's thread count when ``threads`` is given."""
@@ -579,6 +608,10 @@ def _checked_device(
         raise EngineError(f"device {device!r} was asked for but torch has no CUDA here")
     if max_batch < 1:
         raise ConfigError(f"max_batch must be >= 1, got {max_batch!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(
+            f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)!r}, got {kv_cache_dtype!r}"
+        )
     if not 0.0 < prefill_share <= 1.0:
         raise ConfigError(f"prefill_share must be > 0 and <= 1, got {prefill_share!r}")
     if speculative not in SPECULATIVE_MODES:

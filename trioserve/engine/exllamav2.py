@@ -94,7 +94,7 @@ from trioserve.engine.grammars import Grammars, JobMatcher
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError, ModelError
 
-__all__ = ["ExLlamaV2Engine", "probe_exllamav2"]
+__all__ = ["CACHE_CLASSES", "ExLlamaV2Engine", "probe_exllamav2"]
 
 log = logging.getLogger("trioserve.engine")
 
@@ -102,6 +102,18 @@ log = logging.getLogger("trioserve.engine")
 # The first ExLlamaV2 release with every call this module makes (eos_reason in
 # the result dicts, ExLlamaV2Cache_Q6/_Q8, load_tp with expect_cache_base).
 _MIN_VERSION: Final = (0, 3, 2)
+
+#: The ExLlamaV2 cache class of each cache type (``--cache-type``; and
+#: ``--kv-cache-dtype int8`` is ``q8``): the FP16 cache, or the grouped RTN
+#: quantized caches (exllamav2 0.3.2's cache.py: each takes ``model,
+#: batch_size, max_seq_len, copy_from, lazy``; ``ExLlamaV2Cache_8bit`` is FP8,
+#: which the dynamic generator refuses, so it is not offered).
+CACHE_CLASSES: Final = {
+    "fp16": "ExLlamaV2Cache",
+    "q4": "ExLlamaV2Cache_Q4",
+    "q6": "ExLlamaV2Cache_Q6",
+    "q8": "ExLlamaV2Cache_Q8",
+}
 
 
 # -- probing -------------------------------------------------------------------------
@@ -345,12 +357,13 @@ class ExLlamaV2Engine:
         config.max_input_len = min(int(config.max_input_len), plan.context_length)
         tokenizer = Tokenizer.from_dir(model_dir)
 
-        cache_class = {
-            "fp16": ExLlamaV2Cache,
-            "q4": ExLlamaV2Cache_Q4,
-            "q6": ExLlamaV2Cache_Q6,
-            "q8": ExLlamaV2Cache_Q8,
-        }[plan.cache_type]
+        classes = {
+            "ExLlamaV2Cache": ExLlamaV2Cache,
+            "ExLlamaV2Cache_Q4": ExLlamaV2Cache_Q4,
+            "ExLlamaV2Cache_Q6": ExLlamaV2Cache_Q6,
+            "ExLlamaV2Cache_Q8": ExLlamaV2Cache_Q8,
+        }
+        cache_class = classes[CACHE_CLASSES[plan.cache_type]]
         started = time.monotonic()
         model = ExLlamaV2(config)
         cache: Any = None

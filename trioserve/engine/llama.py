@@ -477,18 +477,19 @@ def _spans(
         )
         n = r1 - r0
         views = None
-        if shared:
+        if shared and not cache.quantized:
             views = [
                 (k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1))
                 for k, v in cache.window(run[0], 1, length)
             ]
-        elif consecutive:
+        elif consecutive and not shared and not cache.quantized:
             # Made once per pass instead of by every layer.
             views = cache.window(run[0], n, length)
         spans.append(
             _Span(
                 rows=slice(r0, r1),
-                first_slot=run[0] if consecutive else None,
+                # An 8-bit cache gathers a shared slot's rows by ``slots``.
+                first_slot=run[0] if consecutive and not shared else None,
                 slots=torch.tensor(run, device=device),
                 length=length,
                 mask=bias[:, None].expand(n, g, c, length).reshape(n, 1, g * c, length),
@@ -499,13 +500,12 @@ def _spans(
     return spans
 
 
-def _span_rows(cache: Tensor, layer: int, span: _Span, k: int) -> tuple[Tensor, Tensor]:
-    """The keys and values [n, K, span.length, E] of the span's slots in one
-    layer's cache [S, 2K, T, E]."""
+def _span_rows(cache: KVCache, layer: int, span: _Span) -> tuple[Tensor, Tensor]:
+    """The keys and values [n, K, span.length, E] of the span's slots in one layer."""
     if span.views is not None:
         return span.views[layer]
-    rows = cache[span.slots, :, : span.length]  # gathered after this layer's write
-    return rows[:, :k], rows[:, k:]
+    # Gathered (or dequantized) after this layer's write.
+    return cache.attended(layer, span.first_slot, span.slots, span.length)
 
 
 @attrs.frozen
@@ -559,8 +559,7 @@ def attention(
     qkv = linear(x, layer.wqkv).view(b, c, h + 2 * k, e)
     qkv = apply_rope(qkv, step.cos, step.sin)  # [B, C, H + 2K, E]
     # Write this step's keys and values at (slot, position) of every row.
-    layer_cache, flat = cache.layer_views[layer_index]  # [S, 2K, T, E], [S * 2K * T, E]
-    flat.index_copy_(0, step.write_index, qkv[:, :, h:].reshape(-1, e))
+    cache.write_rows(layer_index, step.write_index, qkv[:, :, h:].reshape(-1, e))
     # [B, C, H, E] -> [B, K, G * C, E]: the G query heads of a KV head become rows.
     if c == 1:
         q = qkv[:, 0, :h].view(b, k, g, e)
@@ -569,7 +568,7 @@ def attention(
     outs = [
         F.scaled_dot_product_attention(
             q if len(step.spans) == 1 else q[span.rows],
-            *_span_rows(layer_cache, layer_index, span, k),  # [n, K, T, E] each
+            *_span_rows(cache, layer_index, span),  # [n, K, T, E] each
             attn_mask=span.mask,
         )
         for span in step.spans
