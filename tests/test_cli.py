@@ -177,7 +177,7 @@ def test_environment_sets_every_option_and_the_command_line_wins() -> None:
         "kv_cache_dtype": ("int8", "int8"),
         "prefix_cache_mib": ("0", 0),
         "prefill_share": ("0.25", 0.25),
-        "speculative": ("ngram", "ngram"),
+        "speculative": ("ngram", "ngram"),  # off by default
         "draft_tokens": ("6", 6),
         "context_length": ("512", 512),
         "max_batch": ("4", 4),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import attrs
 import pytest
@@ -362,3 +363,37 @@ def test_speculation_is_an_engine_option() -> None:
     with pytest.raises(ConfigError, match="speculative"):
         EngineOptions(speculative="eagle")  # type: ignore[arg-type]
     assert EngineOptions(speculative="ngram", draft_tokens=6).draft_tokens == 6
+
+
+async def test_speculative_output_through_the_server(speculating: CpuEngine) -> None:
+    """Over a real socket with the openai SDK (the server's path, whole and
+    streamed): a copying prompt's greedy text with drafts is the text without."""
+    import openai
+    import trio
+
+    from tests.helpers import serving
+
+    engine = speculating
+    async with serving(engine) as (_, listening):
+        sdk = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{listening.port}/v1", api_key="x", max_retries=0
+        )
+
+        def texts() -> tuple[str, str]:
+            fields: dict[str, Any] = {
+                "model": "m",
+                "prompt": SUMMARY,
+                "max_tokens": 40,
+                "temperature": 0,
+            }
+            whole = sdk.completions.create(**fields).choices[0].text
+            stream = sdk.completions.create(**fields, stream=True)
+            return whole, "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+
+        engine.draft_tokens = 0
+        plain = await trio.to_thread.run_sync(texts)
+        engine.draft_tokens = 4
+        before = engine.statistics().accepted_tokens
+        drafted = await trio.to_thread.run_sync(texts)
+        assert engine.statistics().accepted_tokens - before >= 10
+    assert drafted == plain and plain[0] == plain[1]

@@ -89,10 +89,10 @@ class EngineOptions:
     #: prompts' prefill may take (0 < share <= 1).
     prefill_share: float = 0.5
     #: CPU engine: speculative decoding, ``off`` or ``ngram`` (drafts looked
-    #: up in the job's own context; the output is the same either way; on by
-    #: default: docs/performance.md measures what it gains and costs), and
-    #: the drafts fed per job and step, at most.
-    speculative: SpeculativeMode = "ngram"
+    #: up in the job's own context; the output is the same either way; off by
+    #: default: with two threads it cost a story 15 %, docs/performance.md),
+    #: and the drafts fed per job and step, at most.
+    speculative: SpeculativeMode = "off"
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     #: The KV cache's elements: ``auto`` the model's (the CPU engine's dtype;
     #: ExLlamaV2: as ``cache_type``), ``int8`` 8 bits (the CPU engine: one

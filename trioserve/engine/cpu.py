@@ -206,7 +206,7 @@ class CpuEngine:
         prompts' prefill takes while other jobs are decoding (see
         :attr:`prefill_share`). ``speculative`` ``"ngram"`` feeds decoding
         jobs up to ``draft_tokens`` drafts a step (:attr:`draft_tokens`; off
-        here, on in the server's :class:`~trioserve.engine.EngineOptions`).
+        by default, here and in the server).
 
         Raises:
             ConfigError: a bad dtype, device, context length, batch or thread count.
