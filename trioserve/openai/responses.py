@@ -203,6 +203,27 @@ class _Stream:
             out += sse_event(final)
         return out + SSE_DONE
 
+    def finish_choice(
+        self,
+        reason: FinishReason,
+        text: str = "",
+        logprobs: dict[str, Any] | None = None,
+        *,
+        index: int = 0,
+    ) -> bytes:
+        """Choice ``index``'s last chunk (its finish reason)."""
+        raise NotImplementedError
+
+    def finish(
+        self,
+        reason: FinishReason,
+        usage: TokenUsage,
+        text: str = "",
+        logprobs: dict[str, Any] | None = None,
+    ) -> bytes:
+        """The one choice's last chunk, then the end."""
+        return self.finish_choice(reason, text, logprobs) + self.end(usage)
+
     def error(self, error: OpenAIError) -> bytes:
         """An error after the stream began (the status is already sent): an
         event in OpenAI's error shape, which the SDKs raise, then the end."""
@@ -237,16 +258,6 @@ class CompletionStream(_Stream):
     ) -> bytes:
         last = [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]
         return sse_event(self._chunk(self._object, last))
-
-    def finish(
-        self,
-        reason: FinishReason,
-        usage: TokenUsage,
-        text: str = "",
-        logprobs: dict[str, Any] | None = None,
-    ) -> bytes:
-        """The one choice's last chunk, then the end."""
-        return self.finish_choice(reason, text, logprobs) + self.end(usage)
 
 
 @attrs.define
@@ -297,16 +308,6 @@ class ChatCompletionStream(_Stream):
         index: int = 0,
     ) -> bytes:
         return self._delta(index, {"content": text} if text else {}, logprobs, reason)
-
-    def finish(
-        self,
-        reason: FinishReason,
-        usage: TokenUsage,
-        text: str = "",
-        logprobs: dict[str, Any] | None = None,
-    ) -> bytes:
-        """The one choice's last chunk, then the end."""
-        return self.finish_choice(reason, text, logprobs) + self.end(usage)
 
 
 def tool_call_json(call: ToolCall) -> dict[str, Any]:
