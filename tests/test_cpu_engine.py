@@ -18,6 +18,7 @@ import attrs
 import pytest
 import torch
 
+from tests.direct import CPU, greedy_ids
 from trioserve.engine import llama
 from trioserve.engine.base import (
     Engine,
@@ -108,30 +109,8 @@ def greedy_ids_direct(model_dir: Path, prompt: Sequence[int], n: int) -> list[in
     """Greedy ids from the model functions alone (no engine, no sampler), to
     check what the engine streams against the ids it must have generated."""
     config = llama.LlamaConfig.from_dir(model_dir)
-    cpu = torch.device("cpu")
-    weights = llama.LlamaWeights.load(model_dir, config, dtype=torch.bfloat16, device=cpu)
-    cache = llama.KVCache(config.n_layers, config.n_kv_heads, config.head_dim, torch.bfloat16, cpu)
-    cache.fit(1, len(prompt) + n)
-    rope = llama.rope_tables(config, len(prompt) + n, cpu)
-    slot = torch.tensor([0])
-    with torch.inference_mode():
-        hidden = llama.forward(
-            weights,
-            config,
-            cache,
-            rope,
-            torch.tensor([list(prompt)]),
-            torch.arange(len(prompt))[None],
-            slot,
-        )
-        ids = [int(llama.logits(weights, hidden).argmax())]
-        while len(ids) < n:
-            position = torch.tensor([len(prompt) + len(ids) - 1])
-            out = llama.decode_logits(
-                weights, config, cache, rope, torch.tensor(ids[-1:]), position, slot
-            )
-            ids.append(int(out.argmax()))
-    return ids
+    weights = llama.LlamaWeights.load(model_dir, config, dtype=torch.bfloat16, device=CPU)
+    return greedy_ids(model_dir, weights, prompt, n)
 
 
 def test_is_an_engine_with_the_models_facts(cpu_engine: CpuEngine) -> None:

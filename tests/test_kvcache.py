@@ -6,6 +6,7 @@ real embedded model. Its perplexity and speed: docs/performance.md.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import attrs
 import pytest
 import torch
 
+from tests.direct import mean_nll
 from tests.test_cpu_engine import (
     PERPLEXITY_TEXT,
     _ids,
@@ -141,33 +143,10 @@ def test_int8_perplexity_is_within_one_percent_of_bfloat16(
     ids = [cpu_engine.info.bos_token_id or 1, *cpu_engine.encode(PERPLEXITY_TEXT)]
     weights = cpu_engine._weights
     assert weights is not None
-    config = llama.LlamaConfig.from_dir(model_dir)
 
     def perplexity(quantized: bool) -> float:
-        cache = KVCache(
-            config.n_layers,
-            config.n_kv_heads,
-            config.head_dim,
-            torch.bfloat16,
-            CPU,
-            quantized=quantized,
-        )
-        cache.fit(1, len(ids))
-        rope = llama.rope_tables(config, len(ids), CPU)
-        with torch.inference_mode():
-            hidden = llama.forward(
-                weights,
-                config,
-                cache,
-                rope,
-                torch.tensor([ids]),
-                torch.arange(len(ids))[None],
-                torch.tensor([0]),
-                every_position=True,
-            )[0, :-1]
-            logprobs = torch.log_softmax(llama.exact_logits(weights, hidden), dim=-1)
-            nll = -logprobs.gather(1, torch.tensor(ids[1:])[:, None]).mean()
-        return float(torch.exp(nll))
+        nll = mean_nll(model_dir, weights, ids, logits=llama.exact_logits, quantized=quantized)
+        return math.exp(nll)
 
     bf16, int8 = perplexity(False), perplexity(True)
     assert 1.0 < bf16 < 100.0

@@ -11,12 +11,12 @@ bfloat16 path's, and the likelihood of real text moves by far less than the
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.direct import greedy_ids, mean_nll
 from tests.test_cpu_engine import PERPLEXITY_TEXT, chat
 from trioserve.engine import llama, quant
 from trioserve.engine.cpu import CpuEngine
@@ -79,56 +79,6 @@ def _load(model_dir: Path, projection: str, weights: str = "auto") -> llama.Llam
     )
 
 
-def mean_nll(model_dir: Path, weights: llama.LlamaWeights, ids: Sequence[int]) -> float:
-    """Mean negative log-likelihood of ``ids[1:]``, through :func:`llama.logits`
-    (the engine's own path: projection and refinement)."""
-    config = llama.LlamaConfig.from_dir(model_dir)
-    cache = llama.KVCache(config.n_layers, config.n_kv_heads, config.head_dim, torch.bfloat16, CPU)
-    cache.fit(1, len(ids))
-    rope = llama.rope_tables(config, len(ids), CPU)
-    with torch.inference_mode():
-        hidden = llama.forward(
-            weights,
-            config,
-            cache,
-            rope,
-            torch.tensor([list(ids)]),
-            torch.arange(len(ids))[None],
-            torch.tensor([0]),
-            every_position=True,
-        )[0, :-1]
-        logprobs = torch.log_softmax(llama.logits(weights, hidden), dim=-1)
-        return float(-logprobs.gather(1, torch.tensor(ids[1:])[:, None]).mean())
-
-
-def greedy(
-    model_dir: Path, weights: llama.LlamaWeights, prompt: Sequence[int], n: int
-) -> list[int]:
-    config = llama.LlamaConfig.from_dir(model_dir)
-    cache = llama.KVCache(config.n_layers, config.n_kv_heads, config.head_dim, torch.bfloat16, CPU)
-    cache.fit(1, len(prompt) + n)
-    rope = llama.rope_tables(config, len(prompt) + n, CPU)
-    slot = torch.tensor([0])
-    with torch.inference_mode():
-        hidden = llama.forward(
-            weights,
-            config,
-            cache,
-            rope,
-            torch.tensor([list(prompt)]),
-            torch.arange(len(prompt))[None],
-            slot,
-        )
-        ids = [int(llama.logits(weights, hidden).argmax())]
-        while len(ids) < n:
-            position = torch.tensor([len(prompt) + len(ids) - 1])
-            out = llama.decode_logits(
-                weights, config, cache, rope, torch.tensor(ids[-1:]), position, slot
-            )
-            ids.append(int(out.argmax()))
-    return ids
-
-
 @pytest.fixture(scope="module")
 def projections(model_dir: Path) -> dict[str, llama.LlamaWeights]:
     return {p: _load(model_dir, p) for p in ("bfloat16", "int8")}
@@ -174,8 +124,8 @@ def test_8bit_projection_gives_the_bfloat16_greedy_text(
     tokenizer = Tokenizer.from_dir(model_dir)
     for question in GREEDY_QUESTIONS:
         prompt = tokenizer.encode(chat(question))
-        want = greedy(model_dir, projections["bfloat16"], prompt, 24)
-        assert greedy(model_dir, projections["int8"], prompt, 24) == want, question
+        want = greedy_ids(model_dir, projections["bfloat16"], prompt, 24)
+        assert greedy_ids(model_dir, projections["int8"], prompt, 24) == want, question
 
 
 @pytest.mark.slow

@@ -1,0 +1,85 @@
+"""The model functions alone (no engine, no sampler, no scheduler): greedy
+ids and a text's negative log-likelihood straight from :mod:`trioserve.engine.llama`,
+the references the engine's tests compare against."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from trioserve.engine import llama
+
+CPU = torch.device("cpu")
+
+
+def _cache(config: llama.LlamaConfig, positions: int, quantized: bool) -> llama.KVCache:
+    cache = llama.KVCache(
+        config.n_layers,
+        config.n_kv_heads,
+        config.head_dim,
+        torch.bfloat16,
+        CPU,
+        quantized=quantized,
+    )
+    cache.fit(1, positions)
+    return cache
+
+
+def greedy_ids(
+    model_dir: Path, weights: llama.LlamaWeights, prompt: Sequence[int], n: int
+) -> list[int]:
+    """``n`` greedy ids after ``prompt``: one prefill, then one decode step a token."""
+    config = llama.LlamaConfig.from_dir(model_dir)
+    cache = _cache(config, len(prompt) + n, quantized=False)
+    rope = llama.rope_tables(config, len(prompt) + n, CPU)
+    slot = torch.tensor([0])
+    with torch.inference_mode():
+        hidden = llama.forward(
+            weights,
+            config,
+            cache,
+            rope,
+            torch.tensor([list(prompt)]),
+            torch.arange(len(prompt))[None],
+            slot,
+        )
+        ids = [int(llama.logits(weights, hidden).argmax())]
+        while len(ids) < n:
+            position = torch.tensor([len(prompt) + len(ids) - 1])
+            out = llama.decode_logits(
+                weights, config, cache, rope, torch.tensor(ids[-1:]), position, slot
+            )
+            ids.append(int(out.argmax()))
+    return ids
+
+
+def mean_nll(
+    model_dir: Path,
+    weights: llama.LlamaWeights,
+    ids: Sequence[int],
+    *,
+    logits: Callable[[llama.LlamaWeights, Tensor], Tensor] = llama.logits,
+    quantized: bool = False,
+) -> float:
+    """Mean negative log-likelihood of ``ids[1:]`` in one prefill, its logits
+    by ``logits`` (the engine's own path by default: projection and
+    refinement), the KV cache in 8 bits when ``quantized``."""
+    config = llama.LlamaConfig.from_dir(model_dir)
+    cache = _cache(config, len(ids), quantized)
+    rope = llama.rope_tables(config, len(ids), CPU)
+    with torch.inference_mode():
+        hidden = llama.forward(
+            weights,
+            config,
+            cache,
+            rope,
+            torch.tensor([list(ids)]),
+            torch.arange(len(ids))[None],
+            torch.tensor([0]),
+            every_position=True,
+        )[0, :-1]
+        logprobs = torch.log_softmax(logits(weights, hidden), dim=-1)
+        return float(-logprobs.gather(1, torch.tensor(ids[1:])[:, None]).mean())
