@@ -220,21 +220,24 @@ def test_multibyte_output_never_streams_replacement_characters(
     assert any(ord(ch) > 0x2E80 for ch in outcome.text)
 
 
+#: Eight chat questions: the batch of the batch-invariance tests.
+BATCH_QUESTIONS = (
+    "What is the capital of France?",
+    "Give me three tips for staying healthy.",
+    "Write a haiku about the sea.",
+    "What is 2+2?",
+    "Name a color.",
+    "Who wrote Hamlet? Answer in one long sentence with the year.",
+    "Translate 'hello' to Spanish.",
+    "What is Python?",
+)
+
+
 @pytest.mark.slow
 def test_text_alone_equals_text_beside_seven_others(cpu_engine: CpuEngine) -> None:
     """Holds in bfloat16 (the default): each job's greedy tokens do not depend
     on the other rows of its batch."""
-    questions = [
-        "What is the capital of France?",
-        "Give me three tips for staying healthy.",
-        "Write a haiku about the sea.",
-        "What is 2+2?",
-        "Name a color.",
-        "Who wrote Hamlet? Answer in one long sentence with the year.",
-        "Translate 'hello' to Spanish.",
-        "What is Python?",
-    ]
-    specs = [make_spec(cpu_engine, chat(q), 16) for q in questions]
+    specs = [make_spec(cpu_engine, chat(q), 16) for q in BATCH_QUESTIONS]
     together = run_all(cpu_engine, specs)
     for spec in specs:
         alone = run_one(cpu_engine, attrs.evolve(spec, job_id=next(_ids)))

@@ -16,6 +16,7 @@ import torch
 
 from tests.direct import mean_nll
 from tests.test_cpu_engine import (
+    BATCH_QUESTIONS,
     PERPLEXITY_TEXT,
     _ids,
     chat,
@@ -92,17 +93,7 @@ def test_bad_kv_cache_dtype_is_a_clear_error(model_dir: Path) -> None:
 
 
 def test_int8_text_alone_equals_text_beside_seven_others(int8_engine: CpuEngine) -> None:
-    questions = [
-        "What is the capital of France?",
-        "Give me three tips for staying healthy.",
-        "Write a haiku about the sea.",
-        "What is 2+2?",
-        "Name a color.",
-        "Who wrote Hamlet? Answer in one long sentence with the year.",
-        "Translate 'hello' to Spanish.",
-        "What is Python?",
-    ]
-    specs = [make_spec(int8_engine, chat(q), 16) for q in questions]
+    specs = [make_spec(int8_engine, chat(q), 16) for q in BATCH_QUESTIONS]
     together = run_all(int8_engine, specs)
     for spec in specs:
         alone = run_one(int8_engine, attrs.evolve(spec, job_id=next(_ids)))
