@@ -20,7 +20,6 @@ the column with the reason when neither has one (:func:`find_binary`).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import socket
@@ -175,43 +174,6 @@ class LlamaServer:
             return response.status, response.read()
         finally:
             conn.close()
-
-    def stream(self, prompt: Sequence[int], tokens: int) -> list[float]:
-        """Greedy ``tokens`` tokens after ``prompt`` (ids) through ``/completion``
-        with streaming; the perf_counter time each token's event arrived."""
-        import http.client
-
-        body = json.dumps(
-            {
-                "prompt": list(prompt),
-                "n_predict": tokens,
-                "temperature": 0.0,
-                "top_k": 1,
-                "ignore_eos": True,
-                "stream": True,
-                "cache_prompt": False,
-            }
-        ).encode()
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
-        stamps: list[float] = []
-        try:
-            conn.request(
-                "POST", "/completion", body=body, headers={"Content-Type": "application/json"}
-            )
-            response = conn.getresponse()
-            if response.status != 200:
-                raise RuntimeError(f"llama-server answered {response.status}: {response.read()!r}")
-            for line in response:
-                if not line.startswith(b"data: "):
-                    continue
-                event = json.loads(line[6:])
-                if event.get("content") or event.get("tokens"):
-                    stamps.append(time.perf_counter())
-                if event.get("stop"):
-                    break
-        finally:
-            conn.close()
-        return stamps
 
     def status_kib(self, key: str) -> int:
         """``VmRSS`` or ``VmHWM`` of the server process, in bytes."""
