@@ -17,7 +17,7 @@ from typing import Any, Final, Literal
 import attrs
 
 from ..engine import SPECULATIVE_MODES, VOCAB_PROJECTIONS, EngineOptions
-from ..engine.base import KV_CACHE_DTYPES, WEIGHT_MODES
+from ..engine.base import KV_CACHE_DTYPES, CPU_KERNELS, WEIGHT_MODES
 from ..logs import LOG_FORMATS, LOG_LEVELS
 from ..server import ServerConfig
 
@@ -342,6 +342,16 @@ OPTIONS: Final[tuple[Option, ...]] = (
         "candidates near the best are recomputed in float32, so greedy text is unchanged)",
         E,
         choices=VOCAB_PROJECTIONS,
+    ),
+    Option(
+        "cpu_kernels",
+        MODEL,
+        "cpu engine: the kernel 4-bit layers run on: auto (trioserve's own where it builds "
+        "with the machine's C compiler and passes its check: activations in 8 bits per group "
+        "of 32 and integer dot products with AVX-512 VNNI, as llama.cpp; else torch's), "
+        "native (trioserve's, or an error saying why not) or torch",
+        E,
+        choices=CPU_KERNELS,
     ),
     Option(
         "kv_cache_dtype",

@@ -14,6 +14,7 @@ import attrs
 
 from ..errors import ConfigError, EngineError
 from .base import (
+    CPU_KERNELS,
     KV_CACHE_DTYPES,
     WEIGHT_MODES,
     Engine,
@@ -29,6 +30,7 @@ from .base import (
 from .speculative import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES, SpeculativeMode
 
 __all__ = [
+    "CPU_KERNELS",
     "ENGINE_NAMES",
     "KV_CACHE_DTYPES",
     "SPECULATIVE_MODES",
@@ -82,6 +84,11 @@ class EngineOptions:
     #: per weight when the linear layers are quantized, else bfloat16),
     #: ``bfloat16`` or ``int8``.
     vocab_projection: str = "auto"
+    #: CPU engine: the kernel 4-bit layers run on: ``auto`` (trioserve's own,
+    #: 8-bit activations and integer dot products, where it builds and passes
+    #: its probe; else torch's), ``native`` (trioserve's, or an error saying
+    #: why not) or ``torch``.
+    cpu_kernels: str = "auto"
     #: CPU engine: memory for the prefix cache of finished prompts, in MiB
     #: (0 turns it off).
     prefix_cache_mib: int = 128
@@ -122,6 +129,8 @@ class EngineOptions:
                 f"vocab projection must be one of {VOCAB_PROJECTIONS},"
                 f" got {self.vocab_projection!r}"
             )
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise ConfigError(f"q4 kernel must be one of {CPU_KERNELS}, got {self.cpu_kernels!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
                 f"kv cache dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
@@ -194,6 +203,7 @@ def load_engine(options: EngineOptions) -> Engine:
             speculative=options.speculative,
             draft_tokens=options.draft_tokens,
             kv_cache_dtype=options.kv_cache_dtype,
+            cpu_kernels=options.cpu_kernels,
         )
     from .exllamav2 import ExLlamaV2Engine, probe_exllamav2
 

@@ -70,6 +70,11 @@ WEIGHT_MODES: Final = ("auto", "float", "q4", "int8")
 #: ``"int8"`` 8 bits per value with one bfloat16 scale per head and position
 #: (see :mod:`trioserve.engine.kvcache`).
 KV_CACHE_DTYPES: Final = ("auto", "int8")
+#: Which kernel the CPU engine's 4-bit layers run on: ``"auto"`` trioserve's
+#: own (trioserve.engine.native) where it builds and passes its probe, else
+#: torch's; ``"native"`` trioserve's only; ``"torch"`` torch's
+#: ``_weight_int4pack_mm_for_cpu`` only.
+CPU_KERNELS: Final = ("auto", "native", "torch")
 
 
 @attrs.frozen

@@ -61,7 +61,7 @@ from trioserve.engine.logprobs import TokenTexts
 from trioserve.engine.models import DEFAULT_MODEL_NAME, default_model_dir
 from trioserve.engine.plan import Chunk, PrefillRules, plan_step
 from trioserve.engine.prefix import PrefixCache, PrefixCacheStatistics
-from trioserve.engine.quant import weight_kind
+from trioserve.engine.quant import CPU_KERNELS, weight_kind
 from trioserve.engine.speculative import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError
@@ -177,6 +177,7 @@ class CpuEngine:
         speculative: str = "off",
         draft_tokens: int = DEFAULT_DRAFT_TOKENS,
         kv_cache_dtype: str = "auto",
+        cpu_kernels: str = "auto",
     ) -> CpuEngine:
         """Load a Llama-family Hugging Face directory (the embedded SmolLM2 when
         ``model_dir`` is None, obtained with :func:`default_model_dir`).
@@ -201,6 +202,12 @@ class CpuEngine:
 
         ``kv_cache_dtype`` ``"int8"`` stores keys and values in 8 bits, about
         half the memory of ``"auto"`` (``dtype``; see :mod:`~trioserve.engine.kvcache`).
+
+        ``cpu_kernels`` (one of :data:`~trioserve.engine.quant.CPU_KERNELS`) says
+        which kernel 4-bit layers run on: ``"auto"`` trioserve's own
+        (:mod:`~trioserve.engine.native`: 8-bit activations, integer dot
+        products, as llama.cpp) where it builds and passes its probe, else
+        torch's.
 
         ``prefill_share`` (0 < share <= 1) bounds the share of time that
         prompts' prefill takes while other jobs are decoding (see
@@ -244,6 +251,10 @@ class CpuEngine:
             raise ConfigError(
                 f"projection must be one of {list(llama.PROJECTIONS)!r}, got {projection!r}"
             )
+        if cpu_kernels not in CPU_KERNELS:
+            raise ConfigError(
+                f"cpu_kernels must be one of {list(CPU_KERNELS)!r}, got {cpu_kernels!r}"
+            )
         model = llama.LlamaWeights.load(
             model_dir,
             config,
@@ -251,6 +262,7 @@ class CpuEngine:
             device=torch_device,
             weights=weights,
             projection=projection,
+            cpu_kernels=cpu_kernels,
         )
         cache = _kv_cache(config, torch_dtype, torch_device, kv_cache_dtype)
         info = EngineInfo(

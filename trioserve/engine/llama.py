@@ -24,13 +24,14 @@ import json
 import math
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from trioserve.engine import native
 from trioserve.engine.base import WEIGHT_MODES as _WEIGHT_MODES
 from trioserve.engine.kvcache import KVCache
 from trioserve.engine.quant import (
@@ -45,6 +46,7 @@ from trioserve.engine.quant import (
     q4_parts,
     q4_weight,
     quantize_q4,
+    use_native,
     weight_kind,
 )
 from trioserve.errors import ModelError
@@ -218,6 +220,9 @@ class LlamaWeights:
     #: For an 8-bit projection: a bound on its logits' error from rounding
     #: the weights, per unit of the hidden state's norm (see :func:`logits`).
     projection_error: float = 0.0
+    #: Whether the residual adds and RMS norms run on trioserve's kernel
+    #: (:func:`trioserve.engine.native.add_rms_norm`), one call per norm.
+    native_norm: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -265,11 +270,14 @@ class LlamaWeights:
         device: torch.device,
         weights: str = "auto",
         projection: str = "auto",
+        cpu_kernels: str = "auto",
     ) -> LlamaWeights:
         """Read the model directory ``path``: every ``*.safetensors`` file, cast to
         ``dtype`` on ``device``, and for ``weights`` other than ``"float"`` the
         linear layers quantized (see :data:`WEIGHT_MODES`); ``projection`` says
-        what the vocabulary projection runs on (see :data:`PROJECTIONS`).
+        what the vocabulary projection runs on (see :data:`PROJECTIONS`);
+        ``cpu_kernels`` whether quantized layers and norms run on trioserve's
+        own kernels (see :data:`~trioserve.engine.base.CPU_KERNELS`).
 
         Raises:
             ModelError: no safetensors file, a tensor is missing, or quantized
@@ -293,12 +301,19 @@ class LlamaWeights:
                 f" got device {str(device)!r} and dtype {str(dtype).removeprefix('torch.')!r}"
             )
         q4_file = path / Q4_FILE
+        if cpu_kernels == "native" and not can_quantize:
+            raise ModelError("trioserve's native kernels run on the CPU in bfloat16 only")
+        native_kernels = can_quantize and use_native(cpu_kernels)
+        q4_ok = native_kernels or q4_available()
         use_file = q4_file.is_file() and (
-            weights == "q4" or (weights == "auto" and can_quantize and q4_available())
+            weights == "q4" or (weights == "auto" and can_quantize and q4_ok)
         )
         mode = "q4" if use_file else weights if weights in ("q4", "int8") else "float"
-        if mode in ("q4", "int8") and not (q4_available() if mode == "q4" else int8_available()):
-            raise ModelError(f"this torch build has no working {mode} CPU kernel")
+        if mode == "q4" and not q4_ok:
+            raise ModelError("no working 4-bit CPU kernel here (neither torch's nor trioserve's)")
+        if mode == "int8" and not (native_kernels or int8_available()):
+            raise ModelError("this torch build has no working int8 CPU kernel")
+        kernel: Literal["native", "torch"] = "native" if native_kernels else "torch"
         # Tensors are read one at a time and cast at once, so that loading
         # never holds the file's dtype and the run dtype of the whole model;
         # the float linear weights are not read at all when the 4-bit file
@@ -334,12 +349,13 @@ class LlamaWeights:
                 if q4_handle is not None:
                     parts = [q4_parts(q4_handle, n, path) for n in names]
                     q, d, m = (torch.cat([part[i] for part in parts]) for i in range(3))
-                    return q4_weight(q, d, m, pack)
+                    return q4_weight(q, d, m, pack, kernel)
                 if mode == "q4":
                     w = torch.cat([raw(n).float() for n in names])
-                    return q4_weight(*quantize_q4(w), pack)
+                    return q4_weight(*quantize_q4(w), pack, kernel)
                 if mode == "int8":
-                    return int8_weight(torch.cat([raw(n).float() for n in names]), pack)
+                    w = torch.cat([raw(n).float() for n in names])
+                    return int8_weight(w, pack, native_kernel=native_kernels)
                 return dense(names)
 
             embed = take("model.embed_tokens.weight")
@@ -361,7 +377,9 @@ class LlamaWeights:
             int8 = projection == "int8" or (projection == "auto" and mode != "float")
             if int8 and not can_quantize:
                 raise ModelError("an 8-bit vocabulary projection runs on the CPU in bfloat16 only")
-            proj = int8_weight(lm_head, pack) if int8 else pack(lm_head)
+            proj = (
+                int8_weight(lm_head, pack, native_kernel=native_kernels) if int8 else pack(lm_head)
+            )
             error = projection_error(proj) if isinstance(proj, QuantizedWeight) else 0.0
             return cls(
                 embed=embed,
@@ -370,6 +388,7 @@ class LlamaWeights:
                 lm_head=lm_head,
                 projection=proj if proj is not lm_head else None,
                 projection_error=error,
+                native_norm=native_kernels and config.hidden_size % 16 == 0,
             )
 
 
@@ -621,6 +640,19 @@ def forward(
     b, c = tokens.shape
     # Hidden states as [B * C, D] rows throughout: matmuls take them as they are.
     x = F.embedding(tokens.reshape(-1), weights.embed).float()
+    if weights.native_norm:
+        # Each residual add and the norm after it in one call (x += out in place).
+        out: Tensor | None = None
+        for i, layer in enumerate(weights.layers):
+            h = native.add_rms_norm(x, out, layer.attn_norm, eps)
+            out = attention(h, layer, config, i, cache, step)
+            h = native.add_rms_norm(x, out, layer.mlp_norm, eps)
+            out = mlp(h, layer)
+        x.add_(out)
+        if every_position:
+            return native.add_rms_norm(x, None, weights.norm, eps).view(b, c, -1)
+        last = x.view(b, c, -1)[:, -1].contiguous()
+        return native.add_rms_norm(last, None, weights.norm, eps)
     for i, layer in enumerate(weights.layers):
         h = rms_norm(x, layer.attn_norm, eps).to(dtype)
         x.add_(attention(h, layer, config, i, cache, step))

@@ -23,9 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from trioserve.engine import native
+from trioserve.engine.base import CPU_KERNELS
 from trioserve.errors import ModelError
 
 __all__ = [
+    "CPU_KERNELS",
     "Q4_FILE",
     "Q4_GROUP",
     "Linear",
@@ -39,6 +42,7 @@ __all__ = [
     "q4_parts",
     "q4_weight",
     "quantize_q4",
+    "use_native",
     "weight_kind",
 ]
 
@@ -55,6 +59,13 @@ class QuantizedWeight:
     4-bit ``q`` in [0, 15]: a GGUF Q4_1 group (``d * q + m``) is scale ``d``
     and zero ``m + 8 d``. ``"int8"``: one scale per output row, for
     ``_weight_int8pack_mm``; ``data`` [N, K] int8, ``scales`` [N] bfloat16.
+
+    ``native``: for trioserve's own kernels (:mod:`trioserve.engine.native`)
+    instead. ``"q4"``: the same 4-bit groups (GGUF's Q4_1: ``d * q + m``), the
+    activations quantized to 8 bits per group of 32 and integers dotted, as
+    llama.cpp does; ``data`` [N, K / 2] uint8 and ``scales`` [2, N, K / 32]
+    float16 (d, m) in :func:`trioserve.engine.native.pack`'s layout.
+    ``"int8"``: the same layout as torch's, bfloat16 activations.
     """
 
     kind: Literal["q4", "int8"]
@@ -63,6 +74,7 @@ class QuantizedWeight:
     out_features: int
     in_features: int
     group_size: int = 0
+    native: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -91,10 +103,13 @@ def linear(x: Tensor, w: Linear) -> Tensor:
     """
     if isinstance(w, QuantizedWeight):
         rows = x if x.dim() == 2 else x.reshape(-1, w.in_features)
-        if w.kind == "q4":
-            out: Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                rows, w.data, w.group_size, w.scales
-            )
+        if w.native:
+            if w.kind == "q4":
+                out: Tensor = native.q4_mm(rows, w.data, w.scales, w.out_features)
+            else:
+                out = native.int8_mm(rows, w.data, w.scales)
+        elif w.kind == "q4":
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, w.data, w.group_size, w.scales)
         else:
             out = torch.ops.aten._weight_int8pack_mm(rows, w.data, w.scales)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], w.out_features)
@@ -106,9 +121,10 @@ def linear(x: Tensor, w: Linear) -> Tensor:
 
 
 def weight_kind(w: Linear) -> str:
-    """How ``w`` is held: ``"q4"``, ``"int8"``, or its dtype (``"bfloat16 packed"``)."""
+    """How ``w`` is held: ``"q4"``, ``"int8"`` (``"q4 native"``, ``"int8 native"``
+    for trioserve's kernels), or its dtype (``"bfloat16 packed"``)."""
     if isinstance(w, QuantizedWeight):
-        return w.kind
+        return f"{w.kind} native" if w.native else w.kind
     return f"{str(w.dtype).removeprefix('torch.')}{' packed' if w.is_mkldnn else ''}"
 
 
@@ -143,10 +159,38 @@ def quantize_q4(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return q.to(torch.uint8).view(n, k), d, lo
 
 
-def q4_weight(q: Tensor, d: Tensor, m: Tensor, pack: Callable[[Tensor], Tensor]) -> Linear:
-    """The 4-bit weight of (q, d, m), or its bfloat16 dequantization (packed when
-    that is exact) where the 4-bit kernel does not work for this shape."""
+def use_native(choice: str) -> bool:
+    """Whether trioserve's kernels (:mod:`trioserve.engine.native`) run for
+    ``choice``, one of :data:`CPU_KERNELS`: ``"auto"`` where they build and
+    pass their probe here; raises :class:`ModelError` where ``"native"`` is
+    asked for and they cannot run, with the reason."""
+    if choice not in CPU_KERNELS:
+        raise ModelError(f"cpu kernels must be one of {list(CPU_KERNELS)!r}, got {choice!r}")
+    if choice == "torch":
+        return False
+    if native.kernel() is not None:
+        return True
+    if choice == "native":
+        raise ModelError(
+            f"trioserve's native kernels cannot run here: {native.unavailable_reason()}"
+        )
+    return False
+
+
+def q4_weight(
+    q: Tensor,
+    d: Tensor,
+    m: Tensor,
+    pack: Callable[[Tensor], Tensor],
+    kernel: Literal["native", "torch"] = "torch",
+) -> Linear:
+    """The 4-bit weight of (q, d, m) for ``kernel`` (see :func:`use_native`), or
+    its bfloat16 dequantization (packed when that is exact) where torch's
+    kernel does not work for this shape."""
     n, k = q.shape
+    if kernel == "native":
+        data, scales = native.pack(q, d, m)
+        return QuantizedWeight("q4", data, scales, n, k, Q4_GROUP, native=True)
     if not _q4_works(n, k, Q4_GROUP):
         w = (q.view(n, -1, Q4_GROUP).float() * d[..., None] + m[..., None]).view(n, k)
         return pack(w.to(torch.bfloat16))
@@ -161,12 +205,17 @@ def q4_weight(q: Tensor, d: Tensor, m: Tensor, pack: Callable[[Tensor], Tensor])
 _INT8_ROWS = 2048
 
 
-def int8_weight(w: Tensor, pack: Callable[[Tensor], Tensor]) -> Linear:
+def int8_weight(
+    w: Tensor, pack: Callable[[Tensor], Tensor], *, native_kernel: bool = False
+) -> Linear:
     """Float [N, K] (any float dtype) -> 8 bits per weight, one scale per
     output row (rounded to bfloat16 first, so that the kernel's scale is the
-    one the weights were rounded with); quantized in blocks of rows."""
+    one the weights were rounded with); quantized in blocks of rows. With
+    ``native_kernel`` (where :func:`trioserve.engine.native.kernel` loaded and
+    K is a multiple of 16) the weight runs on trioserve's kernel."""
     n, k = w.shape
-    if not _int8_works(n, k):
+    native_kernel = native_kernel and k % 16 == 0
+    if not native_kernel and not _int8_works(n, k):
         return pack(w.to(torch.bfloat16))
     q = torch.empty(n, k, dtype=torch.int8, device=w.device)
     scale = torch.empty(n, dtype=torch.bfloat16, device=w.device)
@@ -175,7 +224,7 @@ def int8_weight(w: Tensor, pack: Callable[[Tensor], Tensor]) -> Linear:
         s = (rows.abs().amax(dim=1) / 127).clamp_(min=1e-30).to(torch.bfloat16)
         scale[start : start + _INT8_ROWS] = s
         q[start : start + _INT8_ROWS] = rows.div_(s.float()[:, None]).round_().clamp_(-127, 127)
-    return QuantizedWeight("int8", q, scale, n, k)
+    return QuantizedWeight("int8", q, scale, n, k, native=native_kernel)
 
 
 def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> Tensor:
@@ -184,6 +233,10 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> Tenso
     if w.kind == "int8":
         return (w.data.float() * w.scales.float()[:, None]).to(dtype)
     n, k = w.out_features, w.in_features
+    if w.native:
+        d, m = w.scales.float()[..., None]  # [N, K / group, 1] each
+        q = native.unpack(w.data, k).view(n, k // w.group_size, w.group_size)
+        return q.float().mul_(d).add_(m).view(n, k).to(dtype)
     q = _q4_unpack(w.data, n, k).view(n, k // w.group_size, w.group_size)
     scale, zero = w.scales.float().permute(2, 1, 0)[..., None]  # [N, K / group, 1] each
     # (q - 8) * scale is exact in float32 (4 bits times bfloat16's 8), so the

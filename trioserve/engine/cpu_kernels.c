@@ -1,0 +1,456 @@
+/* trioserve's native CPU kernels (x86-64, AVX-512 VNNI): the 4-bit matmul,
+   the 8-bit vocabulary projection, and the residual add with RMS norm.
+
+   The 4-bit matmul.
+
+   out[M, N] (bfloat16) = x[M, K] (bfloat16) @ W[N, K].T, where W is held in
+   GGUF's Q4_1 form: groups of 32 consecutive inputs of one output, each a
+   4-bit q in [0, 15] with a scale d and a minimum m (float16), w = d * q + m.
+
+   As llama.cpp's CPU path does, each row of x is quantized first to 8 bits
+   per group of 32 (one float scale dx per group: its largest magnitude / 127,
+   round to nearest even), so that a group's dot product is integer work:
+   sum(w * x) ~ d * dx * sum(q * x8) + m * dx * sum(x8). The integer sums are
+   exact (vpdpbusd: unsigned 4-bit weights times signed 8-bit inputs); what is
+   rounded is in float32, in an order that depends on nothing but K.
+
+   Batch invariance. A row's result is computed by the same instructions,
+   in the same order, whatever M is, whichever other rows share its block of
+   four and whichever thread computes it: rows are quantized alone, threads
+   split the outputs (never K), and a block of fewer rows runs the same
+   per-row sequence. So a job's logits do not depend on its companions, nor
+   on whether its positions were computed in a prefill chunk or a decode step
+   (trioserve.engine.llama relies on it; tests/test_native.py checks it).
+
+   Built and loaded by trioserve/engine/native.py (compiled on first use with
+   the machine's C compiler, cached on disk). The module's one function,
+   q4_mm, takes raw addresses: Python checks shapes, dtypes and contiguity
+   before calling (trioserve.engine.quant.linear). */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <math.h>
+#include <string.h>
+
+#define GROUP 32
+#define WIDE 16                       /* groups of one wide block: a lane each */
+#define WIDE_BYTES 256                /* 16 groups x 16 bytes, as 4 loads of 64 */
+#define NARROW 4                      /* groups of one narrow block (the tail) */
+#define NARROW_BYTES 64
+#define ROWS 8                        /* rows of x sharing one pass over W */
+#define OUTS 16                       /* outputs per unit of parallel work */
+/* How far ahead of its reads a thread asks for the weights: one core keeps
+   too few misses in flight for the memory's bandwidth on its own; 4 KiB
+   ahead made a decode step's 4-bit matmuls 0.78x as long as without it on
+   a 2-core AMD EPYC (docs/performance.md). A prefetch past the end of the
+   weights is harmless (it never faults). */
+#define PREFETCH 4096
+
+/* The weights' layout, per output (trioserve.engine.native.pack): K / 2
+   bytes, a byte holding q[j] of a group in its low nibble and q[j + 16] in
+   its high one. The first 16 * (G / 16) groups (G = K / 32) come in wide
+   blocks of 16 groups, 256 bytes: 4 loads of 64 bytes, load t holding, for
+   each group l of the block in turn, its bytes 4t .. 4t + 3; so that after
+   the 8 vpdpbusd of a wide block, lane l of the sum is group l's whole dot
+   product, and one conversion and one multiply-add per 16 groups apply the
+   scales. The last G % 16 groups follow in narrow blocks of 4 groups, 16
+   bytes each, a group after another (the last one may be short).
+
+   Per row of x, after quantization (the same order): for each wide block,
+   4 x (64 bytes of x8[4t .. 4t + 3] of each group, then 64 bytes of
+   x8[16 + 4t .. 16 + 4t + 3]), 512 bytes; then for each narrow block, 64
+   bytes of the groups' x8[0 .. 15], then 64 of x8[16 .. 31]. dx: 16 floats
+   per wide block (one a group), 16 per narrow block (lane l: group l / 4);
+   sx = dx * sum(x8): 16 floats per wide block, 4 per narrow one. Groups past
+   K are zero (as is what they multiply). */
+typedef struct {
+    const int8_t *q;
+    const float *dx;
+    const float *sx;
+} qrow;
+
+typedef struct {
+    int64_t groups, wide, narrow; /* G, wide blocks, narrow blocks (the last maybe short) */
+    size_t qbytes, dfloats, sfloats;
+} shape;
+
+static shape shape_of(int64_t K) {
+    shape s;
+    s.groups = K / GROUP;
+    s.wide = s.groups / WIDE;
+    s.narrow = (s.groups % WIDE + NARROW - 1) / NARROW;
+    s.qbytes = (size_t)(s.wide * 2 * WIDE_BYTES + s.narrow * 2 * NARROW_BYTES);
+    s.dfloats = (size_t)(s.wide * 16 + s.narrow * 16);
+    s.sfloats = (size_t)(s.wide * 16 + s.narrow * 4);
+    return s;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                          /* nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static void quantize_row(const uint16_t *x, const shape *sh, int8_t *q, float *dx, float *sx) {
+    memset(q, 0, sh->qbytes);
+    memset(dx, 0, sh->dfloats * sizeof(float));
+    memset(sx, 0, sh->sfloats * sizeof(float));
+    int8_t *tail_q = q + sh->wide * 2 * WIDE_BYTES;
+    float *tail_dx = dx + sh->wide * 16, *tail_sx = sx + sh->wide * 16;
+    for (int64_t g = 0; g < sh->groups; g++) {
+        const uint16_t *src = x + g * GROUP;
+        __m512 a = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
+        __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + 16))), 16));
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        float d = amax / 127.0f;
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+        __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
+        int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        int8_t v[GROUP];
+        _mm_storeu_si128((__m128i *)v, _mm512_cvtepi32_epi8(qa));
+        _mm_storeu_si128((__m128i *)(v + 16), _mm512_cvtepi32_epi8(qb));
+        if (g < sh->wide * WIDE) {
+            int64_t block = g / WIDE, lane = g % WIDE;
+            int8_t *dst = q + block * 2 * WIDE_BYTES + lane * 4;
+            for (int t = 0; t < 4; t++) {
+                memcpy(dst + t * 128, v + 4 * t, 4);
+                memcpy(dst + t * 128 + 64, v + 16 + 4 * t, 4);
+            }
+            dx[block * 16 + lane] = d;
+            sx[block * 16 + lane] = d * (float)total;
+        } else {
+            int64_t t = g - sh->wide * WIDE, block = t / NARROW, slot = t % NARROW;
+            int8_t *dst = tail_q + block * 2 * NARROW_BYTES + slot * 16;
+            memcpy(dst, v, 16);
+            memcpy(dst + NARROW_BYTES, v + 16, 16);
+            for (int l = 0; l < 4; l++) tail_dx[block * 16 + slot * 4 + l] = d;
+            tail_sx[block * 4 + slot] = d * (float)total;
+        }
+    }
+}
+
+/* res[r] = row r of x (quantized) . one output's weights, for nr rows; nr is
+   a constant at each call site (the loops over it unroll), and row r's
+   arithmetic is the same for every nr. */
+static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, const uint16_t *d,
+                                                           const uint16_t *m, const shape *sh,
+                                                           const qrow *rows, const int nr,
+                                                           float *res) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512 acc[ROWS];
+    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < sh->wide; b++) {
+        const uint8_t *wb = w + b * WIDE_BYTES;
+        for (int t = 0; t < 4; t++) _mm_prefetch((const char *)(wb + PREFETCH + t * 64), _MM_HINT_T0);
+        __m512i lo[4], hi[4];
+        for (int t = 0; t < 4; t++) {
+            __m512i v = _mm512_loadu_si512((const void *)(wb + t * 64));
+            lo[t] = _mm512_and_si512(v, low);
+            hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + b * WIDE)));
+        __m512 m16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + b * WIDE)));
+        for (int r = 0; r < nr; r++) {
+            const int8_t *xq = rows[r].q + b * 2 * WIDE_BYTES;
+            __m512i s = _mm512_setzero_si512();
+            for (int t = 0; t < 4; t++) {
+                s = _mm512_dpbusd_epi32(s, lo[t], _mm512_loadu_si512((const void *)(xq + t * 128)));
+                s = _mm512_dpbusd_epi32(s, hi[t],
+                                        _mm512_loadu_si512((const void *)(xq + t * 128 + 64)));
+            }
+            __m512 scale = _mm512_mul_ps(d16, _mm512_loadu_ps(rows[r].dx + b * 16));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(m16, _mm512_loadu_ps(rows[r].sx + b * 16), acc[r]);
+        }
+    }
+    const uint8_t *tw = w + sh->wide * WIDE_BYTES;
+    const uint16_t *td = d + sh->wide * WIDE, *tm = m + sh->wide * WIDE;
+    int64_t left = sh->groups - sh->wide * WIDE;
+    for (int64_t b = 0; b < sh->narrow; b++, left -= NARROW) {
+        __m512i wb;
+        __m128 d4, m4;
+        if (left >= NARROW) {
+            wb = _mm512_loadu_si512((const void *)(tw + b * NARROW_BYTES));
+            d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(td + b * NARROW)));
+            m4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(tm + b * NARROW)));
+        } else {
+            __mmask64 bytes = (1ULL << (left * 16)) - 1;
+            __mmask8 halves = (__mmask8)((1u << left) - 1);
+            wb = _mm512_maskz_loadu_epi8(bytes, (const void *)(tw + b * NARROW_BYTES));
+            d4 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(halves, (const void *)(td + b * NARROW)));
+            m4 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(halves, (const void *)(tm + b * NARROW)));
+        }
+        __m512i lo = _mm512_and_si512(wb, low);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wb, 4), low);
+        __m512 d16 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(d4));
+        __m512 m16 = _mm512_zextps128_ps512(m4);
+        for (int r = 0; r < nr; r++) {
+            const int8_t *xq = rows[r].q + sh->wide * 2 * WIDE_BYTES + b * 2 * NARROW_BYTES;
+            const float *dx = rows[r].dx + sh->wide * 16 + b * 16;
+            const float *sx = rows[r].sx + sh->wide * 16 + b * 4;
+            __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
+                                            _mm512_loadu_si512((const void *)xq));
+            s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512((const void *)(xq + NARROW_BYTES)));
+            __m512 scale = _mm512_mul_ps(d16, _mm512_loadu_ps(dx));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(m16, _mm512_zextps128_ps512(_mm_loadu_ps(sx)), acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) res[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+static int matmul(const uint16_t *x, const uint8_t *w, const uint16_t *d, const uint16_t *m,
+                  uint16_t *out, int64_t M, int64_t N, int64_t K, int threads) {
+    shape sh = shape_of(K);
+    size_t per_row = (sh.qbytes + (sh.dfloats + sh.sfloats) * sizeof(float) + 63) / 64 * 64;
+    unsigned char *work = aligned_alloc(64, (size_t)M * per_row);
+    qrow *rows = malloc((size_t)M * sizeof(qrow));
+    if (!work || !rows) {
+        free(work);
+        free(rows);
+        return -1;
+    }
+    for (int64_t r = 0; r < M; r++) {
+        unsigned char *base = work + (size_t)r * per_row;
+        rows[r].q = (const int8_t *)base;
+        rows[r].dx = (const float *)(base + sh.qbytes);
+        rows[r].sx = rows[r].dx + sh.dfloats;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (M >= 8)
+    for (int64_t r = 0; r < M; r++) {
+        quantize_row(x + r * K, &sh, (int8_t *)rows[r].q, (float *)rows[r].dx,
+                     (float *)rows[r].sx);
+    }
+    int64_t units = (N + OUTS - 1) / OUTS;
+    int64_t wrow = K / 2;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t u = 0; u < units; u++) {
+        int64_t n0 = u * OUTS, n1 = n0 + OUTS < N ? n0 + OUTS : N;
+        for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
+            int64_t nr = M - r0 < ROWS ? M - r0 : ROWS;
+            for (int64_t n = n0; n < n1; n++) {
+                float res[ROWS] = {0};
+                const uint8_t *wn = w + n * wrow;
+                const uint16_t *dn = d + n * sh.groups, *mn = m + n * sh.groups;
+                switch (nr) {
+                case 8: dot_rows(wn, dn, mn, &sh, rows + r0, 8, res); break;
+                case 7: dot_rows(wn, dn, mn, &sh, rows + r0, 7, res); break;
+                case 6: dot_rows(wn, dn, mn, &sh, rows + r0, 6, res); break;
+                case 5: dot_rows(wn, dn, mn, &sh, rows + r0, 5, res); break;
+                case 4: dot_rows(wn, dn, mn, &sh, rows + r0, 4, res); break;
+                case 3: dot_rows(wn, dn, mn, &sh, rows + r0, 3, res); break;
+                case 2: dot_rows(wn, dn, mn, &sh, rows + r0, 2, res); break;
+                default: dot_rows(wn, dn, mn, &sh, rows + r0, 1, res); break;
+                }
+                for (int64_t r = 0; r < nr; r++) out[(r0 + r) * N + n] = float_to_bf16(res[r]);
+            }
+        }
+    }
+    free(rows);
+    free(work);
+    return 0;
+}
+
+/* --- the 8-bit vocabulary projection ------------------------------------- */
+
+/* out[M, N] (bfloat16) = x[M, K] (bfloat16) @ (q[N, K] int8 * scale[N]).T, in
+   float32 from the bfloat16 activations as they are (no 8-bit activations:
+   trioserve.engine.llama.logits bounds this projection's error by its
+   weights' rounding alone). K is a multiple of 16. A row's sums run in the
+   same order whatever M is. */
+static int int8_matmul(const uint16_t *x, const int8_t *q, const uint16_t *scale, uint16_t *out,
+                       int64_t M, int64_t N, int64_t K, int threads) {
+    float *xf = aligned_alloc(64, (size_t)(M * K) * sizeof(float) + 64);
+    if (!xf) return -1;
+    for (int64_t i = 0; i < M * K; i += 16) {
+        __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i)));
+        _mm512_storeu_ps(xf + i, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+    }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t u = 0; u < (N + OUTS - 1) / OUTS; u++) {
+        int64_t n0 = u * OUTS, n1 = n0 + OUTS < N ? n0 + OUTS : N;
+        for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
+            int64_t nr = M - r0 < ROWS ? M - r0 : ROWS;
+            for (int64_t n = n0; n < n1; n++) {
+                const int8_t *qn = q + n * K;
+                __m512 acc[ROWS];
+                for (int64_t r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
+                for (int64_t k = 0; k < K; k += 16) {
+                    if ((k & 63) == 0) _mm_prefetch((const char *)(qn + k + PREFETCH), _MM_HINT_T0);
+                    __m512 w = _mm512_cvtepi32_ps(
+                        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qn + k))));
+                    for (int64_t r = 0; r < nr; r++)
+                        acc[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xf + (r0 + r) * K + k), acc[r]);
+                }
+                uint32_t su = (uint32_t)scale[n] << 16;
+                float sf;
+                memcpy(&sf, &su, 4);
+                for (int64_t r = 0; r < nr; r++)
+                    out[(r0 + r) * N + n] = float_to_bf16(_mm512_reduce_add_ps(acc[r]) * sf);
+            }
+        }
+    }
+    free(xf);
+    return 0;
+}
+
+/* --- the residual add and RMS norm ----------------------------------------- */
+
+/* For each of M rows: x += y (y bfloat16, when given; x float32, in place),
+   then out = bfloat16((x * (1 / sqrt(mean(x^2) + eps))) * w), w float32.
+   D is a multiple of 16. One row's arithmetic depends on that row alone. */
+static void add_norm(float *x, const uint16_t *y, const float *w, uint16_t *out, int64_t M,
+                     int64_t D, float eps, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (M >= 16)
+    for (int64_t r = 0; r < M; r++) {
+        float *xr = x + r * D;
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t i = 0; i < D; i += 16) {
+            __m512 v = _mm512_loadu_ps(xr + i);
+            if (y) {
+                __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(y + r * D + i)));
+                v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+                _mm512_storeu_ps(xr + i, v);
+            }
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)D + eps);
+        __m512 vinv = _mm512_set1_ps(inv);
+        const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+        for (int64_t i = 0; i < D; i += 16) {
+            __m512 o = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + i), vinv),
+                                     _mm512_loadu_ps(w + i));
+            __m512i u = _mm512_castps_si512(o); /* round to nearest even (no NaN here) */
+            u = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+            _mm256_storeu_si256((__m256i *)(out + r * D + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+        }
+    }
+}
+
+static int read_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, int pointers,
+                     void **ptr, long long *num, const char *usage) {
+    if (nargs != want) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
+    for (int i = 0; i < pointers; i++) {
+        ptr[i] = args[i] == Py_None ? NULL : PyLong_AsVoidPtr(args[i]);
+        if (PyErr_Occurred()) return -1;
+    }
+    for (Py_ssize_t i = pointers; i < want; i++) {
+        num[i - pointers] = PyLong_AsLongLong(args[i]);
+        if (PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+static PyObject *int8_mm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    void *ptr[4];
+    long long dims[4];
+    if (read_args(args, nargs, 8, 4, ptr, dims, "int8_mm(x, q, scale, out, M, N, K, threads)"))
+        return NULL;
+    if (dims[0] < 1 || dims[1] < 1 || dims[2] < 16 || dims[2] % 16 || dims[3] < 1) {
+        PyErr_SetString(PyExc_ValueError, "int8_mm: M, N >= 1, K a positive multiple of 16");
+        return NULL;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = int8_matmul((const uint16_t *)ptr[0], (const int8_t *)ptr[1], (const uint16_t *)ptr[2],
+                         (uint16_t *)ptr[3], dims[0], dims[1], dims[2], (int)dims[3]);
+    Py_END_ALLOW_THREADS
+    if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *add_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "add_rms_norm(x, y or None, w, out, M, D, eps, threads)");
+        return NULL;
+    }
+    void *ptr[4];
+    long long dims[2];
+    if (read_args(args, 6, 6, 4, ptr, dims, "")) return NULL;
+    double eps = PyFloat_AsDouble(args[6]);
+    long long threads = PyLong_AsLongLong(args[7]);
+    if (PyErr_Occurred()) return NULL;
+    if (dims[0] < 1 || dims[1] < 16 || dims[1] % 16 || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "add_rms_norm: M >= 1, D a positive multiple of 16");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    add_norm((float *)ptr[0], (const uint16_t *)ptr[1], (const float *)ptr[2], (uint16_t *)ptr[3],
+             dims[0], dims[1], (float)eps, (int)threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *q4_mm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "q4_mm(x, w, d, m, out, M, N, K, threads)");
+        return NULL;
+    }
+    void *ptr[5];
+    for (int i = 0; i < 5; i++) {
+        ptr[i] = PyLong_AsVoidPtr(args[i]);
+        if (PyErr_Occurred()) return NULL;
+    }
+    long long dims[4];
+    for (int i = 0; i < 4; i++) {
+        dims[i] = PyLong_AsLongLong(args[5 + i]);
+        if (PyErr_Occurred()) return NULL;
+    }
+    if (dims[0] < 1 || dims[1] < 1 || dims[2] < GROUP || dims[2] % GROUP || dims[3] < 1) {
+        PyErr_SetString(PyExc_ValueError, "q4_mm: M, N >= 1, K a positive multiple of 32");
+        return NULL;
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = matmul((const uint16_t *)ptr[0], (const uint8_t *)ptr[1], (const uint16_t *)ptr[2],
+                    (const uint16_t *)ptr[3], (uint16_t *)ptr[4], dims[0], dims[1], dims[2],
+                    (int)dims[3]);
+    Py_END_ALLOW_THREADS
+    if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static int cpu_ok(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+}
+
+static PyObject *supported(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(cpu_ok());
+}
+
+static PyMethodDef methods[] = {
+    {"q4_mm", (PyCFunction)(void (*)(void))q4_mm, METH_FASTCALL,
+     "q4_mm(x, w, d, m, out, M, N, K, threads): out = x @ W.T (addresses of contiguous buffers)"},
+    {"int8_mm", (PyCFunction)(void (*)(void))int8_mm, METH_FASTCALL,
+     "int8_mm(x, q, scale, out, M, N, K, threads): out = x @ (q * scale).T"},
+    {"add_rms_norm", (PyCFunction)(void (*)(void))add_rms_norm, METH_FASTCALL,
+     "add_rms_norm(x, y, w, out, M, D, eps, threads): x += y; out = rms_norm(x) * w"},
+    {"supported", supported, METH_NOARGS, "whether this CPU runs the kernel"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_trioserve_cpu", NULL, -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__trioserve_cpu(void) { return PyModule_Create(&module); }

@@ -1,0 +1,456 @@
+"""trioserve's native CPU kernels (cpu_kernels.c), compiled on first use and
+cached on disk: the 4-bit matmul, the 8-bit vocabulary projection, and the
+residual add with RMS norm.
+
+torch's ``_weight_int4pack_mm_for_cpu`` multiplies bfloat16 activations by
+dequantized weights; llama.cpp, on the same CPUs, quantizes each row of
+activations to 8 bits per group of 32 and dots integers (``vpdpbusd``: 64
+multiply-adds an instruction), which is what makes its decode step shorter.
+:func:`q4_mm` does the same for the GGUF's Q4_1 groups, with AVX-512 VNNI,
+and asks for the weights ahead of its reads (one core alone keeps too few
+misses in flight to use the memory's bandwidth). :func:`int8_mm` is the
+vocabulary projection's 8-bit weights times bfloat16 activations (no 8-bit
+activations there: its error bound is its weights'), with the same
+prefetching. :func:`add_rms_norm` adds a layer's output to the float32
+residual stream and normalises it in one pass per row, where torch runs a
+chain of about ten small operators (about 1 ms of a 7 ms decode step).
+
+Every kernel computes a row from that row alone, in an order that depends on
+nothing else: a job's logits do not depend on its companions, nor on whether
+its positions came from a prefill chunk or a decode step (the exactness that
+trioserve.engine.llama relies on; the probe and tests/test_native.py check
+it).
+
+Nothing here is needed: :func:`kernel` returns ``None``, with the reason in
+:func:`unavailable_reason`, where the CPU lacks AVX-512 VNNI, where there is
+no C compiler or no Python headers, where the build fails, or where the
+built kernels fail their probe (:func:`_probe`: each must compute what its
+formula says, and a row's result must not depend on the other rows); the
+engine then runs torch's operators, as before. ``TRIOSERVE_NATIVE=0`` turns
+them off.
+
+The build: one C file, the machine's compiler (``$CC``, else ``cc``), about
+a second. The library lands in ``$TRIOSERVE_CACHE_DIR`` (default
+``$XDG_CACHE_HOME/trioserve``, else ``~/.cache/trioserve``) under
+``native/<digest>/``, the digest naming the source, the flags, the compiler
+and the Python ABI, so a restart loads it without compiling. It links the
+OpenMP runtime torch has already loaded (the same ``libgomp.so.1``), so its
+threads are torch's threads: the kernels run with torch's thread count and
+do not compete with a second pool.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = [
+    "SOURCE",
+    "add_rms_norm",
+    "cache_dir",
+    "int8_mm",
+    "kernel",
+    "pack",
+    "q4_mm",
+    "reference",
+    "unavailable_reason",
+    "unpack",
+]
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_MODULE = "_trioserve_cpu"
+_FLAGS = (
+    "-O3",
+    "-shared",
+    "-fPIC",
+    "-fopenmp",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512vnni",
+    "-mf16c",
+    "-mfma",
+)
+#: CPU flags (as /proc/cpuinfo spells them) the kernel's instructions need.
+_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
+_BUILD_TIMEOUT_S = 120.0
+
+_reason: str | None = None
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept."""
+    explicit = os.environ.get("TRIOSERVE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "trioserve"
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`kernel` is ``None`` (after it was called), else ``None``."""
+    kernel()
+    return _reason
+
+
+@functools.cache
+def kernel() -> ModuleType | None:
+    """The built, loaded and probed kernel module, or ``None`` (see
+    :func:`unavailable_reason`)."""
+    global _reason
+    try:
+        module = _load()
+        failed = _probe(module)
+        if failed:
+            raise _Unavailable(f"the built kernels failed their probe: {failed}")
+    except _Unavailable as exc:
+        _reason = str(exc)
+        logger.info("native CPU kernels not used: %s", _reason)
+        return None
+    return module
+
+
+def q4_mm(rows: Tensor, data: Tensor, scales: Tensor, out_features: int) -> Tensor:
+    """rows [M, K] bfloat16 @ W.T for W in the kernel's layout (``data`` [N, K/2]
+    uint8, ``scales`` [2, N, K/32] float16: d and m); [M, N] bfloat16."""
+    return _call(_module(), rows.to(torch.bfloat16), data, scales, out_features)
+
+
+def int8_mm(rows: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """rows [M, K] bfloat16 @ (q [N, K] int8 * scale [N] bfloat16).T -> [M, N]
+    bfloat16, summed in float32 from the bfloat16 rows as they are."""
+    rows = rows.to(torch.bfloat16).contiguous()
+    m, k = rows.shape
+    out = torch.empty(m, q.shape[0], dtype=torch.bfloat16)
+    _module().int8_mm(
+        rows.data_ptr(),
+        q.data_ptr(),
+        scale.data_ptr(),
+        out.data_ptr(),
+        m,
+        q.shape[0],
+        k,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def add_rms_norm(x: Tensor, y: Tensor | None, weight: Tensor, eps: float) -> Tensor:
+    """x [M, D] float32, contiguous: ``x += y`` (y [M, D] bfloat16, when given;
+    in place), then ``x * (1 / sqrt(mean(x^2) + eps)) * weight`` (float32
+    [D]) rounded to bfloat16, [M, D]."""
+    if y is not None:
+        y = y.to(torch.bfloat16).contiguous()
+    m, d = x.shape
+    out = torch.empty(m, d, dtype=torch.bfloat16)
+    _module().add_rms_norm(
+        x.data_ptr(),
+        None if y is None else y.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        m,
+        d,
+        eps,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def _module() -> ModuleType:
+    module = kernel()
+    if module is None:  # pragma: no cover - callers use it only when it loaded
+        raise RuntimeError(f"trioserve's native kernels are unavailable: {_reason}")
+    return module
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def _load() -> ModuleType:
+    if os.environ.get("TRIOSERVE_NATIVE", "1").strip().lower() in ("0", "off", "false", "no"):
+        raise _Unavailable("TRIOSERVE_NATIVE is off")
+    if sys.platform != "linux" or _machine() not in ("x86_64", "amd64"):
+        raise _Unavailable(f"built for x86-64 Linux only (this is {sys.platform}/{_machine()})")
+    missing = _missing_cpu_flags()
+    if missing:
+        raise _Unavailable(f"this CPU lacks {', '.join(missing)}")
+    path = _built()
+    spec = importlib.util.spec_from_file_location(
+        _MODULE, path, loader=importlib.machinery.ExtensionFileLoader(_MODULE, str(path))
+    )
+    if spec is None or spec.loader is None:  # pragma: no cover - a path always has a spec
+        raise _Unavailable(f"cannot load {str(path)!r}")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as exc:
+        raise _Unavailable(f"cannot load {str(path)!r}: {exc}") from exc
+    if not module.supported():
+        raise _Unavailable("this CPU lacks AVX-512 VNNI (cpuid)")
+    runtimes = _openmp_runtimes()
+    if len(runtimes) > 1:
+        raise _Unavailable(f"two OpenMP runtimes loaded ({', '.join(runtimes)}): not torch's pool")
+    return module
+
+
+def _machine() -> str:
+    return os.uname().machine.lower()
+
+
+def _missing_cpu_flags() -> list[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError as exc:
+        raise _Unavailable(f"cannot read /proc/cpuinfo: {exc}") from exc
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    flags = set(line.partition(":")[2].split())
+    return [f for f in _CPU_FLAGS if f not in flags]
+
+
+def _openmp_runtimes() -> list[str]:
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:  # pragma: no cover - Linux has it
+        return []
+    names = {ln.split()[-1] for ln in maps.splitlines() if "libgomp" in ln or "libiomp" in ln}
+    return sorted({os.path.realpath(n) for n in names if n.startswith("/")})
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or "cc"
+    found = shutil.which(cc)
+    if found is None:
+        raise _Unavailable(f"no C compiler ({cc!r} not found)")
+    return found
+
+
+def _built() -> Path:
+    """The kernel's shared library, built now unless the cache has it."""
+    cc = _compiler()
+    include = sysconfig.get_paths()["include"]
+    if not (Path(include) / "Python.h").is_file():
+        raise _Unavailable(f"no Python headers (Python.h not in {include!r})")
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(
+        b"\0".join(
+            [source, " ".join(_FLAGS).encode(), cc.encode(), _version(cc).encode(), suffix.encode()]
+        )
+    ).hexdigest()[:16]
+    where = cache_dir() / "native" / digest
+    target = where / (_MODULE + suffix)
+    if target.is_file():
+        return target
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=where) as tmp:
+            built = Path(tmp) / target.name
+            command = [cc, *_FLAGS, f"-I{include}", str(SOURCE), "-o", str(built)]
+            result = subprocess.run(
+                command, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False
+            )
+            if result.returncode != 0:
+                tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
+                raise _Unavailable(f"building {SOURCE.name} failed: {' / '.join(tail)}")
+            os.replace(built, target)  # atomic: a concurrent build's file is as good
+    except OSError as exc:
+        raise _Unavailable(f"cannot build into {str(where)!r}: {exc}") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise _Unavailable(f"building {SOURCE.name} took over {_BUILD_TIMEOUT_S:.0f} s") from exc
+    logger.info("built the native CPU kernels into %s", target)
+    return target
+
+
+def _version(cc: str) -> str:
+    try:
+        result = subprocess.run(
+            [cc, "--version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise _Unavailable(f"cannot run the C compiler {cc!r}: {exc}") from exc
+    return result.stdout.splitlines()[0] if result.stdout else ""
+
+
+# --- the layout and its reference ----------------------------------------------
+
+
+def pack(q: Tensor, d: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
+    """(q [N, K] in [0, 15], d, m [N, K/32]) -> the kernel's (data, scales).
+
+    A group's byte j holds its q[j] in the low nibble and q[j + 16] in the
+    high one (GGUF Q4_1's order). The first groups come in wide blocks of 16,
+    their bytes interleaved four at a time (bytes 4t .. 4t + 3 of each group
+    in turn, t = 0 .. 3), the last K/32 % 16 groups one after another
+    (cpu_kernels.c says why). ``scales`` are d and m in float16, [2, N, K/32].
+    """
+    n, k = q.shape
+    groups = k // 32
+    wide = groups // 16 * 16
+    g = q.to(torch.uint8).view(n, groups, 2, 16)
+    nibbles = g[:, :, 0] | (g[:, :, 1] << 4)  # [N, G, 16]
+    main = nibbles[:, :wide].reshape(n, wide // 16, 16, 4, 4).transpose(2, 3)
+    data = torch.cat([main.reshape(n, -1), nibbles[:, wide:].reshape(n, -1)], dim=1)
+    scales = torch.stack([d, m]).to(torch.float16).contiguous()
+    return data.contiguous(), scales
+
+
+def unpack(data: Tensor, k: int) -> Tensor:
+    """:func:`pack`'s data -> q [N, K] uint8 in [0, 15]."""
+    n = data.shape[0]
+    groups = k // 32
+    wide = groups // 16 * 16
+    main = data[:, : wide * 16].reshape(n, wide // 16, 4, 16, 4).transpose(2, 3)
+    nibbles = torch.cat([main.reshape(n, wide, 16), data[:, wide * 16 :].reshape(n, -1, 16)], 1)
+    return torch.stack([nibbles & 15, nibbles >> 4], dim=2).view(n, k)
+
+
+def reference(rows: Tensor, data: Tensor, scales: Tensor) -> Tensor:
+    """What the kernel computes, in float64 from the same 8-bit activations:
+    each group of 32 inputs quantized to round(x * 127 / max|x|) (ties to
+    even), its scale max|x| / 127, both in float32 as the kernel has them."""
+    m, k = rows.shape
+    x = rows.float().view(m, k // 32, 32)
+    # numpy divides float32 by float32 correctly rounded, as the kernel does;
+    # torch may multiply by a reciprocal instead, which moves ties.
+    amax = x.abs().amax(dim=-1).numpy()
+    with np.errstate(divide="ignore"):
+        dx = torch.from_numpy(amax / np.float32(127))
+        inv = torch.from_numpy(np.where(amax > 0, np.float32(127) / amax, np.float32(0)))
+    x8 = torch.round(x * inv[..., None])  # torch rounds half to even, as cvtps2dq does
+    q = unpack(data, k).double().view(-1, k // 32, 32)
+    d, mins = scales.double()
+    dots = torch.einsum("mgj,ngj->mng", x8.double(), q)  # [M, N, G], exact integers
+    sums = x8.double().sum(dim=-1)  # [M, G]
+    dxd = dx.double()
+    out = (dots * (d[None] * dxd[:, None])).sum(-1) + (mins[None] * (dxd * sums)[:, None]).sum(-1)
+    return out
+
+
+#: Row counts at which the probe checks that a row's result does not depend on
+#: the others (decode batches, prefill chunks, a ragged block of four).
+_PROBE_ROWS = (1, 2, 3, 5, 8, 37)
+
+
+def _probe(module: ModuleType) -> str | None:
+    """What the built kernels get wrong here, or ``None``: each must compute
+    its formula (within its output's bfloat16 rounding) and give a row the
+    same result whatever other rows it is computed with."""
+    g = torch.Generator().manual_seed(23)
+    for n, k in ((80, 576), (48, 1536), (16, 96)):
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        d = torch.rand(n, k // 32, generator=g) * 0.02 + 0.001
+        mins = -8 * d + torch.randn(n, k // 32, generator=g) * 0.01
+        data, scales = pack(q, d, mins)
+        x = (torch.randn(max(_PROBE_ROWS), k, generator=g) * 3).to(torch.bfloat16)
+        x[0, :32] = 0  # an all-zero group
+        out = _call(module, x, data, scales, n)
+        ref = reference(x, data, scales)
+        # bfloat16 output: within 2^-8 of each value, plus float32's sums.
+        if not bool(((out.double() - ref).abs() <= ref.abs() / 256 + 1e-3).all()):
+            return f"the 4-bit matmul's results ({n} x {k})"
+        if not _rows_agree(lambda rows: _call(module, rows, data, scales, n), x, out):
+            return f"the 4-bit matmul's batch invariance ({n} x {k})"
+        w8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        s8 = (torch.rand(n, generator=g) * 0.01 + 0.001).to(torch.bfloat16)
+        out8 = _int8(module, x, w8, s8)
+        ref8 = x.double() @ (w8.double() * s8.double()[:, None]).T
+        if not bool(((out8.double() - ref8).abs() <= ref8.abs() / 256 + 1e-3).all()):
+            return f"the 8-bit matmul's results ({n} x {k})"
+        if not _rows_agree(lambda rows: _int8(module, rows, w8, s8), x, out8):
+            return f"the 8-bit matmul's batch invariance ({n} x {k})"
+    for d_model in (576, 48):
+        x = torch.randn(max(_PROBE_ROWS), d_model, generator=g) * 4
+        y = torch.randn(x.shape, generator=g).to(torch.bfloat16)
+        w = torch.rand(d_model, generator=g) + 0.5
+        summed = x + y.float()
+        ref = summed.double() * (summed.double().pow(2).mean(-1, keepdim=True) + 1e-5).rsqrt()
+        ref = ref * w.double()
+        for rows in _PROBE_ROWS:
+            xr = x[:rows].clone()
+            out = _norm(module, xr, y[:rows], w, 1e-5)
+            if not torch.equal(xr, summed[:rows]):
+                return "the residual add"
+            if not bool(((out.double() - ref[:rows]).abs() <= ref[:rows].abs() / 256 + 1e-5).all()):
+                return "the RMS norm's results"
+            if rows > 1 and not torch.equal(
+                out, _norm(module, summed[:rows].clone(), None, w, 1e-5)
+            ):
+                return "the RMS norm without an add"
+            if rows == max(_PROBE_ROWS) and not torch.equal(
+                out[3:8], _norm(module, summed[3:8].clone(), None, w, 1e-5)
+            ):
+                return "the RMS norm's batch invariance"
+    return None
+
+
+def _rows_agree(run: Callable[[Tensor], Tensor], x: Tensor, out: Tensor) -> bool:
+    return all(torch.equal(run(x[:rows]), out[:rows]) for rows in _PROBE_ROWS) and torch.equal(
+        run(x[3:8]), out[3:8]
+    )
+
+
+def _int8(module: ModuleType, x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], q.shape[0], dtype=torch.bfloat16)
+    module.int8_mm(
+        x.data_ptr(),
+        q.data_ptr(),
+        scale.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        q.shape[0],
+        x.shape[1],
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def _norm(module: ModuleType, x: Tensor, y: Tensor | None, w: Tensor, eps: float) -> Tensor:
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    module.add_rms_norm(
+        x.data_ptr(),
+        None if y is None else y.contiguous().data_ptr(),
+        w.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        eps,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def _call(module: ModuleType, x: Tensor, data: Tensor, scales: Tensor, n: int) -> Tensor:
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    module.q4_mm(
+        x.data_ptr(),
+        data.data_ptr(),
+        scales[0].data_ptr(),
+        scales[1].data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        n,
+        x.shape[1],
+        torch.get_num_threads(),
+    )
+    return out
