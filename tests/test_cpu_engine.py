@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.direct import CPU, greedy_ids
-from trioserve.engine import llama
+from trioserve.engine import llama, native
 from trioserve.engine.base import (
     Engine,
     Failed,
@@ -131,9 +131,13 @@ def test_step_with_nothing_to_do_returns_no_update(cpu_engine: CpuEngine) -> Non
     assert cpu_engine.cache_bytes == 0
 
 
-def test_chat_answer_names_paris_and_ends_on_eos(cpu_engine: CpuEngine) -> None:
-    outcome = run_one(cpu_engine, make_spec(cpu_engine, chat("What is the capital of France?"), 32))
-    assert "Paris" in outcome.text
+def test_chat_answer_names_the_colors_and_ends_on_eos(cpu_engine: CpuEngine) -> None:
+    # (SmolLM2's greedy answer to "What is the capital of France?" starts at a
+    # near-tie, "The" against "L": llama.cpp's 8-bit activations, and now
+    # trioserve's native kernels, take "L'Étoile ..."; this one is stable.)
+    question = "Name three primary colors."
+    outcome = run_one(cpu_engine, make_spec(cpu_engine, chat(question), 32))
+    assert all(color in outcome.text for color in ("Red", "Blue", "Yellow"))
     end = outcome.finished
     assert end.reason == "stop_token"
     assert end.stop_token in cpu_engine.info.eos_token_ids
@@ -141,7 +145,7 @@ def test_chat_answer_names_paris_and_ends_on_eos(cpu_engine: CpuEngine) -> None:
     # The EOS token counts as generated but its text is never emitted.
     assert end.generated_tokens < 32
     assert "<|im_end|>" not in outcome.text
-    assert end.prompt_tokens == len(cpu_engine.encode(chat("What is the capital of France?")))
+    assert end.prompt_tokens == len(cpu_engine.encode(chat(question)))
 
 
 @pytest.mark.slow
@@ -525,7 +529,10 @@ def test_statistics_report_jobs_and_memory(cpu_engine: CpuEngine) -> None:
 def test_the_default_model_runs_on_its_4bit_weights(cpu_engine: CpuEngine) -> None:
     weights = cpu_engine._weights
     assert weights is not None
-    assert weights.kinds() == {"q4": 4 * 30}
+    # trioserve's own 4-bit kernel where it builds here, else torch's.
+    kind = "q4" if native.kernel() is None else "q4 native"
+    assert weights.kinds() == {kind: 4 * 30}
+    assert weights.native_norm == (native.kernel() is not None)
 
 
 # --- quality of the 4-bit path ------------------------------------------------------
@@ -832,7 +839,8 @@ def greedy_logits(
 
 
 def test_logit_bias_bans_and_forces(cpu_engine: CpuEngine) -> None:
-    prompt = chat("What is the capital of France?")
+    # Without the system prompt SmolLM2 answers "The capital of France is Paris."
+    prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     answer = run_one(cpu_engine, make_spec(cpu_engine, prompt, 12)).text
     assert "Paris" in answer
     (paris,) = cpu_engine.encode(" Paris")

@@ -17,7 +17,7 @@ from typing import Any, Final, Literal
 import attrs
 
 from ..engine import SPECULATIVE_MODES, VOCAB_PROJECTIONS, EngineOptions
-from ..engine.base import KV_CACHE_DTYPES, CPU_KERNELS, WEIGHT_MODES
+from ..engine.base import CPU_KERNELS, KV_CACHE_DTYPES, WEIGHT_MODES
 from ..logs import LOG_FORMATS, LOG_LEVELS
 from ..server import ServerConfig
 
