@@ -131,13 +131,10 @@ def test_step_with_nothing_to_do_returns_no_update(cpu_engine: CpuEngine) -> Non
     assert cpu_engine.cache_bytes == 0
 
 
-def test_chat_answer_names_the_colors_and_ends_on_eos(cpu_engine: CpuEngine) -> None:
-    # (SmolLM2's greedy answer to "What is the capital of France?" starts at a
-    # near-tie, "The" against "L": llama.cpp's 8-bit activations, and now
-    # trioserve's native kernels, take "L'Étoile ..."; this one is stable.)
-    question = "Name three primary colors."
+def test_chat_answer_names_paris_and_ends_on_eos(cpu_engine: CpuEngine) -> None:
+    question = "What is the capital of France?"
     outcome = run_one(cpu_engine, make_spec(cpu_engine, chat(question), 32))
-    assert all(color in outcome.text for color in ("Red", "Blue", "Yellow"))
+    assert "Paris" in outcome.text
     end = outcome.finished
     assert end.reason == "stop_token"
     assert end.stop_token in cpu_engine.info.eos_token_ids
@@ -839,8 +836,7 @@ def greedy_logits(
 
 
 def test_logit_bias_bans_and_forces(cpu_engine: CpuEngine) -> None:
-    # Without the system prompt SmolLM2 answers "The capital of France is Paris."
-    prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    prompt = chat("What is the capital of France?")
     answer = run_one(cpu_engine, make_spec(cpu_engine, prompt, 12)).text
     assert "Paris" in answer
     (paris,) = cpu_engine.encode(" Paris")

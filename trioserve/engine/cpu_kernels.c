@@ -7,25 +7,32 @@
    GGUF's Q4_1 form: groups of 32 consecutive inputs of one output, each a
    4-bit q in [0, 15] with a scale d and a minimum m (float16), w = d * q + m.
 
-   As llama.cpp's CPU path does, each row of x is quantized first to 8 bits
-   per group of 32 (one float scale dx per group: its largest magnitude / 127,
-   round to nearest even), so that a group's dot product is integer work:
-   sum(w * x) ~ d * dx * sum(q * x8) + m * dx * sum(x8). The integer sums are
-   exact (vpdpbusd: unsigned 4-bit weights times signed 8-bit inputs); what is
-   rounded is in float32, in an order that depends on nothing but K.
+   Each row of x is first written as integers per group of 32 (one float
+   scale dx per group: its largest magnitude / 127): v = x / dx, x8 =
+   round(v) and r8 = round((v - x8) * 128), both in 8 bits, so that x ~ dx *
+   (x8 + r8 / 128) to within dx / 256 (15 bits against the group's largest
+   value; bfloat16 itself keeps 8 per value). A group's dot product is then
+   integer work: sum(q * (128 * x8 + r8)) = 128 * sum(q * x8) + sum(q * r8),
+   16 vpdpbusd (unsigned 4-bit weights times signed 8-bit inputs, 64
+   multiply-adds each) per 512 weights and row, exact in int32 and in the
+   float32 it is converted to (below 2^24); what is rounded is in float32, in
+   an order that depends on nothing but K:
+       sum(w * x) ~ d * (dx / 128) * that + m * (dx / 128) * sum(128 * x8 + r8).
+   llama.cpp keeps x8 alone (8 bits); on SmolLM2 that moves near-ties ("What
+   is the capital of France?" is then answered "L'Etoile ...", by llama-server
+   too): the residual keeps the answers of torch's bfloat16 path there.
 
    Batch invariance. A row's result is computed by the same instructions,
    in the same order, whatever M is, whichever other rows share its block of
-   four and whichever thread computes it: rows are quantized alone, threads
+   six and whichever thread computes it: rows are quantized alone, threads
    split the outputs (never K), and a block of fewer rows runs the same
    per-row sequence. So a job's logits do not depend on its companions, nor
    on whether its positions were computed in a prefill chunk or a decode step
    (trioserve.engine.llama relies on it; tests/test_native.py checks it).
 
    Built and loaded by trioserve/engine/native.py (compiled on first use with
-   the machine's C compiler, cached on disk). The module's one function,
-   q4_mm, takes raw addresses: Python checks shapes, dtypes and contiguity
-   before calling (trioserve.engine.quant.linear). */
+   the machine's C compiler, cached on disk). Its functions take raw
+   addresses: Python checks shapes, dtypes and contiguity before calling. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -40,7 +47,8 @@
 #define WIDE_BYTES 256                /* 16 groups x 16 bytes, as 4 loads of 64 */
 #define NARROW 4                      /* groups of one narrow block (the tail) */
 #define NARROW_BYTES 64
-#define ROWS 8                        /* rows of x sharing one pass over W */
+#define ROWS 6                        /* rows of x sharing one pass over W (6 of 8, 4 and 6
+                                         tried: 0.90x torch's time at 8 and 64 rows) */
 #define OUTS 16                       /* outputs per unit of parallel work */
 /* How far ahead of its reads a thread asks for the weights: one core keeps
    too few misses in flight for the memory's bandwidth on its own; 4 KiB
@@ -61,11 +69,12 @@
 
    Per row of x, after quantization (the same order): for each wide block,
    4 x (64 bytes of x8[4t .. 4t + 3] of each group, then 64 bytes of
-   x8[16 + 4t .. 16 + 4t + 3]), 512 bytes; then for each narrow block, 64
-   bytes of the groups' x8[0 .. 15], then 64 of x8[16 .. 31]. dx: 16 floats
-   per wide block (one a group), 16 per narrow block (lane l: group l / 4);
-   sx = dx * sum(x8): 16 floats per wide block, 4 per narrow one. Groups past
-   K are zero (as is what they multiply). */
+   x8[16 + 4t .. 16 + 4t + 3]), 512 bytes, then the same 512 of r8; for
+   each narrow block, 64 bytes of the groups' x8[0 .. 15], 64 of x8[16 ..
+   31], then the same 128 of r8. dx (here dx / 128): 16 floats per wide
+   block (one a group), 16 per narrow block (lane l: group l / 4); sx =
+   (dx / 128) * sum(128 * x8 + r8): 16 floats per wide block, 4 per narrow
+   one. Groups past K are zero (as is what they multiply). */
 typedef struct {
     const int8_t *q;
     const float *dx;
@@ -82,7 +91,7 @@ static shape shape_of(int64_t K) {
     s.groups = K / GROUP;
     s.wide = s.groups / WIDE;
     s.narrow = (s.groups % WIDE + NARROW - 1) / NARROW;
-    s.qbytes = (size_t)(s.wide * 2 * WIDE_BYTES + s.narrow * 2 * NARROW_BYTES);
+    s.qbytes = (size_t)(s.wide * 4 * WIDE_BYTES + s.narrow * 4 * NARROW_BYTES);
     s.dfloats = (size_t)(s.wide * 16 + s.narrow * 16);
     s.sfloats = (size_t)(s.wide * 16 + s.narrow * 4);
     return s;
@@ -100,7 +109,7 @@ static void quantize_row(const uint16_t *x, const shape *sh, int8_t *q, float *d
     memset(q, 0, sh->qbytes);
     memset(dx, 0, sh->dfloats * sizeof(float));
     memset(sx, 0, sh->sfloats * sizeof(float));
-    int8_t *tail_q = q + sh->wide * 2 * WIDE_BYTES;
+    int8_t *tail_q = q + sh->wide * 4 * WIDE_BYTES;
     float *tail_dx = dx + sh->wide * 16, *tail_sx = sx + sh->wide * 16;
     for (int64_t g = 0; g < sh->groups; g++) {
         const uint16_t *src = x + g * GROUP;
@@ -111,26 +120,37 @@ static void quantize_row(const uint16_t *x, const shape *sh, int8_t *q, float *d
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
         float d = amax / 127.0f;
         float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
-        __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
-        int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-        int8_t v[GROUP];
+        __m512 va = _mm512_mul_ps(a, _mm512_set1_ps(id)), vb = _mm512_mul_ps(b, _mm512_set1_ps(id));
+        __m512i qa = _mm512_cvtps_epi32(va);
+        __m512i qb = _mm512_cvtps_epi32(vb);
+        __m512 k128 = _mm512_set1_ps(128.0f);
+        __m512i ra = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(va, _mm512_cvtepi32_ps(qa)), k128));
+        __m512i rb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(vb, _mm512_cvtepi32_ps(qb)), k128));
+        int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(qa, 7), ra), _mm512_add_epi32(_mm512_slli_epi32(qb, 7), rb)));
+        d = d / 128.0f;
+        int8_t v[GROUP], rv[GROUP];
         _mm_storeu_si128((__m128i *)v, _mm512_cvtepi32_epi8(qa));
         _mm_storeu_si128((__m128i *)(v + 16), _mm512_cvtepi32_epi8(qb));
+        _mm_storeu_si128((__m128i *)rv, _mm512_cvtepi32_epi8(ra));
+        _mm_storeu_si128((__m128i *)(rv + 16), _mm512_cvtepi32_epi8(rb));
         if (g < sh->wide * WIDE) {
             int64_t block = g / WIDE, lane = g % WIDE;
-            int8_t *dst = q + block * 2 * WIDE_BYTES + lane * 4;
+            int8_t *dst = q + block * 4 * WIDE_BYTES + lane * 4;
             for (int t = 0; t < 4; t++) {
                 memcpy(dst + t * 128, v + 4 * t, 4);
                 memcpy(dst + t * 128 + 64, v + 16 + 4 * t, 4);
+                memcpy(dst + 512 + t * 128, rv + 4 * t, 4);
+                memcpy(dst + 512 + t * 128 + 64, rv + 16 + 4 * t, 4);
             }
             dx[block * 16 + lane] = d;
             sx[block * 16 + lane] = d * (float)total;
         } else {
             int64_t t = g - sh->wide * WIDE, block = t / NARROW, slot = t % NARROW;
-            int8_t *dst = tail_q + block * 2 * NARROW_BYTES + slot * 16;
+            int8_t *dst = tail_q + block * 4 * NARROW_BYTES + slot * 16;
             memcpy(dst, v, 16);
             memcpy(dst + NARROW_BYTES, v + 16, 16);
+            memcpy(dst + 128, rv, 16);
+            memcpy(dst + 128 + NARROW_BYTES, rv + 16, 16);
             for (int l = 0; l < 4; l++) tail_dx[block * 16 + slot * 4 + l] = d;
             tail_sx[block * 4 + slot] = d * (float)total;
         }
@@ -160,13 +180,17 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
         __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + b * WIDE)));
         __m512 m16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + b * WIDE)));
         for (int r = 0; r < nr; r++) {
-            const int8_t *xq = rows[r].q + b * 2 * WIDE_BYTES;
-            __m512i s = _mm512_setzero_si512();
+            const int8_t *xq = rows[r].q + b * 4 * WIDE_BYTES;
+            __m512i s = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
             for (int t = 0; t < 4; t++) {
                 s = _mm512_dpbusd_epi32(s, lo[t], _mm512_loadu_si512((const void *)(xq + t * 128)));
                 s = _mm512_dpbusd_epi32(s, hi[t],
                                         _mm512_loadu_si512((const void *)(xq + t * 128 + 64)));
+                s2 = _mm512_dpbusd_epi32(s2, lo[t], _mm512_loadu_si512((const void *)(xq + 512 + t * 128)));
+                s2 = _mm512_dpbusd_epi32(s2, hi[t],
+                                        _mm512_loadu_si512((const void *)(xq + 512 + t * 128 + 64)));
             }
+            s = _mm512_add_epi32(_mm512_slli_epi32(s, 7), s2);
             __m512 scale = _mm512_mul_ps(d16, _mm512_loadu_ps(rows[r].dx + b * 16));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
             acc[r] = _mm512_fmadd_ps(m16, _mm512_loadu_ps(rows[r].sx + b * 16), acc[r]);
@@ -194,12 +218,15 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
         __m512 d16 = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(d4));
         __m512 m16 = _mm512_zextps128_ps512(m4);
         for (int r = 0; r < nr; r++) {
-            const int8_t *xq = rows[r].q + sh->wide * 2 * WIDE_BYTES + b * 2 * NARROW_BYTES;
+            const int8_t *xq = rows[r].q + sh->wide * 4 * WIDE_BYTES + b * 4 * NARROW_BYTES;
             const float *dx = rows[r].dx + sh->wide * 16 + b * 16;
             const float *sx = rows[r].sx + sh->wide * 16 + b * 4;
             __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
                                             _mm512_loadu_si512((const void *)xq));
             s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512((const void *)(xq + NARROW_BYTES)));
+            __m512i s2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)(xq + 128)));
+            s2 = _mm512_dpbusd_epi32(s2, hi, _mm512_loadu_si512((const void *)(xq + 128 + NARROW_BYTES)));
+            s = _mm512_add_epi32(_mm512_slli_epi32(s, 7), s2);
             __m512 scale = _mm512_mul_ps(d16, _mm512_loadu_ps(dx));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
             acc[r] = _mm512_fmadd_ps(m16, _mm512_zextps128_ps512(_mm_loadu_ps(sx)), acc[r]);
@@ -242,8 +269,6 @@ static int matmul(const uint16_t *x, const uint8_t *w, const uint16_t *d, const 
                 const uint8_t *wn = w + n * wrow;
                 const uint16_t *dn = d + n * sh.groups, *mn = m + n * sh.groups;
                 switch (nr) {
-                case 8: dot_rows(wn, dn, mn, &sh, rows + r0, 8, res); break;
-                case 7: dot_rows(wn, dn, mn, &sh, rows + r0, 7, res); break;
                 case 6: dot_rows(wn, dn, mn, &sh, rows + r0, 6, res); break;
                 case 5: dot_rows(wn, dn, mn, &sh, rows + r0, 5, res); break;
                 case 4: dot_rows(wn, dn, mn, &sh, rows + r0, 4, res); break;
