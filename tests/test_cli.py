@@ -174,6 +174,7 @@ def test_environment_sets_every_option_and_the_command_line_wins() -> None:
         "weights": ("int8", "int8"),
         "tool_call_format": ("mistral", "mistral"),
         "vocab_projection": ("bfloat16", "bfloat16"),
+        "cpu_kernels": ("torch", "torch"),
         "kv_cache_dtype": ("int8", "int8"),
         "prefix_cache_mib": ("0", 0),
         "prefill_share": ("0.25", 0.25),

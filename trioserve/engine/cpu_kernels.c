@@ -361,6 +361,198 @@ static void add_norm(float *x, const uint16_t *y, const float *w, uint16_t *out,
     }
 }
 
+/* --- rope, the KV cache write and attention ------------------------------- */
+
+/* exp of 16 floats (Cephes' expf: range reduction by ln 2 in two parts, a
+   degree-5 polynomial, scaling by 2^n), to about 2 ulp; inputs below -87
+   give 0. The same instructions whatever calls it. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f),
+                                                    _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* The 16 sums of v[0..15] (each 16 lanes), as one vector; lane i holds
+   v[i]'s sum (a fixed tree of adds: the same for every call). */
+static inline __m512 hsum16(const __m512 *v) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    /* a[i], per 128-bit lane: v[2i] (0+2, 1+3) and v[2i+1] interleaved */
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]))),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a[2 * i]), _mm512_castps_pd(a[2 * i + 1]))));
+    /* b[i], per 128-bit lane L: the lane-L sums of v[4i], v[4i+1], v[4i+2], v[4i+3] */
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+    __m512 d = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                             _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+    return d; /* lane i: v[i]'s sum (tests/test_native.py checks the order) */
+}
+
+static inline __m512 bf16_16(const uint16_t *p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline void store_bf16_16(uint16_t *p, __m512 v) {
+    const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    __m512i u = _mm512_castps_si512(v);
+    u = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+
+typedef struct {
+    const uint16_t *qkv;        /* [R, (H + 2K) * E], before rope */
+    const float *cos, *sin;     /* [T_rope, E] */
+    uint16_t *cache;            /* [S, 2K, T, E] */
+    const int64_t *slots, *pos; /* [R] */
+    uint16_t *q;                /* [R, H, E], after rope (scratch) */
+    uint16_t *out;              /* [R, H * E] */
+    int64_t R, H, K, E, T;
+    float scale;
+} attn_args;
+
+/* Row r: rope on its query and key heads (float32: x * cos + swapped * sin,
+   then bfloat16), keys and values written at its slot and position. */
+static void rope_write(const attn_args *a, int64_t r) {
+    int64_t H = a->H, K = a->K, E = a->E, half = E / 2;
+    const uint16_t *row = a->qkv + r * (H + 2 * K) * E;
+    const float *c = a->cos + a->pos[r] * E, *sn = a->sin + a->pos[r] * E;
+    uint16_t *base = a->cache + a->slots[r] * 2 * K * a->T * E + a->pos[r] * E;
+    for (int64_t h = 0; h < H + K; h++) {
+        const uint16_t *x = row + h * E;
+        uint16_t *dst = h < H ? a->q + (r * H + h) * E : base + (h - H) * a->T * E;
+        for (int64_t i = 0; i < E; i += 16) {
+            int64_t j = i < half ? i + half : i - half; /* swapped halves */
+            __m512 v = _mm512_add_ps(_mm512_mul_ps(bf16_16(x + i), _mm512_loadu_ps(c + i)),
+                                     _mm512_mul_ps(bf16_16(x + j), _mm512_loadu_ps(sn + i)));
+            store_bf16_16(dst + i, v);
+        }
+    }
+    for (int64_t h = 0; h < K; h++)
+        memcpy(base + (K + h) * a->T * E, row + (H + K + h) * E, (size_t)E * sizeof(uint16_t));
+}
+
+/* Row r, KV head g: its G query heads attend to the slot's positions 0 ..
+   pos[r]; `scores` holds G * (pos + 16) floats. */
+static void attend(const attn_args *a, int64_t r, int64_t g, float *scores) {
+    int64_t H = a->H, K = a->K, E = a->E, G = H / K, p = a->pos[r];
+    int64_t n = p + 1, padded = (n + 15) / 16 * 16;
+    const uint16_t *keys = a->cache + (a->slots[r] * 2 * K + g) * a->T * E;
+    const uint16_t *values = keys + K * a->T * E;
+    float totals[8];
+    for (int64_t h = 0; h < G; h++) {
+        const uint16_t *q = a->q + (r * H + g * G + h) * E;
+        float *sc = scores + h * padded;
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            __m512 part[16];
+            for (int jj = 0; jj < 16; jj++) {
+                part[jj] = _mm512_setzero_ps();
+                if (j0 + jj >= n) continue;
+                const uint16_t *k = keys + (j0 + jj) * E;
+                for (int64_t i = 0; i < E; i += 32)
+                    part[jj] = _mm512_dpbf16_ps(part[jj], (__m512bh)_mm512_loadu_si512((const void *)(k + i)),
+                                                (__m512bh)_mm512_loadu_si512((const void *)(q + i)));
+            }
+            _mm512_storeu_ps(sc + j0, _mm512_mul_ps(hsum16(part), _mm512_set1_ps(a->scale)));
+        }
+        for (int64_t j = n; j < padded; j++) sc[j] = -INFINITY;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < padded; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + j));
+        __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx)), total = _mm512_setzero_ps();
+        for (int64_t j = 0; j < padded; j += 16) {
+            __m512 x = _mm512_loadu_ps(sc + j);
+            /* positions past pos[r] (-inf) weigh exactly 0 */
+            __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
+                                           exp16(_mm512_sub_ps(x, top)));
+            _mm512_storeu_ps(sc + j, e);
+            total = _mm512_add_ps(total, e);
+        }
+        totals[h] = _mm512_reduce_add_ps(total);
+    }
+    /* out = sum_j e_j v_j / sum_j e_j, E / 16 float32 vectors a head, v shared
+       by the G heads. */
+    for (int64_t i0 = 0; i0 < E; i0 += 64) {
+        int64_t width = E - i0 < 64 ? (E - i0) / 16 : 4;
+        __m512 acc[8][4];
+        for (int64_t h = 0; h < G; h++)
+            for (int w = 0; w < width; w++) acc[h][w] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            __m512 v[4];
+            for (int w = 0; w < width; w++) v[w] = bf16_16(values + j * E + i0 + 16 * w);
+            for (int64_t h = 0; h < G; h++) {
+                __m512 e = _mm512_set1_ps(scores[h * padded + j]);
+                for (int w = 0; w < width; w++) acc[h][w] = _mm512_fmadd_ps(e, v[w], acc[h][w]);
+            }
+        }
+        for (int64_t h = 0; h < G; h++) {
+            __m512 inv = _mm512_set1_ps(1.0f / totals[h]);
+            uint16_t *o = a->out + r * H * E + (g * G + h) * E + i0;
+            for (int w = 0; w < width; w++) store_bf16_16(o + 16 * w, _mm512_mul_ps(acc[h][w], inv));
+        }
+    }
+}
+
+static int attention_all(attn_args *a, int threads) {
+    int64_t R = a->R, K = a->K, G = a->H / a->K;
+    int64_t longest = 0;
+    for (int64_t r = 0; r < R; r++) longest = a->pos[r] > longest ? a->pos[r] : longest;
+    uint16_t *q = malloc((size_t)(R * a->H * a->E) * sizeof(uint16_t));
+    if (!q) return -1;
+    a->q = q;
+#pragma omp parallel for schedule(static) num_threads(threads) if (R >= 8)
+    for (int64_t r = 0; r < R; r++) rope_write(a, r);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (R * K > 1)
+    {
+        float *scores = aligned_alloc(64, (size_t)(G * ((longest + 16) / 16 * 16 + 16) + 16) * sizeof(float));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < R * K; t++)
+            if (scores) attend(a, t / K, t % K, scores);
+        free(scores);
+    }
+    free(q);
+    return failed ? -1 : 0;
+}
+
+/* --- the MLP's gate ---------------------------------------------------------- */
+
+/* out[R, F] = bfloat16(bfloat16(silu(gate)) * up) for gate_up [R, 2F]
+   (gate first), silu(x) = x / (1 + exp(-x)) in float32; F a multiple of 16. */
+static void silu_mul_rows(const uint16_t *gu, uint16_t *out, int64_t R, int64_t F, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (R >= 8)
+    for (int64_t r = 0; r < R; r++) {
+        const uint16_t *g = gu + r * 2 * F, *u = g + F;
+        for (int64_t i = 0; i < F; i += 16) {
+            __m512 x = bf16_16(g + i);
+            __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f),
+                                       _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+            uint16_t tmp[16];
+            store_bf16_16(tmp, _mm512_mul_ps(x, sig));
+            store_bf16_16(out + r * F + i, _mm512_mul_ps(bf16_16(tmp), bf16_16(u + i)));
+        }
+    }
+}
+
 static int read_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, int pointers,
                      void **ptr, long long *num, const char *usage) {
     if (nargs != want) {
@@ -394,6 +586,57 @@ static PyObject *int8_mm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
                          (uint16_t *)ptr[3], dims[0], dims[1], dims[2], (int)dims[3]);
     Py_END_ALLOW_THREADS
     if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    void *ptr[7];
+    long long num[8];
+    if (nargs != 16) {
+        PyErr_SetString(PyExc_TypeError,
+                        "attention(qkv, cos, sin, cache, slots, pos, out, R, H, K, E, T, S, "
+                        "rope_length, scale, threads)");
+        return NULL;
+    }
+    if (read_args(args, 14, 14, 7, ptr, num, "")) return NULL;
+    double scale = PyFloat_AsDouble(args[14]);
+    long long threads = PyLong_AsLongLong(args[15]);
+    if (PyErr_Occurred()) return NULL;
+    attn_args a = {.qkv = ptr[0], .cos = ptr[1], .sin = ptr[2], .cache = ptr[3], .slots = ptr[4],
+                   .pos = ptr[5], .out = ptr[6], .R = num[0], .H = num[1], .K = num[2],
+                   .E = num[3], .T = num[4], .scale = (float)scale};
+    long long S = num[5], rope_length = num[6];
+    if (a.R < 1 || a.K < 1 || a.H % a.K || a.H / a.K > 8 || a.E < 32 || a.E % 32 || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "attention: R >= 1, H a multiple of K (at most 8x), E a multiple of 32");
+        return NULL;
+    }
+    for (int64_t r = 0; r < a.R; r++) {
+        if (a.slots[r] < 0 || a.slots[r] >= S || a.pos[r] < 0 || a.pos[r] >= a.T || a.pos[r] >= rope_length) {
+            PyErr_SetString(PyExc_ValueError, "attention: a row's slot or position is outside the cache");
+            return NULL;
+        }
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = attention_all(&a, (int)threads);
+    Py_END_ALLOW_THREADS
+    if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    void *ptr[2];
+    long long num[3];
+    if (read_args(args, nargs, 5, 2, ptr, num, "silu_mul(gate_up, out, R, F, threads)")) return NULL;
+    if (num[0] < 1 || num[1] < 16 || num[1] % 16 || num[2] < 1) {
+        PyErr_SetString(PyExc_ValueError, "silu_mul: R >= 1, F a positive multiple of 16");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    silu_mul_rows((const uint16_t *)ptr[0], (uint16_t *)ptr[1], num[0], num[1], (int)num[2]);
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
@@ -454,6 +697,7 @@ static int cpu_ok(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("avx512bf16") &&
            __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
 }
 
@@ -470,6 +714,10 @@ static PyMethodDef methods[] = {
      "int8_mm(x, q, scale, out, M, N, K, threads): out = x @ (q * scale).T"},
     {"add_rms_norm", (PyCFunction)(void (*)(void))add_rms_norm, METH_FASTCALL,
      "add_rms_norm(x, y, w, out, M, D, eps, threads): x += y; out = rms_norm(x) * w"},
+    {"attention", (PyCFunction)(void (*)(void))attention, METH_FASTCALL,
+     "attention(...): rope, the KV cache write and causal attention of a forward pass's rows"},
+    {"silu_mul", (PyCFunction)(void (*)(void))silu_mul, METH_FASTCALL,
+     "silu_mul(gate_up, out, R, F, threads): out = silu(gate) * up"},
     {"supported", supported, METH_NOARGS, "whether this CPU runs the kernel"},
     {NULL, NULL, 0, NULL},
 };

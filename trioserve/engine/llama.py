@@ -600,10 +600,44 @@ def attention(
     return linear(out, layer.wo)
 
 
-def mlp(x: Tensor, layer: LayerWeights) -> Tensor:
+def native_attention_for(weights: LlamaWeights, config: LlamaConfig, cache: KVCache) -> bool:
+    """Whether :func:`forward` runs attention on trioserve's kernel: with the
+    native kernels, a bfloat16 (not 8-bit) cache, heads of a multiple of 32
+    and at most 8 query heads per KV head."""
+    return (
+        weights.native_norm
+        and not cache.quantized
+        and cache.dtype == torch.bfloat16
+        and config.head_dim % 32 == 0
+        and config.n_heads % config.n_kv_heads == 0
+        and config.n_heads // config.n_kv_heads <= 8
+    )
+
+
+def mlp(x: Tensor, layer: LayerWeights, native_kernels: bool = False) -> Tensor:
     gate_up = linear(x, layer.w_gate_up)
     f = gate_up.shape[-1] // 2
+    if native_kernels and f % 16 == 0:
+        return linear(native.silu_mul(gate_up), layer.w_down)
     return linear(F.silu(gate_up[..., :f]) * gate_up[..., f:], layer.w_down)
+
+
+def native_attention(
+    x: Tensor,
+    layer: LayerWeights,
+    config: LlamaConfig,
+    cache: KVCache,
+    layer_index: int,
+    rope: tuple[Tensor, Tensor],
+    rows: tuple[Tensor, Tensor],
+) -> Tensor:
+    """:func:`attention` on trioserve's kernel (:func:`trioserve.engine.native.attention`):
+    rope, the cache write and causal attention in one call; ``rows`` are each
+    row's (slot, position) [B * C] int64."""
+    qkv = linear(x, layer.wqkv)
+    cache_layer = cache.layer_views[layer_index][0]
+    out = native.attention(qkv, rope, cache_layer, *rows, config.n_heads, config.n_kv_heads)
+    return linear(out, layer.wo)
 
 
 def forward(
@@ -634,25 +668,38 @@ def forward(
     greedy result. (Its bfloat16 dequantization would prefill faster on
     CPUs with bfloat16 matrix units, but gives other numbers.)
     """
-    step = _prepare(weights, config, cache, rope, positions, slots)
     dtype = weights.dtype
     eps = config.rms_norm_eps
     b, c = tokens.shape
     # Hidden states as [B * C, D] rows throughout: matmuls take them as they are.
     x = F.embedding(tokens.reshape(-1), weights.embed).float()
     if weights.native_norm:
-        # Each residual add and the norm after it in one call (x += out in place).
+        # Each residual add and the norm after it in one call (x += out in place);
+        # attention in one call per layer where the cache is bfloat16.
+        step = (
+            None
+            if native_attention_for(weights, config, cache)
+            else _prepare(weights, config, cache, rope, positions, slots)
+        )
+        rows = (
+            slots.to(torch.int64).repeat_interleave(c).contiguous(),
+            positions.to(torch.int64).reshape(-1).contiguous(),
+        )
         out: Tensor | None = None
         for i, layer in enumerate(weights.layers):
             h = native.add_rms_norm(x, out, layer.attn_norm, eps)
-            out = attention(h, layer, config, i, cache, step)
+            if step is None:
+                out = native_attention(h, layer, config, cache, i, rope, rows)
+            else:
+                out = attention(h, layer, config, i, cache, step)
             h = native.add_rms_norm(x, out, layer.mlp_norm, eps)
-            out = mlp(h, layer)
+            out = mlp(h, layer, native_kernels=True)
         x.add_(out)
         if every_position:
             return native.add_rms_norm(x, None, weights.norm, eps).view(b, c, -1)
         last = x.view(b, c, -1)[:, -1].contiguous()
         return native.add_rms_norm(last, None, weights.norm, eps)
+    step = _prepare(weights, config, cache, rope, positions, slots)
     for i, layer in enumerate(weights.layers):
         h = rms_norm(x, layer.attn_norm, eps).to(dtype)
         x.add_(attention(h, layer, config, i, cache, step))

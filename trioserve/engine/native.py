@@ -48,6 +48,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -65,6 +66,7 @@ from torch import Tensor
 __all__ = [
     "SOURCE",
     "add_rms_norm",
+    "attention",
     "cache_dir",
     "int8_mm",
     "kernel",
@@ -72,6 +74,7 @@ __all__ = [
     "q4_mm",
     "quantize_rows",
     "reference",
+    "silu_mul",
     "unavailable_reason",
     "unpack",
 ]
@@ -89,11 +92,12 @@ _FLAGS = (
     "-mavx512bw",
     "-mavx512vl",
     "-mavx512vnni",
+    "-mavx512bf16",
     "-mf16c",
     "-mfma",
 )
 #: CPU flags (as /proc/cpuinfo spells them) the kernel's instructions need.
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
+_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "f16c", "fma")
 _BUILD_TIMEOUT_S = 120.0
 
 _reason: str | None = None
@@ -177,6 +181,66 @@ def add_rms_norm(x: Tensor, y: Tensor | None, weight: Tensor, eps: float) -> Ten
     return out
 
 
+def attention(
+    qkv: Tensor,
+    rope: tuple[Tensor, Tensor],
+    cache: Tensor,
+    slots: Tensor,
+    positions: Tensor,
+    heads: int,
+    kv_heads: int,
+) -> Tensor:
+    """One layer's attention for the rows of a forward pass, in one call.
+
+    ``qkv`` [R, (H + 2K) * E] bfloat16 (the fused projection's output, before
+    rope); ``rope`` the (cos, sin) tables [length, E] float32 of
+    :func:`trioserve.engine.llama.rope_tables`; ``cache`` the layer's
+    [S, 2K, T, E] bfloat16 KV cache; ``slots``, ``positions`` [R] int64, each
+    row's. Each row's query and key heads are rotated (float32, then
+    bfloat16), its keys and values written at (slot, position), and then each
+    row's query heads attend to its slot's positions 0 to its own (causal;
+    rows of one slot see each other's writes): [R, H * E] bfloat16. A row's
+    result depends on its query and the keys and values it attends to alone,
+    in an order set by its position, whatever other rows the pass holds.
+    """
+    rows = qkv.shape[0]
+    e = cache.shape[-1]
+    cos, sin = rope
+    out = torch.empty(rows, heads * e, dtype=torch.bfloat16)
+    _module().attention(
+        qkv.contiguous().data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cache.data_ptr(),
+        slots.data_ptr(),
+        positions.data_ptr(),
+        out.data_ptr(),
+        rows,
+        heads,
+        kv_heads,
+        e,
+        cache.shape[2],
+        cache.shape[0],
+        cos.shape[0],
+        1.0 / math.sqrt(e),
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """gate_up [R, 2F] bfloat16 (gate, then up) -> silu(gate) * up [R, F]
+    bfloat16, each product of bfloat16 roundings as torch's ``F.silu(gate) *
+    up`` does, in one pass."""
+    gate_up = gate_up.contiguous()
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
+    _module().silu_mul(
+        gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()
+    )
+    return out
+
+
 def _module() -> ModuleType:
     module = kernel()
     if module is None:  # pragma: no cover - callers use it only when it loaded
@@ -208,7 +272,7 @@ def _load() -> ModuleType:
     except ImportError as exc:
         raise _Unavailable(f"cannot load {str(path)!r}: {exc}") from exc
     if not module.supported():
-        raise _Unavailable("this CPU lacks AVX-512 VNNI (cpuid)")
+        raise _Unavailable("this CPU lacks AVX-512 VNNI or BF16 (cpuid)")
     runtimes = _openmp_runtimes()
     if len(runtimes) > 1:
         raise _Unavailable(f"two OpenMP runtimes loaded ({', '.join(runtimes)}): not torch's pool")
