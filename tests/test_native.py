@@ -299,3 +299,105 @@ def test_perplexity_on_the_native_kernels_is_within_one_percent_of_torchs(
         results[kernels] = math.exp(mean_nll(model_dir, weights, ids))
     assert 1.0 < results["torch"] < 200.0
     assert abs(results["native"] / results["torch"] - 1) <= 0.01, results
+
+
+# --- attention ---------------------------------------------------------------------
+
+
+def _attention_reference(
+    qkv: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 causal attention after rope (rotated in float32 and rounded to
+    bfloat16, as the model path does), and the cache after the rows' writes."""
+    rows, e = qkv.shape[0], cache.shape[-1]
+    x = qkv.view(rows, heads + 2 * kv_heads, e).float()
+    cos, sin = (t[positions][:, None] for t in rope)
+    swapped = x.view(rows, heads + 2 * kv_heads, 2, e // 2).flip(2).view(x.shape)
+    rotated = (x * cos + swapped * sin).bfloat16()
+    cache = cache.clone()
+    for r in range(rows):
+        s, p = int(slots[r]), int(positions[r])
+        cache[s, :kv_heads, p] = rotated[r, heads : heads + kv_heads]
+        cache[s, kv_heads:, p] = qkv.view(rows, -1, e)[r, heads + kv_heads :]
+    out = torch.empty(rows, heads, e, dtype=torch.float64)
+    group = heads // kv_heads
+    for r in range(rows):
+        s, p = int(slots[r]), int(positions[r])
+        for h in range(heads):
+            k = cache[s, h // group, : p + 1].double()
+            v = cache[s, kv_heads + h // group, : p + 1].double()
+            weights = torch.softmax(k @ rotated[r, h].double() / math.sqrt(e), dim=0)
+            out[r, h] = weights @ v
+    return out.view(rows, heads * e), cache
+
+
+@needs_native
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    heads_per_kv=st.sampled_from([1, 3, 4]),
+    kv_heads=st.integers(1, 3),
+    e32=st.integers(1, 3),
+    rows=st.integers(1, 9),
+)
+def test_attention_is_causal_attention_after_rope_and_rows_do_not_depend_on_each_other(
+    seed: int, heads_per_kv: int, kv_heads: int, e32: int, rows: int
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    heads, e, slots_n, length = heads_per_kv * kv_heads, 32 * e32, 3, 80
+    rope = (torch.randn(length, e, generator=g), torch.randn(length, e, generator=g))
+    cache = torch.randn(slots_n, 2 * kv_heads, length, e, generator=g).bfloat16()
+    # Rows of one slot at consecutive positions see each other's writes, as a
+    # prefill chunk's or a job's draft rows do; others anywhere.
+    slots = torch.randint(0, slots_n, (rows,), generator=g)
+    positions = torch.randint(0, length - rows, (rows,), generator=g)
+    for s in range(slots_n):
+        mine = (slots == s).nonzero().flatten()
+        if len(mine):
+            positions[mine] = positions[mine[0]] + torch.arange(len(mine))
+    qkv = (torch.randn(rows, (heads + 2 * kv_heads) * e, generator=g) * 2).bfloat16()
+    ref, ref_cache = _attention_reference(qkv, rope, cache, slots, positions, heads, kv_heads)
+    mine = cache.clone()
+    out = native.attention(qkv, rope, mine, slots, positions, heads, kv_heads)
+    assert torch.equal(mine, ref_cache)  # the keys (rotated) and values written
+    assert float((out.double() - ref).abs().max()) <= 2**-7 * float(ref.abs().max()) + 1e-3
+    # Each row alone, once the pass's writes are in place, gives the same bits.
+    for r in range(rows):
+        alone = native.attention(
+            qkv[r : r + 1],
+            rope,
+            ref_cache.clone(),
+            slots[r : r + 1],
+            positions[r : r + 1],
+            heads,
+            kv_heads,
+        )
+        assert torch.equal(alone, out[r : r + 1])
+
+
+@needs_native
+def test_attention_refuses_rows_outside_the_cache() -> None:
+    cache = torch.zeros(2, 2, 16, 32, dtype=torch.bfloat16)
+    rope = (torch.zeros(16, 32), torch.zeros(16, 32))
+    qkv = torch.zeros(1, 3 * 32, dtype=torch.bfloat16)
+    for slot, position in ((2, 0), (0, 16), (-1, 0), (0, -1)):
+        with pytest.raises(ValueError, match="outside the cache"):
+            native.attention(qkv, rope, cache, torch.tensor([slot]), torch.tensor([position]), 1, 1)
+    assert not cache.any()  # nothing written
+
+
+@needs_native
+def test_silu_mul_is_torchs_in_bfloat16() -> None:
+    g = torch.Generator().manual_seed(5)
+    gate_up = (torch.randn(7, 2 * 96, generator=g) * 4).bfloat16()
+    out = native.silu_mul(gate_up)
+    want = torch.nn.functional.silu(gate_up[:, :96]) * gate_up[:, 96:]
+    # Within a bfloat16 step of torch's (its exp and ours round differently).
+    assert torch.allclose(out.float(), want.float(), rtol=2**-7, atol=1e-6)
+    assert torch.equal(native.silu_mul(gate_up[2:3]), out[2:3])

@@ -195,7 +195,7 @@ async def test_the_openai_sdk_parses_structured_answers(cpu_engine: CpuEngine) -
                 response_format={"type": "json_object"},
                 temperature=0.7,
                 seed=1,
-                max_tokens=150,
+                max_tokens=400,
                 stream=True,
             )
             parts = [c.choices[0].delta.content or "" for c in stream if c.choices]

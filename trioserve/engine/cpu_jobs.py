@@ -288,7 +288,8 @@ def decode_rows(
     """Feed each decoding job its pending token, then its drafts, a row each
     (in the job's slot, at its next positions), in one batched forward; the
     rows' hidden states (``[R, D]``). A job's rows attend as decode rows do,
-    so each gives the logits that plain decoding would (see ``llama._spans``)."""
+    so each gives the logits that plain decoding would (see
+    ``trioserve.engine.attention._spans``)."""
     fed = [(t, job, i) for draft, job in drafted for i, t in enumerate((job.pending, *draft))]
     return llama.forward(
         weights,

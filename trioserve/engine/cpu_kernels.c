@@ -1,5 +1,7 @@
-/* trioserve's native CPU kernels (x86-64, AVX-512 VNNI): the 4-bit matmul,
-   the 8-bit vocabulary projection, and the residual add with RMS norm.
+/* trioserve's native CPU kernels (x86-64, AVX-512 with VNNI and BF16): the
+   4-bit matmul, the 8-bit vocabulary projection, the residual add with RMS
+   norm, rope with the KV cache write and causal attention, and the MLP's
+   silu(gate) * up. Each computes a row from that row alone.
 
    The 4-bit matmul.
 

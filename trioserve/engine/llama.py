@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections import Counter
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,6 +31,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from trioserve.engine import native
+from trioserve.engine.attention import (
+    attention,
+    native_attention,
+    native_attention_for,
+    prepare,
+)
 from trioserve.engine.base import WEIGHT_MODES as _WEIGHT_MODES
 from trioserve.engine.kvcache import KVCache
 from trioserve.engine.quant import (
@@ -420,224 +425,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, C, heads, E]; cos, sin [B, C, heads or 1, E] from :func:`rope_tables`.
-    The two halves of each head rotate as pairs (Hugging Face's layout):
-    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). In float32, returned in x's dtype."""
-    xf = x.float()
-    swapped = xf.view(*xf.shape[:-1], 2, -1).flip(-2).view(xf.shape)  # (x2, x1)
-    return torch.addcmul(xf * cos, swapped, sin).type_as(x)
-
-
-@attrs.frozen
-class _Span:
-    """Consecutive rows of a forward pass that attend over the same length."""
-
-    rows: slice
-    #: The rows' first cache slot when their slots are consecutive (a view of
-    #: the cache then serves them), else None and ``slots`` is gathered.
-    first_slot: int | None
-    slots: Tensor  # [n]
-    length: int
-    #: [n, 1, G * C, length] in the model dtype: 0 where a query sees a key,
-    #: -inf elsewhere (built once per forward, not by each layer's attention).
-    mask: Tensor
-    #: Per layer, the keys and values [n, K, length, E] the rows attend to, as
-    #: views of the cache (which see this pass's writes); None when the slots
-    #: are not consecutive and each layer gathers them after its write.
-    views: list[tuple[Tensor, Tensor]] | None
-
-
-#: Decode rows attend over their length rounded up to this (see :func:`_spans`).
-ATTENTION_BUCKET = 64
-
-
-def _spans(
-    positions: Tensor,
-    slots: list[int],
-    g: int,
-    cache: KVCache,
-    dtype: torch.dtype,
-) -> list[_Span]:
-    """Split the rows into runs that attend over one length each.
-
-    Each row attends over its own length rounded up to
-    :data:`ATTENTION_BUCKET` (masked beyond its position), never over the
-    batch's longest or a chunk's exact end: the attention kernel's sums then
-    see every key at the same place of its vectors whether a row runs alone or
-    beside others, in a decode step or inside a prefill chunk of any size (an
-    unaligned tail goes through other code and may round differently). So a
-    job's greedy text does not depend on its companions, nor on whether its
-    prefix came from the prefix cache (given matmul kernels whose rows do not
-    depend on the other rows: checked at load, see
-    :func:`~trioserve.engine.quant.packer` and :mod:`trioserve.engine.quant`).
-    """
-    b, c = positions.shape
-    step = ATTENTION_BUCKET
-    ends = [min(-(-(n + 1) // step) * step, cache.length) for n in positions.amax(dim=1).tolist()]
-    # Rows that share a slot (a job's draft positions, see
-    # trioserve.engine.speculative) are kept together in spans of their own,
-    # each attending to a view of that one slot.
-    counts = Counter(slots)
-    keys = [(end, slot if counts[slot] > 1 else -1) for end, slot in zip(ends, slots, strict=True)]
-    device = positions.device
-    spans: list[_Span] = []
-    r0 = 0
-    for r1 in range(1, b + 1):
-        if r1 < b and keys[r1] == keys[r0]:
-            continue
-        length = ends[r0]
-        run = slots[r0:r1]
-        shared = keys[r0][1] >= 0
-        consecutive = shared or run == list(range(run[0], run[0] + len(run)))
-        visible = torch.arange(length, device=device) <= positions[r0:r1, :, None]  # [n, C, T]
-        bias = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(
-            ~visible, float("-inf")
-        )
-        n = r1 - r0
-        views = None
-        if shared and not cache.quantized:
-            views = [
-                (k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1))
-                for k, v in cache.window(run[0], 1, length)
-            ]
-        elif consecutive and not shared and not cache.quantized:
-            # Made once per pass instead of by every layer.
-            views = cache.window(run[0], n, length)
-        spans.append(
-            _Span(
-                rows=slice(r0, r1),
-                # An 8-bit cache gathers a shared slot's rows by ``slots``.
-                first_slot=run[0] if consecutive and not shared else None,
-                slots=torch.tensor(run, device=device),
-                length=length,
-                mask=bias[:, None].expand(n, g, c, length).reshape(n, 1, g * c, length),
-                views=views,
-            )
-        )
-        r0 = r1
-    return spans
-
-
-def _span_rows(cache: KVCache, layer: int, span: _Span) -> tuple[Tensor, Tensor]:
-    """The keys and values [n, K, span.length, E] of the span's slots in one layer."""
-    if span.views is not None:
-        return span.views[layer]
-    # Gathered (or dequantized) after this layer's write.
-    return cache.attended(layer, span.first_slot, span.slots, span.length)
-
-
-@attrs.frozen
-class _Step:
-    """What every layer of one forward pass shares, computed once per pass."""
-
-    spans: list[_Span]
-    #: Rope tables for every head of the fused qkv output, [B, C, H + 2K, E]:
-    #: the value heads get cos 1 and sin 0, so one rope call passes them through.
-    cos: Tensor
-    sin: Tensor
-    #: Where each row's keys and values go in a layer's cache viewed as
-    #: [S * 2K * T, E]: [B * C * 2K], in (row, position, head) order.
-    write_index: Tensor
-    #: (B, C): the pass runs B * C rows of hidden states, [B * C, D].
-    rows: tuple[int, int]
-
-
-def _prepare(
-    weights: LlamaWeights,
-    config: LlamaConfig,
-    cache: KVCache,
-    rope: tuple[Tensor, Tensor],
-    positions: Tensor,
-    slots: Tensor,
-) -> _Step:
-    b, c = positions.shape
-    h, k = config.n_heads, config.n_kv_heads
-    spans = _spans(positions, slots.tolist(), h // k, cache, weights.dtype)
-    cos, sin = (table[positions][:, :, None, :] for table in rope)  # [B, C, 1, E]
-    shape = (b, c, k, config.head_dim)
-    cos = torch.cat([cos.expand(b, c, h + k, -1), cos.new_ones(shape)], dim=2)
-    sin = torch.cat([sin.expand(b, c, h + k, -1), sin.new_zeros(shape)], dim=2)
-    heads = torch.arange(2 * k, device=positions.device)
-    t = cache.length
-    index = slots[:, None, None] * (2 * k * t) + heads * t + positions[:, :, None]
-    return _Step(spans, cos, sin, index.reshape(-1), (b, c))
-
-
-def attention(
-    x: Tensor,
-    layer: LayerWeights,
-    config: LlamaConfig,
-    layer_index: int,
-    cache: KVCache,
-    step: _Step,
-) -> Tensor:
-    b, c = step.rows  # x [B * C, D]
-    h, k, e = config.n_heads, config.n_kv_heads, config.head_dim
-    g = h // k
-    qkv = linear(x, layer.wqkv).view(b, c, h + 2 * k, e)
-    qkv = apply_rope(qkv, step.cos, step.sin)  # [B, C, H + 2K, E]
-    # Write this step's keys and values at (slot, position) of every row.
-    cache.write_rows(layer_index, step.write_index, qkv[:, :, h:].reshape(-1, e))
-    # [B, C, H, E] -> [B, K, G * C, E]: the G query heads of a KV head become rows.
-    if c == 1:
-        q = qkv[:, 0, :h].view(b, k, g, e)
-    else:
-        q = qkv[:, :, :h].permute(0, 2, 1, 3).reshape(b, k, g * c, e)
-    outs = [
-        F.scaled_dot_product_attention(
-            q if len(step.spans) == 1 else q[span.rows],
-            *_span_rows(cache, layer_index, span),  # [n, K, T, E] each
-            attn_mask=span.mask,
-        )
-        for span in step.spans
-    ]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [B, K, G * C, E]
-    if c == 1:
-        out = out.view(b, h * e)
-    else:
-        out = out.view(b, k, g, c, e).permute(0, 3, 1, 2, 4).reshape(b * c, h * e)
-    return linear(out, layer.wo)
-
-
-def native_attention_for(weights: LlamaWeights, config: LlamaConfig, cache: KVCache) -> bool:
-    """Whether :func:`forward` runs attention on trioserve's kernel: with the
-    native kernels, a bfloat16 (not 8-bit) cache, heads of a multiple of 32
-    and at most 8 query heads per KV head."""
-    return (
-        weights.native_norm
-        and not cache.quantized
-        and cache.dtype == torch.bfloat16
-        and config.head_dim % 32 == 0
-        and config.n_heads % config.n_kv_heads == 0
-        and config.n_heads // config.n_kv_heads <= 8
-    )
-
-
 def mlp(x: Tensor, layer: LayerWeights, native_kernels: bool = False) -> Tensor:
     gate_up = linear(x, layer.w_gate_up)
     f = gate_up.shape[-1] // 2
     if native_kernels and f % 16 == 0:
         return linear(native.silu_mul(gate_up), layer.w_down)
     return linear(F.silu(gate_up[..., :f]) * gate_up[..., f:], layer.w_down)
-
-
-def native_attention(
-    x: Tensor,
-    layer: LayerWeights,
-    config: LlamaConfig,
-    cache: KVCache,
-    layer_index: int,
-    rope: tuple[Tensor, Tensor],
-    rows: tuple[Tensor, Tensor],
-) -> Tensor:
-    """:func:`attention` on trioserve's kernel (:func:`trioserve.engine.native.attention`):
-    rope, the cache write and causal attention in one call; ``rows`` are each
-    row's (slot, position) [B * C] int64."""
-    qkv = linear(x, layer.wqkv)
-    cache_layer = cache.layer_views[layer_index][0]
-    out = native.attention(qkv, rope, cache_layer, *rows, config.n_heads, config.n_kv_heads)
-    return linear(out, layer.wo)
 
 
 def forward(
@@ -679,7 +472,7 @@ def forward(
         step = (
             None
             if native_attention_for(weights, config, cache)
-            else _prepare(weights, config, cache, rope, positions, slots)
+            else prepare(weights, config, cache, rope, positions, slots)
         )
         rows = (
             slots.to(torch.int64).repeat_interleave(c).contiguous(),
@@ -694,12 +487,13 @@ def forward(
                 out = attention(h, layer, config, i, cache, step)
             h = native.add_rms_norm(x, out, layer.mlp_norm, eps)
             out = mlp(h, layer, native_kernels=True)
-        x.add_(out)
+        if out is not None:  # (a model has layers)
+            x.add_(out)
         if every_position:
             return native.add_rms_norm(x, None, weights.norm, eps).view(b, c, -1)
         last = x.view(b, c, -1)[:, -1].contiguous()
         return native.add_rms_norm(last, None, weights.norm, eps)
-    step = _prepare(weights, config, cache, rope, positions, slots)
+    step = prepare(weights, config, cache, rope, positions, slots)
     for i, layer in enumerate(weights.layers):
         h = rms_norm(x, layer.attn_norm, eps).to(dtype)
         x.add_(attention(h, layer, config, i, cache, step))

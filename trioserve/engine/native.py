@@ -1,6 +1,7 @@
 """trioserve's native CPU kernels (cpu_kernels.c), compiled on first use and
-cached on disk: the 4-bit matmul, the 8-bit vocabulary projection, and the
-residual add with RMS norm.
+cached on disk: the 4-bit matmul, the 8-bit vocabulary projection, the
+residual add with RMS norm, a layer's attention (rope, the KV cache write and
+causal attention), and the MLP's silu(gate) * up.
 
 torch's ``_weight_int4pack_mm_for_cpu`` multiplies bfloat16 activations by
 dequantized weights; llama.cpp, on the same CPUs, quantizes each row of
@@ -16,6 +17,10 @@ activations there: its error bound is its weights'), with the same
 prefetching. :func:`add_rms_norm` adds a layer's output to the float32
 residual stream and normalises it in one pass per row, where torch runs a
 chain of about ten small operators (about 1 ms of a 7 ms decode step).
+:func:`attention` replaces rope's seven operators, the cache write and
+``scaled_dot_product_attention`` (with its masks and length buckets, which
+kept torch's kernel batch-invariant) by one call: each row attends to
+exactly its own positions, so nothing else can change its sums.
 
 Every kernel computes a row from that row alone, in an order that depends on
 nothing else: a job's logits do not depend on its companions, nor on whether
@@ -24,7 +29,7 @@ trioserve.engine.llama relies on; the probe and tests/test_native.py check
 it).
 
 Nothing here is needed: :func:`kernel` returns ``None``, with the reason in
-:func:`unavailable_reason`, where the CPU lacks AVX-512 VNNI, where there is
+:func:`unavailable_reason`, where the CPU lacks AVX-512 VNNI or BF16, where there is
 no C compiler or no Python headers, where the build fails, or where the
 built kernels fail their probe (:func:`_probe`: each must compute what its
 formula says, and a row's result must not depend on the other rows); the
