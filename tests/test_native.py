@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -401,3 +402,62 @@ def test_silu_mul_is_torchs_in_bfloat16() -> None:
     # Within a bfloat16 step of torch's (its exp and ours round differently).
     assert torch.allclose(out.float(), want.float(), rtol=2**-7, atol=1e-6)
     assert torch.equal(native.silu_mul(gate_up[2:3]), out[2:3])
+
+
+# --- the layer stack in one call ---------------------------------------------------
+
+
+@needs_native
+def test_the_layer_stack_in_one_call_is_the_per_operator_path_bit_for_bit(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import attrs
+
+    calls: list[int] = []
+    real = native.forward_layers
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(native, "forward_layers", counted)
+
+    from trioserve.engine.tokenizer import Tokenizer
+
+    config = llama.LlamaConfig.from_dir(model_dir)
+    stack = llama.LlamaWeights.load(
+        model_dir, config, dtype=torch.bfloat16, device=torch.device("cpu")
+    )
+    assert stack.layer_table is not None and stack.layer_table.shape == (config.n_layers, 14)
+    per_op = attrs.evolve(stack, layer_table=None)
+    ids = Tokenizer.from_dir(model_dir).encode(
+        "Three slots, two prompts of twelve tokens each, and then one decode step for both: "
+    )
+    rope = llama.rope_tables(config, 128, torch.device("cpu"))
+    results = []
+    for weights in (stack, per_op):
+        cache = llama.KVCache(
+            config.n_layers, config.n_kv_heads, config.head_dim, torch.bfloat16, torch.device("cpu")
+        )
+        cache.fit(3, 128)
+        with torch.inference_mode():
+            # A prefill of two prompts (slots 2 and 0), then one decode row each.
+            tokens = torch.tensor([ids[:12], ids[3:15]])
+            positions = torch.arange(12).repeat(2, 1)
+            slots = torch.tensor([2, 0])
+            first = llama.forward(
+                weights, config, cache, rope, tokens, positions, slots, every_position=True
+            )
+            second = llama.forward(
+                weights,
+                config,
+                cache,
+                rope,
+                torch.tensor([[5], [7]]),
+                torch.tensor([[12], [12]]),
+                slots,
+            )
+        results.append((first, second, cache.kv))
+    assert len(calls) == 2  # the stack ran both passes of the first, none of the second
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

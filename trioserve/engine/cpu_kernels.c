@@ -555,6 +555,60 @@ static void silu_mul_rows(const uint16_t *gu, uint16_t *out, int64_t R, int64_t 
     }
 }
 
+/* --- the layer stack ------------------------------------------------------ */
+
+/* Per layer, the addresses forward_layers reads (an int64 table the engine
+   builds once at load): the two norms' weights, and each 4-bit matmul's
+   data, d and m. */
+enum { L_ATTN_NORM, L_QKV, L_QKV_D, L_QKV_M, L_O, L_O_D, L_O_M, L_MLP_NORM, L_GU, L_GU_D,
+       L_GU_M, L_DOWN, L_DOWN_D, L_DOWN_M, L_FIELDS };
+
+/* Every layer of one forward pass, on x [R, D] float32 (the residual stream,
+   in place), exactly as the per-operator path of trioserve.engine.llama.forward
+   calls these same kernels one by one (so the same bits): for each layer,
+   h = norm(x); x += o(attention(qkv(h))); h = norm(x); x += down(silu(gate) * up).
+   The GIL is released for the whole stack. */
+static int layers(float *x, int64_t R, int64_t D, int64_t H, int64_t K, int64_t E, int64_t F,
+                  int64_t n_layers, const int64_t *table, const int64_t *caches, int64_t T,
+                  const float *cos, const float *sin, const int64_t *slots, const int64_t *pos,
+                  float eps, float scale, int threads) {
+    int64_t QKV = (H + 2 * K) * E;
+    size_t words = (size_t)R * (size_t)(D + QKV + H * E + D + 2 * F + F + D);
+    uint16_t *buf = malloc(words * sizeof(uint16_t));
+    if (!buf) return -1;
+    uint16_t *h = buf, *qkv = h + R * D, *att = qkv + R * QKV, *o = att + R * H * E;
+    uint16_t *gu = o + R * D, *act = gu + R * 2 * F, *down = act + R * F;
+    int status = 0;
+    const uint16_t *pending = NULL; /* the last layer output not yet added to x */
+    for (int64_t l = 0; l < n_layers && status == 0; l++) {
+        const int64_t *t = table + l * L_FIELDS;
+        add_norm(x, pending, (const float *)t[L_ATTN_NORM], h, R, D, eps, threads);
+        status |= matmul(h, (const uint8_t *)t[L_QKV], (const uint16_t *)t[L_QKV_D],
+                         (const uint16_t *)t[L_QKV_M], qkv, R, QKV, D, threads);
+        attn_args a = {.qkv = qkv, .cos = cos, .sin = sin, .cache = (uint16_t *)caches[l],
+                       .slots = slots, .pos = pos, .out = att, .R = R, .H = H, .K = K,
+                       .E = E, .T = T, .scale = scale};
+        status |= attention_all(&a, threads);
+        status |= matmul(att, (const uint8_t *)t[L_O], (const uint16_t *)t[L_O_D],
+                         (const uint16_t *)t[L_O_M], o, R, D, H * E, threads);
+        add_norm(x, o, (const float *)t[L_MLP_NORM], h, R, D, eps, threads);
+        status |= matmul(h, (const uint8_t *)t[L_GU], (const uint16_t *)t[L_GU_D],
+                         (const uint16_t *)t[L_GU_M], gu, R, 2 * F, D, threads);
+        silu_mul_rows(gu, act, R, F, threads);
+        status |= matmul(act, (const uint8_t *)t[L_DOWN], (const uint16_t *)t[L_DOWN_D],
+                         (const uint16_t *)t[L_DOWN_M], down, R, D, F, threads);
+        pending = down;
+    }
+    if (pending && status == 0) {
+        for (int64_t i = 0; i < R * D; i += 16) {
+            __m512 v = _mm512_add_ps(_mm512_loadu_ps(x + i), bf16_16(pending + i));
+            _mm512_storeu_ps(x + i, v);
+        }
+    }
+    free(buf);
+    return status;
+}
+
 static int read_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, int pointers,
                      void **ptr, long long *num, const char *usage) {
     if (nargs != want) {
@@ -642,6 +696,43 @@ static PyObject *silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
+static PyObject *forward_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    void *ptr[7];
+    long long num[11];
+    if (nargs != 20) {
+        PyErr_SetString(PyExc_TypeError,
+                        "forward_layers(x, table, caches, cos, sin, slots, pos, R, D, H, K, E, F, "
+                        "n_layers, T, S, rope_length, threads, eps, scale)");
+        return NULL;
+    }
+    if (read_args(args, 18, 18, 7, ptr, num, "")) return NULL;
+    double eps = PyFloat_AsDouble(args[18]), scale = PyFloat_AsDouble(args[19]);
+    if (PyErr_Occurred()) return NULL;
+    long long R = num[0], D = num[1], H = num[2], K = num[3], E = num[4], F = num[5];
+    long long n_layers = num[6], T = num[7], S = num[8], rope_length = num[9], threads = num[10];
+    const int64_t *slots = ptr[5], *pos = ptr[6];
+    if (R < 1 || D < 32 || D % 32 || K < 1 || H % K || H / K > 8 || E < 32 || E % 32 ||
+        (H * E) % 32 || F < 32 || F % 32 || n_layers < 1 || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "forward_layers: shapes the kernels cannot run");
+        return NULL;
+    }
+    for (int64_t r = 0; r < R; r++) {
+        if (slots[r] < 0 || slots[r] >= S || pos[r] < 0 || pos[r] >= T || pos[r] >= rope_length) {
+            PyErr_SetString(PyExc_ValueError, "forward_layers: a row's slot or position is outside the cache");
+            return NULL;
+        }
+    }
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = layers((float *)ptr[0], R, D, H, K, E, F, n_layers, (const int64_t *)ptr[1],
+                    (const int64_t *)ptr[2], T, (const float *)ptr[3], (const float *)ptr[4], slots,
+                    pos, (float)eps, (float)scale, (int)threads);
+    Py_END_ALLOW_THREADS
+    if (status != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *add_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 8) {
@@ -720,6 +811,8 @@ static PyMethodDef methods[] = {
      "attention(...): rope, the KV cache write and causal attention of a forward pass's rows"},
     {"silu_mul", (PyCFunction)(void (*)(void))silu_mul, METH_FASTCALL,
      "silu_mul(gate_up, out, R, F, threads): out = silu(gate) * up"},
+    {"forward_layers", (PyCFunction)(void (*)(void))forward_layers, METH_FASTCALL,
+     "forward_layers(...): every layer of a forward pass on the residual stream, in place"},
     {"supported", supported, METH_NOARGS, "whether this CPU runs the kernel"},
     {NULL, NULL, 0, NULL},
 };

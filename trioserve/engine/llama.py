@@ -228,6 +228,9 @@ class LlamaWeights:
     #: Whether the residual adds and RMS norms run on trioserve's kernel
     #: (:func:`trioserve.engine.native.add_rms_norm`), one call per norm.
     native_norm: bool = False
+    #: For :func:`trioserve.engine.native.forward_layers`: every layer's
+    #: addresses, where all of them run on trioserve's kernels (else None).
+    layer_table: Tensor | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -394,6 +397,7 @@ class LlamaWeights:
                 projection=proj if proj is not lm_head else None,
                 projection_error=error,
                 native_norm=native_kernels and config.hidden_size % 16 == 0,
+                layer_table=native.layer_table(layers) if native_kernels else None,
             )
 
 
@@ -478,6 +482,22 @@ def forward(
             slots.to(torch.int64).repeat_interleave(c).contiguous(),
             positions.to(torch.int64).reshape(-1).contiguous(),
         )
+        if step is None and weights.layer_table is not None and config.head_dim % 32 == 0:
+            # The whole stack in one call (the same kernels in the same order).
+            caches = torch.tensor([t.data_ptr() for t, _ in cache.layer_views], dtype=torch.int64)
+            native.forward_layers(
+                x,
+                weights.layer_table,
+                caches,
+                rope,
+                *rows,
+                heads=config.n_heads,
+                kv_heads=config.n_kv_heads,
+                intermediate=config.intermediate_size,
+                cache_shape=(cache.slots, cache.length),
+                eps=eps,
+            )
+            return _final_norm(weights, x, b, c, every_position, eps)
         out: Tensor | None = None
         for i, layer in enumerate(weights.layers):
             h = native.add_rms_norm(x, out, layer.attn_norm, eps)
@@ -489,10 +509,7 @@ def forward(
             out = mlp(h, layer, native_kernels=True)
         if out is not None:  # (a model has layers)
             x.add_(out)
-        if every_position:
-            return native.add_rms_norm(x, None, weights.norm, eps).view(b, c, -1)
-        last = x.view(b, c, -1)[:, -1].contiguous()
-        return native.add_rms_norm(last, None, weights.norm, eps)
+        return _final_norm(weights, x, b, c, every_position, eps)
     step = prepare(weights, config, cache, rope, positions, slots)
     for i, layer in enumerate(weights.layers):
         h = rms_norm(x, layer.attn_norm, eps).to(dtype)
@@ -501,6 +518,14 @@ def forward(
         x.add_(mlp(h, layer))
     x = x.view(b, c, -1)
     return rms_norm(x if every_position else x[:, -1], weights.norm, eps).to(dtype)
+
+
+def _final_norm(
+    weights: LlamaWeights, x: Tensor, b: int, c: int, every_position: bool, eps: float
+) -> Tensor:
+    if every_position:
+        return native.add_rms_norm(x, None, weights.norm, eps).view(b, c, -1)
+    return native.add_rms_norm(x.view(b, c, -1)[:, -1].contiguous(), None, weights.norm, eps)
 
 
 def logits(weights: LlamaWeights, hidden: Tensor) -> Tensor:

@@ -60,9 +60,10 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,8 +74,10 @@ __all__ = [
     "add_rms_norm",
     "attention",
     "cache_dir",
+    "forward_layers",
     "int8_mm",
     "kernel",
+    "layer_table",
     "pack",
     "q4_mm",
     "quantize_rows",
@@ -244,6 +247,77 @@ def silu_mul(gate_up: Tensor) -> Tensor:
         gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()
     )
     return out
+
+
+def layer_table(layers: Sequence[Any]) -> Tensor | None:
+    """The int64 table of addresses :func:`forward_layers` reads, one row per
+    layer (its norms' weights and its four 4-bit matmuls' data, d and m), or
+    ``None`` unless every layer's matmuls are 4-bit on this module's kernel
+    and its norms float32. The table does not own what it points to: the
+    layers must outlive it (the engine keeps both in its weights)."""
+    rows = []
+    for layer in layers:
+        row = []
+        for norm, weights in (
+            (layer.attn_norm, (layer.wqkv, layer.wo)),
+            (layer.mlp_norm, (layer.w_gate_up, layer.w_down)),
+        ):
+            if norm.dtype != torch.float32 or not norm.is_contiguous():
+                return None
+            row.append(norm.data_ptr())
+            for w in weights:
+                if getattr(w, "kind", None) != "q4" or not getattr(w, "native", False):
+                    return None
+                row += [w.data.data_ptr(), w.scales[0].data_ptr(), w.scales[1].data_ptr()]
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int64) if rows else None
+
+
+def forward_layers(
+    x: Tensor,
+    table: Tensor,
+    caches: Tensor,
+    rope: tuple[Tensor, Tensor],
+    slots: Tensor,
+    positions: Tensor,
+    *,
+    heads: int,
+    kv_heads: int,
+    intermediate: int,
+    cache_shape: tuple[int, int],
+    eps: float,
+) -> None:
+    """Every layer of a forward pass on ``x`` [R, D] float32 (the residual
+    stream, in place) in one call, without the GIL: the same kernels, in the
+    same order, as :func:`trioserve.engine.llama.forward`'s per-operator
+    path (so the same bits). ``table`` from :func:`layer_table`; ``caches``
+    int64 [L], each layer's bfloat16 KV cache [S, 2K, T, E] address;
+    ``cache_shape`` (S, T); ``slots``, ``positions`` [R] int64, each row's."""
+    rows, width = x.shape
+    cos, sin = rope
+    head_dim = cos.shape[1]
+    _module().forward_layers(
+        x.data_ptr(),
+        table.data_ptr(),
+        caches.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slots.data_ptr(),
+        positions.data_ptr(),
+        rows,
+        width,
+        heads,
+        kv_heads,
+        head_dim,
+        intermediate,
+        table.shape[0],
+        cache_shape[1],
+        cache_shape[0],
+        cos.shape[0],
+        torch.get_num_threads(),
+        eps,
+        1.0 / math.sqrt(head_dim),
+    )
 
 
 def _module() -> ModuleType:
