@@ -39,6 +39,7 @@ from trioserve.engine.attention import (
 )
 from trioserve.engine.base import WEIGHT_MODES as _WEIGHT_MODES
 from trioserve.engine.kvcache import KVCache
+from trioserve.engine.mapped import file_backed
 from trioserve.engine.quant import (
     Q4_FILE,
     Linear,
@@ -192,6 +193,10 @@ def rope_tables(config: LlamaConfig, length: int, device: torch.device) -> tuple
     cos, sin = angles.cos().float(), angles.sin().float()
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
+
+#: The bfloat16 token-embedding table of a quantized model, mapped from this
+#: file of its directory (written on first load; trioserve.engine.mapped).
+EMBED_FILE = "trioserve/embed_tokens.bf16"
 
 #: What :meth:`LlamaWeights.load` may be asked for: ``"auto"`` takes the
 #: directory's own 4-bit weights when it has them (and the kernel works here),
@@ -389,6 +394,9 @@ class LlamaWeights:
                 int8_weight(lm_head, pack, native_kernel=native_kernels) if int8 else pack(lm_head)
             )
             error = projection_error(proj) if isinstance(proj, QuantizedWeight) else 0.0
+            if native_kernels and int8 and lm_head is embed and use_file:
+                # Read a few rows at a time from here on: mapped, not heap.
+                embed = lm_head = file_backed(path / EMBED_FILE, embed)
             return cls(
                 embed=embed,
                 layers=layers,
