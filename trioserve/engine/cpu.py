@@ -78,6 +78,9 @@ __all__ = [
 
 log = logging.getLogger("trioserve.engine")
 
+#: Positions the rope tables cover at load; they grow with the KV cache.
+ROPE_START = 512
+
 #: What ``CpuEngine.load(weights=...)`` accepts (see there).
 WEIGHT_MODES = llama.WEIGHT_MODES
 
@@ -296,7 +299,9 @@ class CpuEngine:
                 XtcProtected(tokenizer, config.vocab_size, torch_device),
                 MaskRows(config.vocab_size, max_batch),
             ),
-            rope=llama.rope_tables(config, context, torch_device),
+            # Grown with the KV cache (step), not made for the whole context
+            # at load: 7 MiB less resident for the embedded model's 8,192.
+            rope=llama.rope_tables(config, min(context, ROPE_START), torch_device),
             info=info,
             device=torch_device,
             prefill_share=prefill_share,
@@ -385,6 +390,10 @@ class CpuEngine:
         self._cache.fit(
             len(jobs), max([plan.positions, *(j.cached + len(d) + 1 for d, j in drafted)])
         )
+        if self._rope[0].shape[0] < self._cache.length:
+            # Each position's angles do not depend on the table's length.
+            length = max(self._cache.length, 2 * self._rope[0].shape[0])
+            self._rope = llama.rope_tables(self._config, length, self._device)
         for job in jobs:
             if job.restore:
                 self._cache.write(job.slot, 0, torch.cat(job.restore, dim=2))
