@@ -213,7 +213,7 @@ _REPORT = (
 
 @needs_native
 def test_the_build_is_cached_and_a_restart_does_not_compile(tmp_path: Path) -> None:
-    env = {"TRIOSERVE_CACHE_DIR": str(tmp_path)}
+    env = {"TRIOSERVE_CACHE": str(tmp_path)}
     first = _python(_REPORT, env)
     assert "LOADED True None" in first.stdout, first.stdout + first.stderr
     assert "built the native CPU kernels" in first.stdout
@@ -236,7 +236,7 @@ def test_without_a_compiler_the_engine_falls_back_to_torch_and_says_why(tmp_path
         "except Exception as exc:\n"
         "    print('NATIVE', type(exc).__name__, exc)\n"
     )
-    result = _python(code, {"TRIOSERVE_CACHE_DIR": str(tmp_path), "CC": "/nonexistent/cc"})
+    result = _python(code, {"TRIOSERVE_CACHE": str(tmp_path), "CC": "/nonexistent/cc"})
     assert "LOADED False" in result.stdout, result.stdout + result.stderr
     assert "AUTO False" in result.stdout
     assert "NATIVE ModelError trioserve's native kernels cannot run here:" in result.stdout
@@ -254,7 +254,7 @@ def test_a_broken_compiler_is_a_reason_not_a_crash(tmp_path: Path) -> None:
     fake = tmp_path / "cc"
     fake.write_text("#!/bin/sh\necho 'cc: fatal error: out of coffee' >&2\nexit 1\n")
     fake.chmod(0o755)
-    result = _python(_REPORT, {"TRIOSERVE_CACHE_DIR": str(tmp_path / "cache"), "CC": str(fake)})
+    result = _python(_REPORT, {"TRIOSERVE_CACHE": str(tmp_path / "cache"), "CC": str(fake)})
     if "lacks" in result.stdout:
         pytest.skip("this CPU lacks AVX-512 VNNI: the compiler is never run")
     assert "LOADED False" in result.stdout, result.stdout + result.stderr

@@ -35,7 +35,8 @@ def cache_main(argv: Sequence[str], prog: str) -> int:
         "command",
         choices=["list", "clean"],
         help="list: each converted model and download, with its size; "
-        "clean: remove them all (the next start converts again)",
+        "clean: remove them all, and the built native kernels (the next start converts and "
+        "builds again)",
     )
     args = parser.parse_args(argv)
     root = cache_root()
@@ -46,7 +47,7 @@ def cache_main(argv: Sequence[str], prog: str) -> int:
         for entry in entries:
             print(f"  {mib(entry.size):>12}  {entry.kind:<8}  {entry.path.relative_to(root)}")
         return 0
-    for folder in (root / "models", root / "downloads"):
+    for folder in (root / "models", root / "downloads", root / "native"):
         shutil.rmtree(folder, ignore_errors=True)
     left = cache_entries(root)
     if left:

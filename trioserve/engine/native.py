@@ -37,7 +37,7 @@ engine then runs torch's operators, as before. ``TRIOSERVE_NATIVE=0`` turns
 them off.
 
 The build: one C file, the machine's compiler (``$CC``, else ``cc``), about
-a second. The library lands in ``$TRIOSERVE_CACHE_DIR`` (default
+a second. The library lands in trioserve's cache (``$TRIOSERVE_CACHE``, else
 ``$XDG_CACHE_HOME/trioserve``, else ``~/.cache/trioserve``) under
 ``native/<digest>/``, the digest naming the source, the flags, the compiler
 and the Python ABI, so a restart loads it without compiling. It links the
@@ -115,12 +115,12 @@ _reason: str | None = None
 
 
 def cache_dir() -> Path:
-    """Where built kernels are kept."""
-    explicit = os.environ.get("TRIOSERVE_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "trioserve"
+    """Where built kernels are kept: ``native/`` in trioserve's cache
+    (:func:`trioserve.engine.models.cache_root`: ``$TRIOSERVE_CACHE``, else
+    ``$XDG_CACHE_HOME/trioserve``, else ``~/.cache/trioserve``)."""
+    from trioserve.engine.models import cache_root
+
+    return cache_root() / "native"
 
 
 def unavailable_reason() -> str | None:
@@ -400,7 +400,7 @@ def _built() -> Path:
     digest = hashlib.sha256(
         b"\0".join([SOURCE.read_bytes(), " ".join(_FLAGS).encode(), suffix.encode()])
     ).hexdigest()[:16]
-    where = cache_dir() / "native" / digest
+    where = cache_dir() / digest
     target = where / (_MODULE + suffix)
     if target.is_file():
         return target
