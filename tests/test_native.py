@@ -164,14 +164,52 @@ def test_the_kernels_refuse_shapes_they_cannot_run() -> None:
     assert module is not None
     x = torch.zeros(1, 48, dtype=torch.bfloat16)
     out = torch.zeros(1, 4, dtype=torch.bfloat16)
+    p = x.data_ptr()
     with pytest.raises(ValueError, match="multiple of 32"):
-        module.q4_mm(x.data_ptr(), 0, 0, 0, out.data_ptr(), 1, 4, 48, 1)  # K = 48
+        module.q4_mm(p, p, p, p, out.data_ptr(), 1, 4, 48, 1)  # K = 48
     with pytest.raises(ValueError, match="multiple of 16"):
-        module.int8_mm(x.data_ptr(), 0, 0, out.data_ptr(), 1, 4, 40, 1)
+        module.int8_mm(p, p, p, out.data_ptr(), 1, 4, 40, 1)
     with pytest.raises(ValueError):
-        module.add_rms_norm(x.data_ptr(), None, 0, out.data_ptr(), 0, 16, 1e-5, 1)  # no rows
+        module.add_rms_norm(p, None, p, out.data_ptr(), 0, 16, 1e-5, 1)  # no rows
+    with pytest.raises(ValueError, match="required buffer"):
+        module.q4_mm(0, p, p, p, out.data_ptr(), 1, 4, 64, 1)  # a NULL input
+    with pytest.raises(ValueError, match="threads"):
+        module.q4_mm(p, p, p, p, out.data_ptr(), 1, 4, 64, 2**40)
+    with pytest.raises(ValueError, match="threads"):
+        module.silu_mul(p, out.data_ptr(), 1, 16, 2**40)
     with pytest.raises(TypeError):
         module.q4_mm(1, 2, 3)
+
+
+@needs_native
+def test_the_wrappers_check_what_they_pass_to_c() -> None:
+    q, d, m = quantize_q4(torch.randn(32, 64))
+    data, scales = native.pack(q, d, m)
+    with pytest.raises(ValueError, match="data"):
+        native.q4_mm(torch.zeros(2, 96).bfloat16(), data, scales, 32)  # K 96 against 64
+    with pytest.raises(ValueError, match="data"):
+        native.q4_mm(torch.zeros(2, 64).bfloat16(), data, scales, 31)
+    with pytest.raises(ValueError, match="x"):
+        native.add_rms_norm(torch.zeros(2, 32).bfloat16(), None, torch.ones(32), 1e-5)
+    with pytest.raises(ValueError, match="y"):
+        native.add_rms_norm(torch.zeros(2, 32), torch.zeros(1, 32), torch.ones(32), 1e-5)
+    with pytest.raises(ValueError, match="scale"):
+        native.int8_mm(torch.zeros(1, 32), torch.zeros(4, 32, dtype=torch.int8), torch.ones(4))
+    cache = torch.zeros(2, 2, 16, 32, dtype=torch.bfloat16)
+    rope = (torch.zeros(16, 32), torch.zeros(16, 32))
+    qkv = torch.zeros(2, 3 * 32, dtype=torch.bfloat16)
+    for slots, positions, why in (
+        (torch.tensor([0, 0]), torch.tensor([3, 3]), "same"),  # two rows at one place
+        (torch.tensor([0]), torch.tensor([3]), "slots"),  # fewer than the rows
+        (torch.tensor([0, 1]), torch.tensor([3, 4], dtype=torch.int32), "int64"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            native.attention(qkv, rope, cache, slots, positions, 1, 1)
+    assert not cache.any()
+    # A non-contiguous input is copied (and kept alive) before C reads it.
+    wide = torch.randn(3 * 32, 2).bfloat16().t()
+    out = native.attention(wide, rope, cache, torch.tensor([0, 1]), torch.tensor([0, 0]), 1, 1)
+    assert out.shape == (2, 32)
 
 
 def test_linear_runs_the_kernel_a_weight_was_made_for() -> None:

@@ -580,37 +580,48 @@ static int layers(float *x, int64_t R, int64_t D, int64_t H, int64_t K, int64_t 
     uint16_t *gu = o + R * D, *act = gu + R * 2 * F, *down = act + R * F;
     int status = 0;
     const uint16_t *pending = NULL; /* the last layer output not yet added to x */
-    for (int64_t l = 0; l < n_layers && status == 0; l++) {
+    /* Stop at the first failure (an allocation), before anything more is
+       written to the KV cache or to x. */
+#define STEP(call)                  \
+    do {                            \
+        if ((status = (call)) != 0) \
+            goto done;              \
+    } while (0)
+    for (int64_t l = 0; l < n_layers; l++) {
         const int64_t *t = table + l * L_FIELDS;
         add_norm(x, pending, (const float *)t[L_ATTN_NORM], h, R, D, eps, threads);
-        status |= matmul(h, (const uint8_t *)t[L_QKV], (const uint16_t *)t[L_QKV_D],
-                         (const uint16_t *)t[L_QKV_M], qkv, R, QKV, D, threads);
+        STEP(matmul(h, (const uint8_t *)t[L_QKV], (const uint16_t *)t[L_QKV_D],
+                    (const uint16_t *)t[L_QKV_M], qkv, R, QKV, D, threads));
         attn_args a = {.qkv = qkv, .cos = cos, .sin = sin, .cache = (uint16_t *)caches[l],
                        .slots = slots, .pos = pos, .out = att, .R = R, .H = H, .K = K,
                        .E = E, .T = T, .scale = scale};
-        status |= attention_all(&a, threads);
-        status |= matmul(att, (const uint8_t *)t[L_O], (const uint16_t *)t[L_O_D],
-                         (const uint16_t *)t[L_O_M], o, R, D, H * E, threads);
+        STEP(attention_all(&a, threads));
+        STEP(matmul(att, (const uint8_t *)t[L_O], (const uint16_t *)t[L_O_D],
+                    (const uint16_t *)t[L_O_M], o, R, D, H * E, threads));
         add_norm(x, o, (const float *)t[L_MLP_NORM], h, R, D, eps, threads);
-        status |= matmul(h, (const uint8_t *)t[L_GU], (const uint16_t *)t[L_GU_D],
-                         (const uint16_t *)t[L_GU_M], gu, R, 2 * F, D, threads);
+        STEP(matmul(h, (const uint8_t *)t[L_GU], (const uint16_t *)t[L_GU_D],
+                    (const uint16_t *)t[L_GU_M], gu, R, 2 * F, D, threads));
         silu_mul_rows(gu, act, R, F, threads);
-        status |= matmul(act, (const uint8_t *)t[L_DOWN], (const uint16_t *)t[L_DOWN_D],
-                         (const uint16_t *)t[L_DOWN_M], down, R, D, F, threads);
+        STEP(matmul(act, (const uint8_t *)t[L_DOWN], (const uint16_t *)t[L_DOWN_D],
+                    (const uint16_t *)t[L_DOWN_M], down, R, D, F, threads));
         pending = down;
     }
-    if (pending && status == 0) {
+#undef STEP
+    if (pending) {
         for (int64_t i = 0; i < R * D; i += 16) {
             __m512 v = _mm512_add_ps(_mm512_loadu_ps(x + i), bf16_16(pending + i));
             _mm512_storeu_ps(x + i, v);
         }
     }
+done:
     free(buf);
     return status;
 }
 
-static int read_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, int pointers,
-                     void **ptr, long long *num, const char *usage) {
+/* Reads `pointers` addresses, then numbers. An address may be None (NULL)
+   only where bit i of `optional` says so; anything else is a ValueError. */
+static int read_args_opt(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, int pointers,
+                         void **ptr, long long *num, const char *usage, unsigned optional) {
     if (nargs != want) {
         PyErr_SetString(PyExc_TypeError, usage);
         return -1;
@@ -618,12 +629,30 @@ static int read_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, i
     for (int i = 0; i < pointers; i++) {
         ptr[i] = args[i] == Py_None ? NULL : PyLong_AsVoidPtr(args[i]);
         if (PyErr_Occurred()) return -1;
+        if (ptr[i] == NULL && !(optional & (1u << i))) {
+            PyErr_SetString(PyExc_ValueError, "a required buffer's address is None or 0");
+            return -1;
+        }
     }
     for (Py_ssize_t i = pointers; i < want; i++) {
         num[i - pointers] = PyLong_AsLongLong(args[i]);
         if (PyErr_Occurred()) return -1;
     }
     return 0;
+}
+
+static int read_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, int pointers,
+                     void **ptr, long long *num, const char *usage) {
+    return read_args_opt(args, nargs, want, pointers, ptr, num, usage, 0);
+}
+
+/* A thread count OpenMP can take. */
+static int threads_ok(long long threads) {
+    if (threads < 1 || threads > 4096) {
+        PyErr_SetString(PyExc_ValueError, "threads must be in [1, 4096]");
+        return 0;
+    }
+    return 1;
 }
 
 static PyObject *int8_mm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -636,6 +665,7 @@ static PyObject *int8_mm(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyErr_SetString(PyExc_ValueError, "int8_mm: M, N >= 1, K a positive multiple of 16");
         return NULL;
     }
+    if (!threads_ok(dims[3])) return NULL;
     int status;
     Py_BEGIN_ALLOW_THREADS
     status = int8_matmul((const uint16_t *)ptr[0], (const int8_t *)ptr[1], (const uint16_t *)ptr[2],
@@ -663,7 +693,8 @@ static PyObject *attention(PyObject *self, PyObject *const *args, Py_ssize_t nar
                    .pos = ptr[5], .out = ptr[6], .R = num[0], .H = num[1], .K = num[2],
                    .E = num[3], .T = num[4], .scale = (float)scale};
     long long S = num[5], rope_length = num[6];
-    if (a.R < 1 || a.K < 1 || a.H % a.K || a.H / a.K > 8 || a.E < 32 || a.E % 32 || threads < 1) {
+    if (!threads_ok(threads)) return NULL;
+    if (a.R < 1 || a.K < 1 || a.H < 1 || a.H % a.K || a.H / a.K > 8 || a.E < 32 || a.E % 32) {
         PyErr_SetString(PyExc_ValueError, "attention: R >= 1, H a multiple of K (at most 8x), E a multiple of 32");
         return NULL;
     }
@@ -686,8 +717,9 @@ static PyObject *silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t narg
     void *ptr[2];
     long long num[3];
     if (read_args(args, nargs, 5, 2, ptr, num, "silu_mul(gate_up, out, R, F, threads)")) return NULL;
-    if (num[0] < 1 || num[1] < 16 || num[1] % 16 || num[2] < 1) {
-        PyErr_SetString(PyExc_ValueError, "silu_mul: R >= 1, F a positive multiple of 16");
+    if (num[0] < 1 || num[1] < 16 || num[1] % 16 || !threads_ok(num[2])) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "silu_mul: R >= 1, F a positive multiple of 16");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
@@ -712,8 +744,9 @@ static PyObject *forward_layers(PyObject *self, PyObject *const *args, Py_ssize_
     long long R = num[0], D = num[1], H = num[2], K = num[3], E = num[4], F = num[5];
     long long n_layers = num[6], T = num[7], S = num[8], rope_length = num[9], threads = num[10];
     const int64_t *slots = ptr[5], *pos = ptr[6];
-    if (R < 1 || D < 32 || D % 32 || K < 1 || H % K || H / K > 8 || E < 32 || E % 32 ||
-        (H * E) % 32 || F < 32 || F % 32 || n_layers < 1 || threads < 1) {
+    if (!threads_ok(threads)) return NULL;
+    if (R < 1 || D < 32 || D % 32 || K < 1 || H < 1 || H % K || H / K > 8 || E < 32 || E % 32 ||
+        (H * E) % 32 || F < 32 || F % 32 || n_layers < 1) {
         PyErr_SetString(PyExc_ValueError, "forward_layers: shapes the kernels cannot run");
         return NULL;
     }
@@ -741,7 +774,7 @@ static PyObject *add_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     void *ptr[4];
     long long dims[2];
-    if (read_args(args, 6, 6, 4, ptr, dims, "")) return NULL;
+    if (read_args_opt(args, 6, 6, 4, ptr, dims, "", 1u << 1)) return NULL;
     double eps = PyFloat_AsDouble(args[6]);
     long long threads = PyLong_AsLongLong(args[7]);
     if (PyErr_Occurred()) return NULL;
@@ -749,6 +782,7 @@ static PyObject *add_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_ValueError, "add_rms_norm: M >= 1, D a positive multiple of 16");
         return NULL;
     }
+    if (!threads_ok(threads)) return NULL;
     Py_BEGIN_ALLOW_THREADS
     add_norm((float *)ptr[0], (const uint16_t *)ptr[1], (const float *)ptr[2], (uint16_t *)ptr[3],
              dims[0], dims[1], (float)eps, (int)threads);
@@ -758,24 +792,15 @@ static PyObject *add_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t 
 
 static PyObject *q4_mm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "q4_mm(x, w, d, m, out, M, N, K, threads)");
-        return NULL;
-    }
     void *ptr[5];
-    for (int i = 0; i < 5; i++) {
-        ptr[i] = PyLong_AsVoidPtr(args[i]);
-        if (PyErr_Occurred()) return NULL;
-    }
     long long dims[4];
-    for (int i = 0; i < 4; i++) {
-        dims[i] = PyLong_AsLongLong(args[5 + i]);
-        if (PyErr_Occurred()) return NULL;
-    }
+    if (read_args(args, nargs, 9, 5, ptr, dims, "q4_mm(x, w, d, m, out, M, N, K, threads)"))
+        return NULL;
     if (dims[0] < 1 || dims[1] < 1 || dims[2] < GROUP || dims[2] % GROUP || dims[3] < 1) {
         PyErr_SetString(PyExc_ValueError, "q4_mm: M, N >= 1, K a positive multiple of 32");
         return NULL;
     }
+    if (!threads_ok(dims[3])) return NULL;
     int status;
     Py_BEGIN_ALLOW_THREADS
     status = matmul((const uint16_t *)ptr[0], (const uint8_t *)ptr[1], (const uint16_t *)ptr[2],

@@ -39,8 +39,8 @@ them off.
 The build: one C file, the machine's compiler (``$CC``, else ``cc``), about
 a second. The library lands in trioserve's cache (``$TRIOSERVE_CACHE``, else
 ``$XDG_CACHE_HOME/trioserve``, else ``~/.cache/trioserve``) under
-``native/<digest>/``, the digest naming the source, the flags, the compiler
-and the Python ABI, so a restart loads it without compiling. It links the
+``native/<digest>/``, the digest naming the source, the flags and the Python
+ABI (not the compiler: a restart loads it without one). It links the
 OpenMP runtime torch has already loaded (the same ``libgomp.so.1``), so its
 threads are torch's threads: the kernels run with torch's thread count and
 do not compete with a second pool.
@@ -149,47 +149,20 @@ def kernel() -> ModuleType | None:
 def q4_mm(rows: Tensor, data: Tensor, scales: Tensor, out_features: int) -> Tensor:
     """rows [M, K] bfloat16 @ W.T for W in the kernel's layout (``data`` [N, K/2]
     uint8, ``scales`` [2, N, K/32] float16: d and m); [M, N] bfloat16."""
-    return _call(_module(), rows.to(torch.bfloat16), data, scales, out_features)
+    return _call(_module(), rows, data, scales, out_features)
 
 
 def int8_mm(rows: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     """rows [M, K] bfloat16 @ (q [N, K] int8 * scale [N] bfloat16).T -> [M, N]
     bfloat16, summed in float32 from the bfloat16 rows as they are."""
-    rows = rows.to(torch.bfloat16).contiguous()
-    m, k = rows.shape
-    out = torch.empty(m, q.shape[0], dtype=torch.bfloat16)
-    _module().int8_mm(
-        rows.data_ptr(),
-        q.data_ptr(),
-        scale.data_ptr(),
-        out.data_ptr(),
-        m,
-        q.shape[0],
-        k,
-        torch.get_num_threads(),
-    )
-    return out
+    return _int8(_module(), rows, q, scale)
 
 
 def add_rms_norm(x: Tensor, y: Tensor | None, weight: Tensor, eps: float) -> Tensor:
     """x [M, D] float32, contiguous: ``x += y`` (y [M, D] bfloat16, when given;
     in place), then ``x * (1 / sqrt(mean(x^2) + eps)) * weight`` (float32
     [D]) rounded to bfloat16, [M, D]."""
-    if y is not None:
-        y = y.to(torch.bfloat16).contiguous()
-    m, d = x.shape
-    out = torch.empty(m, d, dtype=torch.bfloat16)
-    _module().add_rms_norm(
-        x.data_ptr(),
-        None if y is None else y.data_ptr(),
-        weight.data_ptr(),
-        out.data_ptr(),
-        m,
-        d,
-        eps,
-        torch.get_num_threads(),
-    )
-    return out
+    return _norm(_module(), x, y, weight, eps)
 
 
 def attention(
@@ -207,49 +180,22 @@ def attention(
     rope); ``rope`` the (cos, sin) tables [length, E] float32 of
     :func:`trioserve.engine.llama.rope_tables`; ``cache`` the layer's
     [S, 2K, T, E] bfloat16 KV cache; ``slots``, ``positions`` [R] int64, each
-    row's. Each row's query and key heads are rotated (float32, then
-    bfloat16), its keys and values written at (slot, position), and then each
-    row's query heads attend to its slot's positions 0 to its own (causal;
-    rows of one slot see each other's writes): [R, H * E] bfloat16. A row's
-    result depends on its query and the keys and values it attends to alone,
-    in an order set by its position, whatever other rows the pass holds.
+    row's, no two rows at the same (slot, position). Each row's query and key
+    heads are rotated (float32, then bfloat16), its keys and values written at
+    (slot, position), and then each row's query heads attend to its slot's
+    positions 0 to its own (causal; rows of one slot see each other's
+    writes): [R, H * E] bfloat16. A row's result depends on its query and the
+    keys and values it attends to alone, in an order set by its position,
+    whatever other rows the pass holds.
     """
-    rows = qkv.shape[0]
-    e = cache.shape[-1]
-    cos, sin = rope
-    out = torch.empty(rows, heads * e, dtype=torch.bfloat16)
-    _module().attention(
-        qkv.contiguous().data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        cache.data_ptr(),
-        slots.data_ptr(),
-        positions.data_ptr(),
-        out.data_ptr(),
-        rows,
-        heads,
-        kv_heads,
-        e,
-        cache.shape[2],
-        cache.shape[0],
-        cos.shape[0],
-        1.0 / math.sqrt(e),
-        torch.get_num_threads(),
-    )
-    return out
+    return _attend(_module(), qkv, rope, cache, slots, positions, heads, kv_heads)
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:
     """gate_up [R, 2F] bfloat16 (gate, then up) -> silu(gate) * up [R, F]
     bfloat16, each product of bfloat16 roundings as torch's ``F.silu(gate) *
     up`` does, in one pass."""
-    gate_up = gate_up.contiguous()
-    rows, width = gate_up.shape
-    out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
-    _module().silu_mul(
-        gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads()
-    )
-    return out
+    return _silu(_module(), gate_up)
 
 
 def layer_table(layers: Sequence[Any]) -> Tensor | None:
@@ -296,9 +242,18 @@ def forward_layers(
     path (so the same bits). ``table`` from :func:`layer_table`; ``caches``
     int64 [L], each layer's bfloat16 KV cache [S, 2K, T, E] address;
     ``cache_shape`` (S, T); ``slots``, ``positions`` [R] int64, each row's."""
+    _need(x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous(), "x: [R, D] float32")
     rows, width = x.shape
-    cos, sin = rope
+    _need(
+        table.dtype == torch.int64 and table.dim() == 2 and table.shape[1] == 14,
+        "table: [L, 14] int64 (layer_table)",
+    )
+    table, caches = table.contiguous(), caches.contiguous()
+    _need(caches.dtype == torch.int64 and caches.shape == (table.shape[0],), "caches: [L] int64")
+    cos, sin = _rope_tables(rope)
+    slots, positions = _rows(slots, positions, rows, cache_shape[1])
     head_dim = cos.shape[1]
+    _need(heads >= 1 and kv_heads >= 1 and heads % kv_heads == 0, "heads: a multiple of kv_heads")
     _module().forward_layers(
         x.data_ptr(),
         table.data_ptr(),
@@ -504,9 +459,10 @@ _PROBE_ROWS = (1, 2, 3, 5, 8, 37)
 
 
 def _probe(module: ModuleType) -> str | None:
-    """What the built kernels get wrong here, or ``None``: each must compute
-    its formula (within its output's bfloat16 rounding) and give a row the
-    same result whatever other rows it is computed with."""
+    """What the built kernels get wrong here, or ``None``: each (the matmuls,
+    the norm, attention and silu; the layer stack is these same calls) must
+    compute its formula (within its output's bfloat16 rounding) and give a row
+    the same result whatever other rows it is computed with."""
     g = torch.Generator().manual_seed(23)
     for n, k in ((80, 576), (48, 1536), (16, 96)):
         q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
@@ -530,6 +486,9 @@ def _probe(module: ModuleType) -> str | None:
             return f"the 8-bit matmul's results ({n} x {k})"
         if not _rows_agree(functools.partial(_int8_rows, module, w8, s8), x, out8):
             return f"the 8-bit matmul's batch invariance ({n} x {k})"
+    failed = _probe_attention(module) or _probe_silu(module)
+    if failed:
+        return failed
     for d_model in (576, 48):
         x = torch.randn(max(_PROBE_ROWS), d_model, generator=g) * 4
         y = torch.randn(x.shape, generator=g).to(torch.bfloat16)
@@ -555,6 +514,49 @@ def _probe(module: ModuleType) -> str | None:
     return None
 
 
+def _probe_attention(module: ModuleType) -> str | None:
+    """Rope, the cache write and causal attention against float64, and a row
+    alone against the same row beside others."""
+    g = torch.Generator().manual_seed(29)
+    heads, kv_heads, e, length = 6, 2, 64, 40
+    rope = (torch.randn(length, e, generator=g), torch.randn(length, e, generator=g))
+    cache = torch.randn(2, 2 * kv_heads, length, e, generator=g).bfloat16()
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * e, generator=g).bfloat16()
+    slots, positions = torch.tensor([0, 0, 0, 1, 1]), torch.tensor([7, 8, 9, 0, 33])
+    written = cache.clone()
+    out = _attend(module, qkv, rope, written, slots, positions, heads, kv_heads).double()
+    x = qkv.view(5, heads + 2 * kv_heads, e).float()
+    cos, sin = (t[positions][:, None] for t in rope)
+    rotated = (x * cos + x.view(5, -1, 2, e // 2).flip(2).view(x.shape) * sin).bfloat16()
+    group = heads // kv_heads
+    for r in range(5):
+        s, p = int(slots[r]), int(positions[r])
+        if not torch.equal(written[s, :kv_heads, p], rotated[r, heads : heads + kv_heads]):
+            return "attention's key write"
+        for h in range(heads):
+            k = written[s, h // group, : p + 1].double()
+            v = written[s, kv_heads + h // group, : p + 1].double()
+            want = torch.softmax(k @ rotated[r, h].double() / math.sqrt(e), 0) @ v
+            if float((out[r, h * e : (h + 1) * e] - want).abs().max()) > 2**-7 * (
+                float(want.abs().max()) + 1e-3
+            ):
+                return "attention's results"
+    again = written.clone()
+    alone = _attend(module, qkv[4:], rope, again, slots[4:], positions[4:], heads, kv_heads)
+    return None if torch.equal(alone.double(), out[4:]) else "attention's batch invariance"
+
+
+def _probe_silu(module: ModuleType) -> str | None:
+    g = torch.Generator().manual_seed(31)
+    gate_up = (torch.randn(9, 2 * 64, generator=g) * 4).bfloat16()
+    out = _silu(module, gate_up).float()
+    want = (torch.nn.functional.silu(gate_up[:, :64]) * gate_up[:, 64:]).float()
+    if not torch.allclose(out, want, rtol=2**-7, atol=1e-6):
+        return "silu(gate) * up"
+    same = torch.equal(_silu(module, gate_up[4:5]).float(), out[4:5])
+    return None if same else "silu's batch invariance"
+
+
 def _rows_agree(run: Callable[[Tensor], Tensor], x: Tensor, out: Tensor) -> bool:
     return all(torch.equal(run(x[:rows]), out[:rows]) for rows in _PROBE_ROWS) and torch.equal(
         run(x[3:8]), out[3:8]
@@ -569,31 +571,62 @@ def _int8_rows(module: ModuleType, q: Tensor, scale: Tensor, x: Tensor) -> Tenso
     return _int8(module, x, q, scale)
 
 
+def _need(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(f"native kernel: {message}")
+
+
+def _bf16_matrix(x: Tensor, name: str) -> Tensor:
+    _need(x.dim() == 2 and x.is_floating_point(), f"{name}: a 2-D float tensor")
+    return x.to(torch.bfloat16).contiguous()
+
+
 def _int8(module: ModuleType, x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
-    x = x.contiguous()
-    out = torch.empty(x.shape[0], q.shape[0], dtype=torch.bfloat16)
+    x = _bf16_matrix(x, "rows")
+    m, k = x.shape
+    n = q.shape[0] if q.dim() == 2 else 0
+    _need(
+        q.dtype == torch.int8 and q.shape == (n, k) and n >= 1 and q.is_contiguous(),
+        "q: [N, K] int8, contiguous",
+    )
+    _need(k >= 16 and k % 16 == 0, "rows: K a positive multiple of 16")
+    _need(
+        scale.dtype == torch.bfloat16 and scale.shape == (n,) and scale.is_contiguous(),
+        "scale: [N] bfloat16",
+    )
+    out = torch.empty(m, n, dtype=torch.bfloat16)
     module.int8_mm(
         x.data_ptr(),
         q.data_ptr(),
         scale.data_ptr(),
         out.data_ptr(),
-        x.shape[0],
-        q.shape[0],
-        x.shape[1],
+        m,
+        n,
+        k,
         torch.get_num_threads(),
     )
     return out
 
 
 def _norm(module: ModuleType, x: Tensor, y: Tensor | None, w: Tensor, eps: float) -> Tensor:
-    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    _need(
+        x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous(),
+        "x: [M, D] float32, contiguous (added to in place)",
+    )
+    m, d = x.shape
+    _need(m >= 1 and d >= 16 and d % 16 == 0, "x: D a positive multiple of 16")
+    if y is not None:
+        y = _bf16_matrix(y, "y")
+        _need(y.shape == x.shape, "y: the shape of x")
+    _need(w.dtype == torch.float32 and w.shape == (d,) and w.is_contiguous(), "weight: [D] float32")
+    out = torch.empty(m, d, dtype=torch.bfloat16)
     module.add_rms_norm(
         x.data_ptr(),
-        None if y is None else y.contiguous().data_ptr(),
+        None if y is None else y.data_ptr(),
         w.data_ptr(),
         out.data_ptr(),
-        x.shape[0],
-        x.shape[1],
+        m,
+        d,
         eps,
         torch.get_num_threads(),
     )
@@ -601,17 +634,105 @@ def _norm(module: ModuleType, x: Tensor, y: Tensor | None, w: Tensor, eps: float
 
 
 def _call(module: ModuleType, x: Tensor, data: Tensor, scales: Tensor, n: int) -> Tensor:
-    x = x.contiguous()
-    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    x = _bf16_matrix(x, "rows")
+    m, k = x.shape
+    _need(k >= 32 and k % 32 == 0, "rows: K a positive multiple of 32")
+    _need(
+        data.dtype == torch.uint8 and data.shape == (n, k // 2) and data.is_contiguous(),
+        "data: [N, K / 2] uint8, contiguous",
+    )
+    _need(
+        scales.dtype == torch.float16
+        and scales.shape == (2, n, k // 32)
+        and scales.is_contiguous(),
+        "scales: [2, N, K / 32] float16, contiguous",
+    )
+    out = torch.empty(m, n, dtype=torch.bfloat16)
     module.q4_mm(
         x.data_ptr(),
         data.data_ptr(),
         scales[0].data_ptr(),
         scales[1].data_ptr(),
         out.data_ptr(),
-        x.shape[0],
+        m,
         n,
-        x.shape[1],
+        k,
         torch.get_num_threads(),
     )
+    return out
+
+
+def _rope_tables(rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    cos, sin = rope
+    _need(
+        cos.dtype == sin.dtype == torch.float32 and cos.dim() == 2 and cos.shape == sin.shape,
+        "rope: (cos, sin) [length, E] float32",
+    )
+    return cos.contiguous(), sin.contiguous()
+
+
+def _rows(slots: Tensor, positions: Tensor, rows: int, length: int) -> tuple[Tensor, Tensor]:
+    """Each row's (slot, position), int64 and contiguous, one row per place."""
+    _need(
+        slots.dtype == positions.dtype == torch.int64 and slots.shape == positions.shape == (rows,),
+        "slots, positions: [R] int64",
+    )
+    slots, positions = slots.contiguous(), positions.contiguous()
+    # Two rows at one place would race on its cache row.
+    places = slots * max(length, 1) + positions
+    _need(torch.unique(places).numel() == rows, "two rows at the same (slot, position)")
+    return slots, positions
+
+
+def _attend(
+    module: ModuleType,
+    qkv: Tensor,
+    rope: tuple[Tensor, Tensor],
+    cache: Tensor,
+    slots: Tensor,
+    positions: Tensor,
+    heads: int,
+    kv_heads: int,
+) -> Tensor:
+    _need(heads >= 1 and kv_heads >= 1 and heads % kv_heads == 0, "heads: a multiple of kv_heads")
+    _need(
+        cache.dtype == torch.bfloat16 and cache.dim() == 4 and cache.is_contiguous(),
+        "cache: [S, 2K, T, E] bfloat16, contiguous (written in place)",
+    )
+    slots_n, two_k, length, e = cache.shape
+    _need(two_k == 2 * kv_heads, "cache: 2 * kv_heads heads")
+    qkv = _bf16_matrix(qkv, "qkv")
+    rows = qkv.shape[0]
+    _need(qkv.shape[1] == (heads + 2 * kv_heads) * e, "qkv: [R, (H + 2K) * E]")
+    cos, sin = _rope_tables(rope)
+    _need(cos.shape[1] == e, "rope: E columns")
+    slots, positions = _rows(slots, positions, rows, length)
+    out = torch.empty(rows, heads * e, dtype=torch.bfloat16)
+    module.attention(
+        qkv.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cache.data_ptr(),
+        slots.data_ptr(),
+        positions.data_ptr(),
+        out.data_ptr(),
+        rows,
+        heads,
+        kv_heads,
+        e,
+        length,
+        slots_n,
+        cos.shape[0],
+        1.0 / math.sqrt(e),
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def _silu(module: ModuleType, gate_up: Tensor) -> Tensor:
+    gate_up = _bf16_matrix(gate_up, "gate_up")
+    rows, width = gate_up.shape
+    _need(width % 32 == 0 and width >= 32, "gate_up: 2F columns, F a multiple of 16")
+    out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
+    module.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
     return out
