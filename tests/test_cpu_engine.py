@@ -18,7 +18,7 @@ import attrs
 import pytest
 import torch
 
-from tests.direct import CPU, greedy_ids
+from tests.direct import CPU, greedy_ids, mean_nll
 from trioserve.engine import llama, native
 from trioserve.engine.base import (
     Engine,
@@ -547,27 +547,14 @@ PERPLEXITY_TEXT = (
 def perplexity(model_dir: Path, weights_mode: str, ids: Sequence[int]) -> float:
     """exp of the mean negative log-likelihood of ``ids[1:]``, logits in float32."""
     config = llama.LlamaConfig.from_dir(model_dir)
-    cpu = torch.device("cpu")
     weights = llama.LlamaWeights.load(
-        model_dir, config, dtype=torch.bfloat16, device=cpu, weights=weights_mode
+        model_dir, config, dtype=torch.bfloat16, device=torch.device("cpu"), weights=weights_mode
     )
-    cache = llama.KVCache(config.n_layers, config.n_kv_heads, config.head_dim, torch.bfloat16, cpu)
-    cache.fit(1, len(ids))
-    rope = llama.rope_tables(config, len(ids), cpu)
-    with torch.inference_mode():
-        hidden = llama.forward(
-            weights,
-            config,
-            cache,
-            rope,
-            torch.tensor([list(ids)]),
-            torch.arange(len(ids))[None],
-            torch.tensor([0]),
-            every_position=True,
-        )[0, :-1]
-        logprobs = torch.log_softmax(hidden.float() @ weights.lm_head.float().T, dim=-1)
-        nll = -logprobs.gather(1, torch.tensor(ids[1:])[:, None]).mean()
-    return float(torch.exp(nll))
+    return math.exp(mean_nll(model_dir, weights, ids, logits=_float32_logits))
+
+
+def _float32_logits(weights: llama.LlamaWeights, hidden: torch.Tensor) -> torch.Tensor:
+    return hidden.float() @ weights.lm_head.float().T
 
 
 def test_4bit_perplexity_is_within_one_percent_of_bfloat16(

@@ -107,6 +107,20 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* 16 bfloat16 values as float32. */
+static inline __m512 bf16_16(const uint16_t *p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* 16 float32 values rounded to bfloat16 (nearest even; no NaN expected). */
+static inline void store_bf16_16(uint16_t *p, __m512 v) {
+    const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+    __m512i u = _mm512_castps_si512(v);
+    u = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+
 static void quantize_row(const uint16_t *x, const shape *sh, int8_t *q, float *dx, float *sx) {
     memset(q, 0, sh->qbytes);
     memset(dx, 0, sh->dfloats * sizeof(float));
@@ -115,10 +129,7 @@ static void quantize_row(const uint16_t *x, const shape *sh, int8_t *q, float *d
     float *tail_dx = dx + sh->wide * 16, *tail_sx = sx + sh->wide * 16;
     for (int64_t g = 0; g < sh->groups; g++) {
         const uint16_t *src = x + g * GROUP;
-        __m512 a = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)), 16));
-        __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + 16))), 16));
+        __m512 a = bf16_16(src), b = bf16_16(src + 16);
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
         float d = amax / 127.0f;
         float id = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -298,10 +309,7 @@ static int int8_matmul(const uint16_t *x, const int8_t *q, const uint16_t *scale
                        int64_t M, int64_t N, int64_t K, int threads) {
     float *xf = aligned_alloc(64, (size_t)(M * K) * sizeof(float) + 64);
     if (!xf) return -1;
-    for (int64_t i = 0; i < M * K; i += 16) {
-        __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i)));
-        _mm512_storeu_ps(xf + i, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
-    }
+    for (int64_t i = 0; i < M * K; i += 16) _mm512_storeu_ps(xf + i, bf16_16(x + i));
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t u = 0; u < (N + OUTS - 1) / OUTS; u++) {
         int64_t n0 = u * OUTS, n1 = n0 + OUTS < N ? n0 + OUTS : N;
@@ -344,22 +352,16 @@ static void add_norm(float *x, const uint16_t *y, const float *w, uint16_t *out,
         for (int64_t i = 0; i < D; i += 16) {
             __m512 v = _mm512_loadu_ps(xr + i);
             if (y) {
-                __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(y + r * D + i)));
-                v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+                v = _mm512_add_ps(v, bf16_16(y + r * D + i));
                 _mm512_storeu_ps(xr + i, v);
             }
             ss = _mm512_fmadd_ps(v, v, ss);
         }
         float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)D + eps);
         __m512 vinv = _mm512_set1_ps(inv);
-        const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
-        for (int64_t i = 0; i < D; i += 16) {
-            __m512 o = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + i), vinv),
-                                     _mm512_loadu_ps(w + i));
-            __m512i u = _mm512_castps_si512(o); /* round to nearest even (no NaN here) */
-            u = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-            _mm256_storeu_si256((__m256i *)(out + r * D + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
-        }
+        for (int64_t i = 0; i < D; i += 16)
+            store_bf16_16(out + r * D + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + i), vinv),
+                                                         _mm512_loadu_ps(w + i)));
     }
 }
 
@@ -404,18 +406,6 @@ static inline __m512 hsum16(const __m512 *v) {
     __m512 d = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
                              _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
     return d; /* lane i: v[i]'s sum (tests/test_native.py checks the order) */
-}
-
-static inline __m512 bf16_16(const uint16_t *p) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-static inline void store_bf16_16(uint16_t *p, __m512 v) {
-    const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
-    __m512i u = _mm512_castps_si512(v);
-    u = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
 }
 
 typedef struct {

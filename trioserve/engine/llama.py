@@ -490,7 +490,7 @@ def forward(
             slots.to(torch.int64).repeat_interleave(c).contiguous(),
             positions.to(torch.int64).reshape(-1).contiguous(),
         )
-        if step is None and weights.layer_table is not None and config.head_dim % 32 == 0:
+        if step is None and weights.layer_table is not None:
             # The whole stack in one call (the same kernels in the same order).
             caches = torch.tensor([t.data_ptr() for t, _ in cache.layer_views], dtype=torch.int64)
             native.forward_layers(
