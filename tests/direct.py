@@ -64,9 +64,21 @@ def mean_nll(
     logits: Callable[[llama.LlamaWeights, Tensor], Tensor] = llama.logits,
     quantized: bool = False,
 ) -> float:
-    """Mean negative log-likelihood of ``ids[1:]`` in one prefill, its logits
-    by ``logits`` (the engine's own path by default: projection and
-    refinement), the KV cache in 8 bits when ``quantized``."""
+    """Mean negative log-likelihood of ``ids[1:]`` (see :func:`token_nlls`)."""
+    return float(token_nlls(model_dir, weights, ids, logits=logits, quantized=quantized).mean())
+
+
+def token_nlls(
+    model_dir: Path,
+    weights: llama.LlamaWeights,
+    ids: Sequence[int],
+    *,
+    logits: Callable[[llama.LlamaWeights, Tensor], Tensor] = llama.logits,
+    quantized: bool = False,
+) -> Tensor:
+    """The negative log-likelihood of each of ``ids[1:]`` (float64 [N]) in one
+    prefill, its logits by ``logits`` (the engine's own path by default:
+    projection and refinement), the KV cache in 8 bits when ``quantized``."""
     config = llama.LlamaConfig.from_dir(model_dir)
     cache = _cache(config, len(ids), quantized)
     rope = llama.rope_tables(config, len(ids), CPU)
@@ -82,4 +94,4 @@ def mean_nll(
             every_position=True,
         )[0, :-1]
         logprobs = torch.log_softmax(logits(weights, hidden), dim=-1)
-        return float(-logprobs.gather(1, torch.tensor(ids[1:])[:, None]).mean())
+        return -logprobs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].double()

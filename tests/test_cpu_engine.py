@@ -18,7 +18,7 @@ import attrs
 import pytest
 import torch
 
-from tests.direct import CPU, greedy_ids, mean_nll
+from tests.direct import CPU, greedy_ids, token_nlls
 from trioserve.engine import llama, native
 from trioserve.engine.base import (
     Engine,
@@ -544,17 +544,26 @@ PERPLEXITY_TEXT = (
 )
 
 
-def perplexity(model_dir: Path, weights_mode: str, ids: Sequence[int]) -> float:
-    """exp of the mean negative log-likelihood of ``ids[1:]``, logits in float32."""
+def _q4_and_bfloat16_nlls(model_dir: Path, ids: Sequence[int]) -> list[torch.Tensor]:
+    """The NLL of each of ``ids[1:]`` on the 4-bit path and on the bfloat16
+    one, logits in float32."""
     config = llama.LlamaConfig.from_dir(model_dir)
-    weights = llama.LlamaWeights.load(
-        model_dir, config, dtype=torch.bfloat16, device=torch.device("cpu"), weights=weights_mode
-    )
-    return math.exp(mean_nll(model_dir, weights, ids, logits=_float32_logits))
+    nlls = []
+    for mode in ("auto", "float"):
+        weights = llama.LlamaWeights.load(
+            model_dir, config, dtype=torch.bfloat16, device=torch.device("cpu"), weights=mode
+        )
+        nlls.append(token_nlls(model_dir, weights, ids, logits=_float32_logits))
+        del weights
+    return nlls
 
 
 def _float32_logits(weights: llama.LlamaWeights, hidden: torch.Tensor) -> torch.Tensor:
     return hidden.float() @ weights.lm_head.float().T
+
+
+#: About 960 tokens of English prose written for this guard.
+PERPLEXITY_FILE = Path(__file__).parent / "data" / "perplexity.txt"
 
 
 def test_4bit_perplexity_is_within_one_percent_of_bfloat16(
@@ -562,13 +571,26 @@ def test_4bit_perplexity_is_within_one_percent_of_bfloat16(
 ) -> None:
     """The quality guard of issue 13. The bfloat16 path runs the GGUF's 4-bit
     weights dequantized (through float16, rounded to bfloat16); the 4-bit path
-    runs the groups themselves with bfloat16 scales. Measured: see
-    docs/performance.md."""
-    ids = [cpu_engine.info.bos_token_id or 1, *cpu_engine.encode(PERPLEXITY_TEXT)]
-    q4 = perplexity(model_dir, "auto", ids)
-    bf16 = perplexity(model_dir, "float", ids)
-    assert 1.0 < bf16 < 100.0  # a real model on English prose
-    assert abs(q4 / bf16 - 1) <= 0.01, (q4, bf16)
+    runs the groups themselves (bfloat16 scales on torch's kernel, float16 on
+    trioserve's). Measured: see docs/performance.md.
+
+    Both paths round activations to bfloat16, and how each sum is ordered
+    depends on the instruction set (AVX-512, AVX2, none): that moves single
+    tokens' NLL by about 0.03 nats either way, on every path. Over n tokens the
+    mean moves by sd / sqrt(n): with 88 tokens that was 0.3 % of perplexity a
+    standard error, and one AVX2 machine saw 1.02 %. The text is long enough
+    that a 1 % bound is more than four standard errors of the per-token
+    differences (asserted, so that a shorter text cannot make the bound noise)."""
+    ids = [cpu_engine.info.bos_token_id or 1]
+    ids += cpu_engine.encode(PERPLEXITY_FILE.read_text(encoding="utf-8"))
+    q4, bf16 = _q4_and_bfloat16_nlls(model_dir, ids)
+    assert 1.0 < math.exp(float(bf16.mean())) < 100.0  # a real model on English prose
+    diff = q4 - bf16
+    bound = math.log(1.01)
+    standard_error = float(diff.std()) / math.sqrt(len(diff))
+    assert 4 * standard_error < bound, (standard_error, len(diff))
+    ratio = math.exp(float(diff.mean()))  # the perplexities' ratio, q4 / bfloat16
+    assert abs(ratio - 1) <= 0.01, ratio
 
 
 def _long_prompt(engine: CpuEngine, salt: int) -> str:

@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
-from trioserve.engine import llama, native
+from trioserve.engine import llama, quant
 from trioserve.engine.mapped import file_backed
 
 
@@ -63,8 +64,9 @@ def test_an_unwritable_path_keeps_the_table_in_memory(tmp_path: Path) -> None:
     assert file_backed(tmp_path / "file" / "embed.bf16", table) is table
 
 
-@pytest.mark.skipif(native.kernel() is None, reason="the mapped table comes with the native path")
 def test_the_default_weights_map_their_embedding(model_dir: Path) -> None:
+    """On every kernel path: the 8-bit projection replaces the bfloat16 one,
+    and the table is read a few rows at a time."""
     config = llama.LlamaConfig.from_dir(model_dir)
     weights = llama.LlamaWeights.load(
         model_dir, config, dtype=torch.bfloat16, device=torch.device("cpu")
@@ -72,6 +74,11 @@ def test_the_default_weights_map_their_embedding(model_dir: Path) -> None:
     path = model_dir / llama.EMBED_FILE
     assert path.is_file()
     assert weights.lm_head is weights.embed
+    assert weights.embed_mapped
+    assert isinstance(weights.projection, quant.QuantizedWeight)
+    # The mapped table is not counted among the bytes held in memory.
+    held = attrs.evolve(weights, embed_mapped=False).nbytes
+    assert weights.nbytes == held - weights.embed.numel() * weights.embed.element_size()
     with open("/proc/self/maps") as f:
         regions = [line.split() for line in f if line.rstrip().endswith(str(path))]
     start = weights.embed.data_ptr()

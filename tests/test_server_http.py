@@ -89,7 +89,10 @@ async def test_readiness_turns_false_first_in_a_drain() -> None:
 
 
 async def test_websocket_and_http_interleave_on_one_port_and_metrics_move() -> None:
-    async with server_in_scope(ScriptedEngine()) as (_, listening, _scope):
+    # A slow model: the long answer takes 50 s unless stopped, so the stop
+    # reaches it however loaded the machine is (without a delay it could finish
+    # its 500 tokens before the stop arrived, and did on a busy 2-core machine).
+    async with server_in_scope(ScriptedEngine(step_delay=0.01)) as (_, listening, _scope):
         port = listening.port
         before = await scrape(port)
         async with raw_client(listening.url) as ws, http_connect(port) as http:
@@ -103,7 +106,7 @@ async def test_websocket_and_http_interleave_on_one_port_and_metrics_move() -> N
                 assert final["response"] == f"hi{i}"
             assert await ws.request({"action": "echo"}) == {"action": "echo"}
             await ws.send(
-                {"action": "infer", "text": "long", "max_new_tokens": 500, "stream": True}
+                {"action": "infer", "text": "long", "max_new_tokens": 5000, "stream": True}
             )
             assert (await ws.recv())["response_type"] == "chunk"
             await ws.send({"action": "stop"})

@@ -567,7 +567,7 @@ def _log_loaded(
 ) -> None:
     log.info(
         "cpu engine: %s, %s on %s (linear layers: %s; vocabulary projection: %s;"
-        " %.0f MiB of weights), KV cache %s,"
+        " %.0f MiB of weights in memory%s), KV cache %s,"
         " context %d, max batch %d, torch threads %d",
         name,
         dtype,
@@ -575,6 +575,7 @@ def _log_loaded(
         ", ".join(f"{n} {kind}" for kind, n in model.kinds().items()),
         weight_kind(model.lm_head if model.projection is None else model.projection),
         model.nbytes / 2**20,
+        ", the embedding table mapped from its file" if model.embed_mapped else "",
         "int8" if cache.quantized else dtype,
         context,
         max_batch,

@@ -230,6 +230,9 @@ class LlamaWeights:
     #: For an 8-bit projection: a bound on its logits' error from rounding
     #: the weights, per unit of the hidden state's norm (see :func:`logits`).
     projection_error: float = 0.0
+    #: Whether ``embed`` (and the tied ``lm_head``) is mapped from a file
+    #: (:func:`trioserve.engine.mapped.file_backed`) rather than held in memory.
+    embed_mapped: bool = False
     #: Whether the residual adds and RMS norms run on trioserve's kernel
     #: (:func:`trioserve.engine.native.add_rms_norm`), one call per norm.
     native_norm: bool = False
@@ -252,9 +255,11 @@ class LlamaWeights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the weights hold (a tied lm_head counted once)."""
+        """Bytes the weights hold in memory (a tied lm_head counted once; a
+        table mapped from a file, :attr:`embed_mapped`, not at all: only the
+        rows read are resident, as clean pages the kernel may drop)."""
         total = 0
-        seen: set[int] = set()
+        seen: set[int] = {id(self.embed)} if self.embed_mapped else set()
         tensors: list[Linear] = [self.embed, self.norm, self.lm_head]
         if self.projection is not None:
             tensors.append(self.projection)
@@ -394,9 +399,14 @@ class LlamaWeights:
                 int8_weight(lm_head, pack, native_kernel=native_kernels) if int8 else pack(lm_head)
             )
             error = projection_error(proj) if isinstance(proj, QuantizedWeight) else 0.0
-            if native_kernels and int8 and lm_head is embed and use_file:
-                # Read a few rows at a time from here on: mapped, not heap.
-                embed = lm_head = file_backed(path / EMBED_FILE, embed)
+            mapped = False
+            if int8 and lm_head is embed and use_file:
+                # Read a few rows at a time from here on: mapped, not heap. On
+                # either kernel path, else the 8-bit copy would add to the
+                # table instead of replacing the bfloat16 projection's.
+                table = file_backed(path / EMBED_FILE, embed)
+                mapped = table is not embed
+                embed = lm_head = table
             return cls(
                 embed=embed,
                 layers=layers,
@@ -404,6 +414,7 @@ class LlamaWeights:
                 lm_head=lm_head,
                 projection=proj if proj is not lm_head else None,
                 projection_error=error,
+                embed_mapped=mapped,
                 native_norm=native_kernels and config.hidden_size % 16 == 0,
                 layer_table=native.layer_table(layers) if native_kernels else None,
             )

@@ -244,31 +244,44 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> Tenso
     return q.float().sub_(8).mul_(scale).add_(zero).view(n, k).to(dtype)
 
 
-#: Output rows per block of the 4-bit kernel's packed layout with AVX-512
-#: (64 rows: byte j of a block's column holds row j in its low nibble and row
-#: 32 + j in its high one; a last, narrower block pairs neighbouring rows).
-_Q4_BLOCK = 64
-
-
 def _q4_unpack(packed: Tensor, n: int, k: int) -> Tensor:
     """uint8 [N, K] in [0, 15] from ``_convert_weight_to_int4pack_for_cpu``'s layout.
 
-    The layout is torch's internal one for AVX-512 builds; :func:`_q4_works`
-    checks this function against the kernel before it is ever used, so a
-    build with another layout just never dequantizes (see
-    :func:`trioserve.engine.llama.forward`).
+    That layout is torch's internal one and depends on the instruction set
+    torch dispatches to at run time (``torch.backends.cpu.get_cpu_capability()``):
+    blocks of 64 output rows with AVX-512, 32 with AVX2, neighbouring rows
+    paired without vectorization or in a last, narrower block. Instead of
+    transcribing each, :func:`_q4_nibble_sources` asks the packing function
+    where each weight goes.
     """
-    flat = packed.reshape(-1)
-    full = n // _Q4_BLOCK * _Q4_BLOCK
-    parts = []
-    if full:
-        blocks = flat[: full * k // 2].view(full // _Q4_BLOCK, k, _Q4_BLOCK // 2)
-        q = torch.cat([blocks & 15, blocks >> 4], dim=2)  # [N / 64, K, 64]
-        parts.append(q.transpose(1, 2).reshape(full, k))
-    if n > full:
-        tail = flat[full * k // 2 :].view(k, (n - full) // 2)
-        parts.append(torch.stack([tail & 15, tail >> 4], dim=2).view(k, n - full).t())
-    return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+    nibbles = torch.stack([packed.reshape(-1) & 15, packed.reshape(-1) >> 4], dim=1).view(-1)
+    q = torch.empty(n * k, dtype=torch.uint8)
+    q[_q4_nibble_sources(n, k)] = nibbles
+    return q.view(n, k)
+
+
+@functools.lru_cache(maxsize=16)
+def _q4_nibble_sources(n: int, k: int) -> Tensor:
+    """For each nibble of the packed [n, k] weight (byte by byte, low nibble
+    first), the flat index of the weight it holds.
+
+    Packing is a permutation of nibbles, so the index of every weight can be
+    packed through it one hexadecimal digit at a time. Raises
+    :class:`ModelError` where the packed form is not such a permutation (a
+    torch whose kernel packs differently): dequantizing is then not offered.
+    """
+    index = torch.arange(n * k, dtype=torch.int64)
+    sources = torch.zeros(n * k, dtype=torch.int64)
+    for shift in range(0, max(n * k - 1, 1).bit_length(), 4):
+        digit = ((index >> shift) & 15).to(torch.int32).view(n, k)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(digit, 1).reshape(-1)
+        if packed.dtype != torch.uint8 or packed.numel() * 2 != n * k:
+            raise ModelError(f"this torch packs 4-bit weights as {packed.dtype} x {packed.numel()}")
+        nibbles = torch.stack([packed & 15, packed >> 4], dim=1).view(-1)
+        sources |= nibbles.to(torch.int64) << shift
+    if not torch.equal(torch.sort(sources).values, index):
+        raise ModelError("this torch's 4-bit packing is not a permutation of the weights")
+    return sources
 
 
 def q4_available() -> bool:
@@ -287,9 +300,8 @@ _PROBE_ROWS = (1, 3, 8, 37)
 @functools.cache
 def _q4_works(n: int, k: int, group: int) -> bool:
     """Whether the 4-bit kernel works for [n, k] weights here: it exists, it
-    computes what its documented formula says (within bfloat16 rounding), a
-    row's result does not depend on the other rows, and :func:`dequantize`
-    reads its packed layout right (else dequantizing is not offered)."""
+    computes what its documented formula says (within bfloat16 rounding), and a
+    row's result does not depend on the other rows."""
     if n % 16 or k % group or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return False
     g = torch.Generator().manual_seed(n * 31 + k)
@@ -345,20 +357,6 @@ def _int8_works(n: int, k: int) -> bool:
     ref = x.float() @ (q.float() * scale.float()[:, None]).T
     close = bool(((out.float() - ref).abs() <= 0.01 * ref.abs().amax() + 1e-3).all())
     return close and rows_agree
-
-
-@functools.cache
-def _q4_unpack_works() -> bool:
-    """Whether :func:`_q4_unpack` reads this build's packed layout right."""
-    for n in (_Q4_BLOCK * 2, _Q4_BLOCK + 32):
-        q = torch.randint(0, 16, (n, 64), generator=torch.Generator().manual_seed(n))
-        try:
-            data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-            if not torch.equal(_q4_unpack(data, n, 64), q.to(torch.uint8)):
-                return False
-        except (RuntimeError, NotImplementedError):
-            return False
-    return True
 
 
 # --- bfloat16 packing -----------------------------------------------------------
