@@ -1,5 +1,5 @@
-"""Developer sessions: ``nox -s tests`` (default), ``lint``, ``typecheck``, ``bench``,
-``fuzz``, ``soak``, ``scale-out``, ``clients``, ``gpu``.
+"""Developer sessions: ``nox -s tests`` (default), ``isa``, ``lint``, ``typecheck``,
+``bench``, ``fuzz``, ``soak``, ``scale-out``, ``clients``, ``gpu``.
 
 Each session installs the project into its own virtual environment (reused by
 later runs), torch first: ``torch==2.13.0``, the version the project is tested
@@ -67,6 +67,56 @@ def pytest_args(posargs: list[str]) -> list[str]:
         markers = f"({BASE_MARKERS}) and ({args[index + 1]})"
         del args[index : index + 2]
     return ["-m", markers, "-p", "no:cacheprovider", *args]
+
+
+#: Instruction sets a CPU may give torch, below the machine's own, and what
+#: forces each: torch's kernels (ATEN_CPU_CAPABILITY), oneDNN's (whose
+#: bfloat16 attention fails under AVX2 torch unless it is capped too) and
+#: MKL's. trioserve's native kernels need AVX-512: off in both.
+ISA_ENVIRONMENTS = {
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "DNNL_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "TRIOSERVE_NATIVE": "0",
+    },
+    "default": {
+        "ATEN_CPU_CAPABILITY": "default",
+        "DNNL_MAX_CPU_ISA": "SSE41",
+        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+        "TRIOSERVE_NATIVE": "0",
+    },
+}
+
+#: What ``isa`` runs without vector instructions: the kernels, the quantized
+#: layers, the sampler and the KV cache (the whole suite runs too, but slowly).
+ISA_DEFAULT_TESTS = [
+    "tests/test_llama.py",
+    "tests/test_native.py",
+    "tests/test_projection.py",
+    "tests/test_sampling.py",
+    "tests/test_kvcache.py",
+    "tests/test_mapped.py",
+]
+
+
+@nox.session
+def isa(session: nox.Session) -> None:
+    """The suite as a CPU with fewer instruction sets than this machine's runs
+    it, trioserve's native kernels off: torch's dispatch forced down to AVX2
+    (the whole default suite), then to no vector instructions (the numeric
+    tests, :data:`ISA_DEFAULT_TESTS`). So an AVX-512 machine checks what an
+    AVX2-only one would see. ``nox -s isa -- avx2 [pytest args]`` runs one."""
+    install_project(session, "test")
+    args = list(session.posargs)
+    names = [args.pop(0)] if args and args[0] in ISA_ENVIRONMENTS else list(ISA_ENVIRONMENTS)
+    for name in names:
+        env = ISA_ENVIRONMENTS[name]
+        session.run(
+            "python", "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())", env=env
+        )
+        tests = [] if name == "avx2" else ISA_DEFAULT_TESTS
+        session.run("pytest", *pytest_args([*tests, *args]), env=env)
 
 
 @nox.session

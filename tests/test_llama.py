@@ -9,6 +9,7 @@ cache); both must give the same logits.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import attrs
 import pytest
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trioserve.engine import llama, quant
+from trioserve.engine import llama, native, quant
 from trioserve.errors import ModelError
 
 CONFIG = llama.LlamaConfig(
@@ -355,9 +356,27 @@ Q4_CONFIG = attrs.evolve(
 )
 
 
-def q4_weights(config: llama.LlamaConfig, seed: int) -> llama.LlamaWeights:
+#: The 4-bit kernels a CPU may run: torch's (every x86-64 and ARM64 CPU, its
+#: layout and arithmetic set by the instruction set torch dispatches to) and
+#: trioserve's own (AVX-512 VNNI and BF16). Another instruction set of
+#: torch's is a process-wide choice: ``nox -s isa`` runs the suite under it.
+Q4_KERNELS = [
+    "torch",
+    pytest.param(
+        "native",
+        marks=pytest.mark.skipif(
+            native.kernel() is None, reason=f"native kernels: {native.unavailable_reason()}"
+        ),
+    ),
+]
+
+
+def q4_weights(
+    config: llama.LlamaConfig, seed: int, kernel: Literal["native", "torch"] = "torch"
+) -> llama.LlamaWeights:
     """Random 4-bit layers (as a GGUF's Q4_1 groups: d * q + m) with bfloat16
-    embeddings; raises pytest's skip where the 4-bit kernel is missing."""
+    embeddings, for ``kernel``; raises pytest's skip where the 4-bit kernel is
+    missing."""
     g = torch.Generator().manual_seed(seed)
     d, f = config.hidden_size, config.intermediate_size
     qkv_rows = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
@@ -366,7 +385,7 @@ def q4_weights(config: llama.LlamaConfig, seed: int) -> llama.LlamaWeights:
         q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
         scale = torch.rand(n, k // quant.Q4_GROUP, generator=g) * 0.04 + 0.01
         low = -8 * scale + torch.randn(n, k // quant.Q4_GROUP, generator=g) * 0.01
-        w = quant.q4_weight(q, scale, low, lambda t: t)
+        w = quant.q4_weight(q, scale, low, lambda t: t, kernel)
         if not isinstance(w, quant.QuantizedWeight):
             pytest.skip("this torch build has no working 4-bit CPU kernel")
         return w
@@ -386,8 +405,9 @@ def q4_weights(config: llama.LlamaConfig, seed: int) -> llama.LlamaWeights:
     return llama.LlamaWeights(embed=embed, layers=layers, norm=torch.ones(d), lm_head=embed)
 
 
-def test_q4_layers_compute_their_dequantized_weights() -> None:
-    weights = q4_weights(Q4_CONFIG, seed=5)
+@pytest.mark.parametrize("kernel", Q4_KERNELS)
+def test_q4_layers_compute_their_dequantized_weights(kernel: Literal["native", "torch"]) -> None:
+    weights = q4_weights(Q4_CONFIG, seed=5, kernel=kernel)
     w = weights.layers[0].w_gate_up
     assert isinstance(w, quant.QuantizedWeight)
     x = torch.randn(5, Q4_CONFIG.hidden_size).bfloat16()
@@ -399,8 +419,11 @@ def test_q4_layers_compute_their_dequantized_weights() -> None:
     assert torch.equal(quant.dequantize(w), quant.dequantize(w, torch.float32).bfloat16())
 
 
-def test_q4_model_matches_the_reference_on_its_dequantized_weights() -> None:
-    weights = q4_weights(Q4_CONFIG, seed=6)
+@pytest.mark.parametrize("kernel", Q4_KERNELS)
+def test_q4_model_matches_the_reference_on_its_dequantized_weights(
+    kernel: Literal["native", "torch"],
+) -> None:
+    weights = q4_weights(Q4_CONFIG, seed=6, kernel=kernel)
     ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
     cache = llama.KVCache(
         Q4_CONFIG.n_layers, Q4_CONFIG.n_kv_heads, Q4_CONFIG.head_dim, torch.bfloat16, CPU
@@ -424,12 +447,13 @@ def test_q4_model_matches_the_reference_on_its_dequantized_weights() -> None:
     assert int(got.argmax()) == int(want.argmax())
 
 
-def test_q4_rows_do_not_depend_on_the_chunk_they_run_in() -> None:
+@pytest.mark.parametrize("kernel", Q4_KERNELS)
+def test_q4_rows_do_not_depend_on_the_chunk_they_run_in(kernel: Literal["native", "torch"]) -> None:
     """The property prefix reuse rests on: a position's keys and values, and
     the last hidden state, come out bit for bit the same whether the prompt
     runs in one chunk, resumes after a cached prefix at any split, or feeds
     its last positions one decode step at a time."""
-    weights = q4_weights(Q4_CONFIG, seed=7)
+    weights = q4_weights(Q4_CONFIG, seed=7, kernel=kernel)
     rope = llama.rope_tables(Q4_CONFIG, 128, CPU)
     ids = torch.randint(
         0, Q4_CONFIG.vocab_size, (1, 70), generator=torch.Generator().manual_seed(1)

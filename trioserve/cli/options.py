@@ -35,7 +35,7 @@ __all__ = [
 ENV_PREFIX: Final = "TRIOSERVE_"
 #: Environment variables of trioserve that are not options (they are read
 #: elsewhere), so that they are not reported as unknown.
-OTHER_ENV: Final = frozenset({"TRIOSERVE_CACHE", "TRIOSERVE_TORCH"})
+OTHER_ENV: Final = frozenset({"TRIOSERVE_CACHE", "TRIOSERVE_NATIVE", "TRIOSERVE_TORCH"})
 
 _TRUE: Final = ("1", "true", "yes", "on")
 _FALSE: Final = ("0", "false", "no", "off")
@@ -403,7 +403,9 @@ OPTIONS: Final[tuple[Option, ...]] = (
     Option(
         "threads",
         MODEL,
-        "cpu engine: torch threads (one per physical core is best)",
+        "cpu engine: torch threads (one per physical core is best; where other processes "
+        "keep cores busy, fewer: every step waits for its slowest thread, and the log says "
+        "so at startup)",
         E,
         _positive_int,
         "N",

@@ -40,7 +40,8 @@ def build_parser(prog: str = "python -m trioserve") -> argparse.ArgumentParser:
             "option's name in capitals, dashes as underscores (--max-batch: "
             "TRIOSERVE_MAX_BATCH; on/off options take 1/0, true/false, yes/no or on/off). "
             "The command line wins over the environment. TRIOSERVE_CACHE sets where models "
-            "are kept. See docs/deployment.md."
+            "are kept; '%(prog)s cache list' shows what it holds and '%(prog)s cache clean' "
+            "empties it. See docs/deployment.md."
         ),
         argument_default=argparse.SUPPRESS,
     )

@@ -37,7 +37,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from trioserve.engine import llama
+from trioserve.engine import contention, llama
 from trioserve.engine.base import (
     EngineInfo,
     Failed,
@@ -248,25 +248,17 @@ class CpuEngine:
                 f"context_length must be in [2, {limit}] for this model, got {context_length!r}"
             )
         context = limit if context_length is None else context_length
-        tokenizer = Tokenizer.from_dir(model_dir)
+        with contention.measure() as loading:
+            tokenizer, model = _load_model(
+                model_dir,
+                config,
+                torch_dtype=DTYPES[dtype],
+                device=torch_device,
+                weights=weights,
+                projection=projection,
+                cpu_kernels=cpu_kernels,
+            )
         torch_dtype = DTYPES[dtype]
-        if projection not in llama.PROJECTIONS:
-            raise ConfigError(
-                f"projection must be one of {list(llama.PROJECTIONS)!r}, got {projection!r}"
-            )
-        if cpu_kernels not in CPU_KERNELS:
-            raise ConfigError(
-                f"cpu_kernels must be one of {list(CPU_KERNELS)!r}, got {cpu_kernels!r}"
-            )
-        model = llama.LlamaWeights.load(
-            model_dir,
-            config,
-            dtype=torch_dtype,
-            device=torch_device,
-            weights=weights,
-            projection=projection,
-            cpu_kernels=cpu_kernels,
-        )
         cache = _kv_cache(config, torch_dtype, torch_device, kv_cache_dtype)
         info = EngineInfo(
             engine="cpu",
@@ -283,6 +275,10 @@ class CpuEngine:
             logprobs=True,
         )
         _log_loaded(name, dtype, torch_device, model, cache, context, max_batch)
+        for measured in loading if torch_device.type == "cpu" else []:
+            hint = contention.advice(measured, torch.get_num_threads())
+            if hint is not None:
+                log.warning("%s", hint)
         _give_back_freed_memory()
         texts = TokenTexts(tokenizer)
         return cls(
@@ -596,6 +592,36 @@ def _give_back_freed_memory() -> None:
         libc.malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def _load_model(
+    model_dir: Path,
+    config: llama.LlamaConfig,
+    *,
+    torch_dtype: torch.dtype,
+    device: torch.device,
+    weights: str,
+    projection: str,
+    cpu_kernels: str,
+) -> tuple[Tokenizer, llama.LlamaWeights]:
+    """:meth:`CpuEngine.load`'s reading of the tokenizer and the weights."""
+    if projection not in llama.PROJECTIONS:
+        raise ConfigError(
+            f"projection must be one of {list(llama.PROJECTIONS)!r}, got {projection!r}"
+        )
+    if cpu_kernels not in CPU_KERNELS:
+        raise ConfigError(f"cpu_kernels must be one of {list(CPU_KERNELS)!r}, got {cpu_kernels!r}")
+    tokenizer = Tokenizer.from_dir(model_dir)
+    model = llama.LlamaWeights.load(
+        model_dir,
+        config,
+        dtype=torch_dtype,
+        device=device,
+        weights=weights,
+        projection=projection,
+        cpu_kernels=cpu_kernels,
+    )
+    return tokenizer, model
 
 
 def _checked_device(
