@@ -18,7 +18,7 @@ import attrs
 import pytest
 import torch
 
-from tests.direct import CPU, greedy_ids, token_nlls
+from tests.direct import CPU, greedy_ids, perplexity_ratio, token_nlls
 from trioserve.engine import llama, native
 from trioserve.engine.base import (
     Engine,
@@ -562,7 +562,7 @@ def _float32_logits(weights: llama.LlamaWeights, hidden: torch.Tensor) -> torch.
     return hidden.float() @ weights.lm_head.float().T
 
 
-#: About 960 tokens of English prose written for this guard.
+#: About 960 tokens of English prose written for the perplexity guards.
 PERPLEXITY_FILE = Path(__file__).parent / "data" / "perplexity.txt"
 
 
@@ -572,24 +572,14 @@ def test_4bit_perplexity_is_within_one_percent_of_bfloat16(
     """The quality guard of issue 13. The bfloat16 path runs the GGUF's 4-bit
     weights dequantized (through float16, rounded to bfloat16); the 4-bit path
     runs the groups themselves (bfloat16 scales on torch's kernel, float16 on
-    trioserve's). Measured: see docs/performance.md.
-
-    Both paths round activations to bfloat16, and how each sum is ordered
-    depends on the instruction set (AVX-512, AVX2, none): that moves single
-    tokens' NLL by about 0.03 nats either way, on every path. Over n tokens the
-    mean moves by sd / sqrt(n): with 88 tokens that was 0.3 % of perplexity a
-    standard error, and one AVX2 machine saw 1.02 %. The text is long enough
-    that a 1 % bound is more than four standard errors of the per-token
-    differences (asserted, so that a shorter text cannot make the bound noise)."""
+    trioserve's). Over about 960 tokens, so that 1 % means something on every
+    instruction set (:func:`tests.direct.perplexity_ratio`). Measured: see
+    docs/performance.md."""
     ids = [cpu_engine.info.bos_token_id or 1]
     ids += cpu_engine.encode(PERPLEXITY_FILE.read_text(encoding="utf-8"))
     q4, bf16 = _q4_and_bfloat16_nlls(model_dir, ids)
     assert 1.0 < math.exp(float(bf16.mean())) < 100.0  # a real model on English prose
-    diff = q4 - bf16
-    bound = math.log(1.01)
-    standard_error = float(diff.std()) / math.sqrt(len(diff))
-    assert 4 * standard_error < bound, (standard_error, len(diff))
-    ratio = math.exp(float(diff.mean()))  # the perplexities' ratio, q4 / bfloat16
+    ratio = perplexity_ratio(q4, bf16, 0.01)
     assert abs(ratio - 1) <= 0.01, ratio
 
 
@@ -787,16 +777,18 @@ def test_mirostat_keeps_the_surprise_near_tau(
     assert sum(free) / len(free) > 2.8
     for tau in (2.0, 3.0):
         miro = attrs.evolve(WARM, mirostat=True, mirostat_tau=tau, mirostat_eta=0.3)
-        # ...mirostat brings it there, on average over runs: about 0.1 bit
-        # below tau at 2 and 0.19 below at 3 over 96 tokens, while mu settles.
-        # One run's mean varies by about 0.12 bit (standard deviation over 32
-        # seeds, either vocabulary projection), so a single seed is a coin
-        # toss at the edge; three are not.
+        # ...mirostat brings it there: over 96 tokens, while mu settles, a
+        # run's mean is about 0.1 bit below tau at 2 and 0.14-0.22 below at 3
+        # (12 seeds, AVX-512 native kernels and torch's on AVX2), with a
+        # standard deviation of 0.05-0.06 bit. Mirostat can only cut choices,
+        # not add surprise, so a run that wanders into text the model finds
+        # predictable stays below tau whatever it does: one of the 12 did on
+        # AVX2 (2.21 at tau 3). The median of three runs is robust to one.
         means = [
             statistics.mean(sampled_surprises(model, prompt, 96, miro, seed=seed))
             for seed in (1, 2, 3)
         ]
-        assert abs(statistics.mean(means) - tau) < 0.3, (tau, means)
+        assert abs(statistics.median(means) - tau) < 0.3, (tau, means)
 
 
 @pytest.mark.slow

@@ -234,7 +234,13 @@ def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        # TRIOSERVE_NATIVE only where a test sets it (``nox -s isa`` sets it
+        # for the whole run; these tests look at the other reasons).
+        env={
+            **{k: v for k, v in os.environ.items() if k != "TRIOSERVE_NATIVE"},
+            "PYTHONPATH": str(ROOT),
+            **env,
+        },
         capture_output=True,
         text=True,
         timeout=300,

@@ -64,8 +64,22 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 @attrs.frozen
+class _Piece:
+    """Positions of a span's rows that one attention call serves."""
+
+    #: Columns of the pass's [B, C] positions (all of them in a decode step).
+    cols: slice
+    #: The keys attended over: the pieces' positions' common bucket end.
+    length: int
+    #: [n, 1, G * C', length] in the model dtype: 0 where a query sees a key,
+    #: -inf elsewhere (built once per forward, not by each layer's attention).
+    mask: Tensor
+
+
+@attrs.frozen
 class _Span:
-    """Consecutive rows of a forward pass that attend over the same length."""
+    """Consecutive rows of a forward pass whose keys and values are read
+    together: up to ``length``, in one or more pieces of their positions."""
 
     rows: slice
     #: The rows' first cache slot when their slots are consecutive (a view of
@@ -73,17 +87,28 @@ class _Span:
     first_slot: int | None
     slots: Tensor  # [n]
     length: int
-    #: [n, 1, G * C, length] in the model dtype: 0 where a query sees a key,
-    #: -inf elsewhere (built once per forward, not by each layer's attention).
-    mask: Tensor
+    pieces: list[_Piece]
     #: Per layer, the keys and values [n, K, length, E] the rows attend to, as
     #: views of the cache (which see this pass's writes); None when the slots
     #: are not consecutive and each layer gathers them after its write.
     views: list[tuple[Tensor, Tensor]] | None
 
 
-#: Decode rows attend over their length rounded up to this (see :func:`_spans`).
+#: Every position attends over its own position rounded up to this, whatever
+#: else runs beside it (see :func:`_spans`).
 ATTENTION_BUCKET = 64
+#: Query rows (a position's G heads each) per attention call of a prefill
+#: chunk, at most: under 192, where torch's CPU kernel begins to block query
+#: rows by 64 instead of 32 (and at 768 by 256), so that every call blocks
+#: them as a decode step's are (see :func:`_spans`). 32 positions of a model
+#: with 3 query heads per KV head (SmolLM2): a 512-token chunk takes 16 calls
+#: a layer, which costs its prefill about 3 % on torch's path.
+ATTENTION_QUERY_ROWS = 96
+
+
+def _bucket_end(position: int, cache: KVCache) -> int:
+    step = ATTENTION_BUCKET
+    return min(-(-(position + 1) // step) * step, cache.length)
 
 
 def _spans(
@@ -93,64 +118,110 @@ def _spans(
     cache: KVCache,
     dtype: torch.dtype,
 ) -> list[_Span]:
-    """Split the rows into runs that attend over one length each.
+    """Split the rows into spans, and a span's positions into the pieces one
+    attention call each serves.
 
-    Each row attends over its own length rounded up to
-    :data:`ATTENTION_BUCKET` (masked beyond its position), never over the
-    batch's longest or a chunk's exact end: the attention kernel's sums then
-    see every key at the same place of its vectors whether a row runs alone or
-    beside others, in a decode step or inside a prefill chunk of any size (an
-    unaligned tail goes through other code and may round differently). So a
-    job's greedy text does not depend on its companions, nor on whether its
-    prefix came from the prefix cache (given matmul kernels whose rows do not
-    depend on the other rows: checked at load, see
-    :func:`~trioserve.engine.quant.packer` and :mod:`trioserve.engine.quant`).
+    A position attends over its own position rounded up to
+    :data:`ATTENTION_BUCKET` (masked beyond it), never over the batch's
+    longest or its chunk's end, and a prefill chunk's positions go to torch's
+    kernel a few at a time (:data:`ATTENTION_QUERY_ROWS` query rows), in
+    pieces that never straddle a bucket: so each query row meets the same
+    keys at the same places, in a call that blocks query rows as every other
+    does, whether it runs alone or beside others, in a decode step or in a
+    prefill chunk of any size, cold or resumed after a cached prefix. How
+    torch's kernel sums may depend on the length attended over and on how it
+    blocks query rows (with MKL's AVX2 code both did, where a chunk's rows
+    all attended over its end: a prompt resumed after a cached prefix changed
+    its greedy text). So a job's greedy text does
+    not depend on its companions, nor on whether its prefix came from the
+    prefix cache (given matmul kernels whose rows do not depend on the other
+    rows: checked at load, see :func:`~trioserve.engine.quant.packer` and
+    :mod:`trioserve.engine.quant`).
     """
     b, c = positions.shape
-    step = ATTENTION_BUCKET
-    ends = [min(-(-(n + 1) // step) * step, cache.length) for n in positions.amax(dim=1).tolist()]
+    if c > 1:
+        # A prefill chunk (rows of their own slots): each row alone, its
+        # positions in pieces.
+        return [
+            _span(slice(r, r + 1), [slots[r]], positions[r : r + 1], g, cache, dtype, shared=False)
+            for r in range(b)
+        ]
+    ends = [_bucket_end(n, cache) for n in positions[:, 0].tolist()]
     # Rows that share a slot (a job's draft positions, see
     # trioserve.engine.speculative) are kept together in spans of their own,
     # each attending to a view of that one slot.
     counts = Counter(slots)
     keys = [(end, slot if counts[slot] > 1 else -1) for end, slot in zip(ends, slots, strict=True)]
-    device = positions.device
     spans: list[_Span] = []
     r0 = 0
     for r1 in range(1, b + 1):
         if r1 < b and keys[r1] == keys[r0]:
             continue
-        length = ends[r0]
-        run = slots[r0:r1]
         shared = keys[r0][1] >= 0
-        consecutive = shared or run == list(range(run[0], run[0] + len(run)))
-        visible = torch.arange(length, device=device) <= positions[r0:r1, :, None]  # [n, C, T]
-        bias = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(
-            ~visible, float("-inf")
-        )
-        n = r1 - r0
-        views = None
-        if shared and not cache.quantized:
-            views = [
-                (k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1))
-                for k, v in cache.window(run[0], 1, length)
-            ]
-        elif consecutive and not shared and not cache.quantized:
-            # Made once per pass instead of by every layer.
-            views = cache.window(run[0], n, length)
         spans.append(
-            _Span(
-                rows=slice(r0, r1),
-                # An 8-bit cache gathers a shared slot's rows by ``slots``.
-                first_slot=run[0] if consecutive and not shared else None,
-                slots=torch.tensor(run, device=device),
-                length=length,
-                mask=bias[:, None].expand(n, g, c, length).reshape(n, 1, g * c, length),
-                views=views,
-            )
+            _span(slice(r0, r1), slots[r0:r1], positions[r0:r1], g, cache, dtype, shared=shared)
         )
         r0 = r1
     return spans
+
+
+def _span(
+    rows: slice,
+    run: list[int],
+    positions: Tensor,
+    g: int,
+    cache: KVCache,
+    dtype: torch.dtype,
+    *,
+    shared: bool,
+) -> _Span:
+    """The span of ``rows`` (slots ``run``, ``positions`` [n, C]): decode rows
+    of one bucket (C = 1), or one row's prefill chunk cut into pieces."""
+    device = positions.device
+    n, c = positions.shape
+    if c == 1:
+        cuts = [(0, 1, _bucket_end(int(positions.amax()), cache))]
+    else:
+        # Consecutive positions of one bucket and one block of query rows.
+        listed = positions[0].tolist()
+        per_call = max(1, ATTENTION_QUERY_ROWS // g)
+        cuts = []
+        c0 = 0
+        for c1 in range(1, c + 1):
+            if c1 == c or (
+                _bucket_end(listed[c1], cache) != _bucket_end(listed[c0], cache)
+                or listed[c1] // per_call != listed[c0] // per_call
+            ):
+                cuts.append((c0, c1, max(_bucket_end(p, cache) for p in listed[c0:c1])))
+                c0 = c1
+    pieces = []
+    for c0, c1, end in cuts:
+        visible = torch.arange(end, device=device) <= positions[:, c0:c1, None]  # [n, C', T]
+        bias = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(
+            ~visible, float("-inf")
+        )
+        mask = bias[:, None].expand(n, g, c1 - c0, end).reshape(n, 1, g * (c1 - c0), end)
+        pieces.append(_Piece(slice(c0, c1), end, mask))
+    length = max(piece.length for piece in pieces)
+    consecutive = shared or run == list(range(run[0], run[0] + len(run)))
+    views = None
+    if shared and not cache.quantized:
+        views = [
+            (k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1))
+            for k, v in cache.window(run[0], 1, length)
+        ]
+    elif consecutive and not shared and not cache.quantized:
+        # Made once per pass instead of by every layer.
+        views = cache.window(run[0], n, length)
+    return _Span(
+        rows=rows,
+        # An 8-bit cache gathers a shared slot's rows by ``slots``.
+        first_slot=run[0] if consecutive and not shared else None,
+        slots=torch.tensor(run, device=device),
+        length=length,
+        pieces=pieces,
+        views=views,
+    )
 
 
 def _span_rows(cache: KVCache, layer: int, span: _Span) -> tuple[Tensor, Tensor]:
@@ -213,24 +284,36 @@ def attention(
     qkv = apply_rope(qkv, step.cos, step.sin)  # [B, C, H + 2K, E]
     # Write this step's keys and values at (slot, position) of every row.
     cache.write_rows(layer_index, step.write_index, qkv[:, :, h:].reshape(-1, e))
-    # [B, C, H, E] -> [B, K, G * C, E]: the G query heads of a KV head become rows.
     if c == 1:
+        # [B, 1, H, E] -> [B, K, G, E]: the G query heads of a KV head become rows.
         q = qkv[:, 0, :h].view(b, k, g, e)
-    else:
-        q = qkv[:, :, :h].permute(0, 2, 1, 3).reshape(b, k, g * c, e)
-    outs = [
-        F.scaled_dot_product_attention(
-            q if len(step.spans) == 1 else q[span.rows],
-            *_span_rows(cache, layer_index, span),  # [n, K, T, E] each
-            attn_mask=span.mask,
-        )
-        for span in step.spans
-    ]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [B, K, G * C, E]
-    if c == 1:
-        out = out.view(b, h * e)
-    else:
-        out = out.view(b, k, g, c, e).permute(0, 3, 1, 2, 4).reshape(b * c, h * e)
+        outs = []
+        for span in step.spans:
+            keys, values = _span_rows(cache, layer_index, span)
+            (piece,) = span.pieces
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q if len(step.spans) == 1 else q[span.rows], keys, values, attn_mask=piece.mask
+                )
+            )
+        out = (outs[0] if len(outs) == 1 else torch.cat(outs)).view(b, h * e)
+        return linear(out, layer.wo)
+    # A prefill chunk: each piece's positions, [n, C', H, E] -> [n, K, G * C', E].
+    out = qkv.new_empty(b, c, h, e)
+    for span in step.spans:
+        keys, values = _span_rows(cache, layer_index, span)
+        n = span.rows.stop - span.rows.start
+        for piece in span.pieces:
+            cc = piece.cols.stop - piece.cols.start
+            q = qkv[span.rows, piece.cols, :h].transpose(1, 2).reshape(n, k, g * cc, e)
+            attended = F.scaled_dot_product_attention(
+                q,
+                keys[:, :, : piece.length],
+                values[:, :, : piece.length],
+                attn_mask=piece.mask,
+            )
+            out[span.rows, piece.cols] = attended.view(n, h, cc, e).transpose(1, 2)
+    out = out.view(b * c, h * e)
     return linear(out, layer.wo)
 
 
