@@ -193,7 +193,7 @@ class Metrics:
         )
         self._weight_bytes = Gauge(
             "engine_weight_bytes",
-            "Bytes the model's weights hold (CPU engine).",
+            "Bytes the model's weights hold in memory (CPU engine; a mapped table not counted).",
             namespace=ns,
             registry=r,
         )
