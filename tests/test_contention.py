@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -93,8 +94,14 @@ def busy_cores() -> Iterator[int]:
             process.wait()
 
 
+def _spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
 @pytest.mark.skipif(not LINUX, reason="reads /proc/stat")
-def test_measure_sees_other_processes_and_not_this_one() -> None:
+def test_measure_sees_other_processes() -> None:
     with busy_cores() as cores, measure() as found:
         time.sleep(1.0)
     (seen,) = found
@@ -102,13 +109,40 @@ def test_measure_sees_other_processes_and_not_this_one() -> None:
     # The spinners share the cores with whatever else runs, this process
     # sleeping: most of every core is theirs.
     assert seen.others >= 0.6 * cores, seen
-    # This process spinning alone: its own time is not counted as others'.
-    with measure() as found:
-        end = time.monotonic() + 1.0
-        while time.monotonic() < end:
-            pass
-    (own,) = found
-    assert own.others <= seen.others - 0.5, (own, seen)
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc/stat")
+def test_measure_takes_this_process_and_its_children_off() -> None:
+    """Windows of this process sleeping and spinning, alternated: spinning
+    adds about its own CPU to every process's busy time, and nothing to
+    what ``measure`` gives to others (whatever else the machine runs moves
+    both kinds of window alike)."""
+    asleep, spinning, own_cores = [], [], []
+    for _ in range(3):
+        with measure() as found:
+            time.sleep(0.5)
+        asleep.append(found[0].others)
+        before = os.times()
+        start = time.monotonic()
+        with measure() as found:
+            _spin(0.5)  # this process
+            subprocess.run(  # and a child it waits for
+                [
+                    sys.executable,
+                    "-c",
+                    "import time\nend = time.monotonic() + 0.5\nwhile time.monotonic() < end: pass",
+                ],
+                check=True,
+            )
+        after = os.times()
+        spinning.append(found[0].others)
+        used = (after.user + after.system + after.children_user + after.children_system) - (
+            before.user + before.system + before.children_user + before.children_system
+        )
+        own_cores.append(used / (time.monotonic() - start))
+    added = statistics.median(spinning) - statistics.median(asleep)
+    # Not taken off, the spinning would add about its own share to others'.
+    assert added < 0.5 * statistics.median(own_cores), (asleep, spinning, own_cores)
 
 
 @pytest.mark.slow

@@ -453,6 +453,62 @@ def story_chat(n: int, question: str) -> str:
     return chat(STORY.format(n=n) + " " + question)
 
 
+#: How a 200-token prompt may reach the KV cache: in one chunk; resumed after
+#: a cached prefix (of whole 64-token blocks or not); in chunks that end
+#: inside a bucket; its last positions fed by decode steps.
+SCHEDULES = [
+    [(0, 200)],
+    [(0, 10), (10, 200)],
+    [(0, 37), (37, 200)],
+    [(0, 64), (64, 128), (128, 200)],
+    [(0, 100), (100, 200)],
+    [(0, 5), (5, 77), (77, 130), (130, 200)],
+    [(0, 128), (128, 150), (150, 200)],
+    [(0, 150), (150, 190), *((p, p + 1) for p in range(190, 200))],
+    [(0, 160), *((p, p + 1) for p in range(160, 200))],
+]
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["bfloat16", "int8"])
+def test_a_positions_keys_do_not_depend_on_how_its_prompt_was_cut(
+    cpu_engine: CpuEngine, quantized: bool
+) -> None:
+    """What the prefix cache and batch invariance rest on, on the real model
+    (head size 64: toy models' 16 hid a difference on AVX2): every position's
+    keys and values, and the last hidden state, come out bit for bit the same
+    however the prompt was cut into chunks and decode steps."""
+    weights, config = cpu_engine._weights, cpu_engine._config
+    assert weights is not None
+    ids = torch.randint(0, config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(3))
+    rope = llama.rope_tables(config, 256, CPU)
+    results = []
+    for schedule in SCHEDULES:
+        cache = llama.KVCache(
+            config.n_layers,
+            config.n_kv_heads,
+            config.head_dim,
+            torch.bfloat16,
+            CPU,
+            quantized=quantized,
+        )
+        cache.fit(1, 256)
+        with torch.inference_mode():
+            for start, end in schedule:
+                hidden = llama.forward(
+                    weights,
+                    config,
+                    cache,
+                    rope,
+                    ids[:, start:end],
+                    torch.arange(start, end)[None],
+                    torch.tensor([0]),
+                )
+        results.append((cache.kv[:, 0, :, :200].clone(), hidden))
+    for schedule, (kv, hidden) in zip(SCHEDULES[1:], results[1:], strict=True):
+        assert torch.equal(kv, results[0][0]), schedule[:3]
+        assert torch.equal(hidden, results[0][1]), schedule[:3]
+
+
 def test_a_reused_prefix_gives_the_same_greedy_text(cpu_engine: CpuEngine) -> None:
     spec = make_spec(cpu_engine, story_chat(101, "Who came on the boat?"), 12)
     before = cpu_engine.statistics().prefix_cache

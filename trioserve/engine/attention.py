@@ -65,14 +65,15 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 @attrs.frozen
 class _Piece:
-    """Positions of a span's rows that one attention call serves."""
+    """Positions of a span's rows that one attention call serves, each as a
+    batch entry of its G query rows (as a decode step's rows are)."""
 
     #: Columns of the pass's [B, C] positions (all of them in a decode step).
     cols: slice
-    #: The keys attended over: the pieces' positions' common bucket end.
+    #: The keys attended over: the positions' common bucket end.
     length: int
-    #: [n, 1, G * C', length] in the model dtype: 0 where a query sees a key,
-    #: -inf elsewhere (built once per forward, not by each layer's attention).
+    #: [entries, 1, G, length] in the model dtype: 0 where a query sees a
+    #: key, -inf elsewhere (built once per forward, not by each layer).
     mask: Tensor
 
 
@@ -97,13 +98,6 @@ class _Span:
 #: Every position attends over its own position rounded up to this, whatever
 #: else runs beside it (see :func:`_spans`).
 ATTENTION_BUCKET = 64
-#: Query rows (a position's G heads each) per attention call of a prefill
-#: chunk, at most: under 192, where torch's CPU kernel begins to block query
-#: rows by 64 instead of 32 (and at 768 by 256), so that every call blocks
-#: them as a decode step's are (see :func:`_spans`). 32 positions of a model
-#: with 3 query heads per KV head (SmolLM2): a 512-token chunk takes 16 calls
-#: a layer, which costs its prefill about 3 % on torch's path.
-ATTENTION_QUERY_ROWS = 96
 
 
 def _bucket_end(position: int, cache: KVCache) -> int:
@@ -121,23 +115,23 @@ def _spans(
     """Split the rows into spans, and a span's positions into the pieces one
     attention call each serves.
 
-    A position attends over its own position rounded up to
+    Every position attends over its own position rounded up to
     :data:`ATTENTION_BUCKET` (masked beyond it), never over the batch's
-    longest or its chunk's end, and a prefill chunk's positions go to torch's
-    kernel a few at a time (:data:`ATTENTION_QUERY_ROWS` query rows), in
-    pieces that never straddle a bucket: so each query row meets the same
-    keys at the same places, in a call that blocks query rows as every other
-    does, whether it runs alone or beside others, in a decode step or in a
-    prefill chunk of any size, cold or resumed after a cached prefix. How
-    torch's kernel sums may depend on the length attended over and on how it
-    blocks query rows (with MKL's AVX2 code both did, where a chunk's rows
-    all attended over its end: a prompt resumed after a cached prefix changed
-    its greedy text). So a job's greedy text does
-    not depend on its companions, nor on whether its prefix came from the
-    prefix cache (given matmul kernels whose rows do not depend on the other
-    rows: checked at load, see :func:`~trioserve.engine.quant.packer` and
-    :mod:`trioserve.engine.quant`).
-    """
+    longest or its chunk's end, and goes to torch's kernel as a decode
+    step's row does: a batch entry of its G query rows, beside entries of
+    the same bucket (a prefill chunk's positions attend to one slot's keys,
+    a view repeated per entry). So each query row is computed by the same
+    code over the same keys at the same places, whether it runs alone or
+    beside others, in a decode step or in a prefill chunk of any size, cold
+    or resumed after a cached prefix. How torch's kernel sums depends on the
+    length attended over and on how many query rows it blocks together:
+    with MKL's AVX2 code, rows blocked by 256, by 32 or alone gave different
+    bits, and a prompt resumed after a cached prefix changed its greedy text
+    (where a chunk's positions were blocked together). So a job's greedy text
+    does not depend on its companions, nor on whether its prefix came from
+    the prefix cache (given matmul kernels whose rows do not depend on the
+    other rows: checked at load, see :func:`~trioserve.engine.quant.packer`
+    and :mod:`trioserve.engine.quant`)."""
     b, c = positions.shape
     if c > 1:
         # A prefill chunk (rows of their own slots): each row alone, its
@@ -165,6 +159,16 @@ def _spans(
     return spans
 
 
+def _mask(positions: Tensor, length: int, g: int, dtype: torch.dtype) -> Tensor:
+    """[P, 1, G, length]: for each of ``positions`` [P], 0 where its G query
+    rows see a key (at or before the position), -inf elsewhere."""
+    visible = torch.arange(length, device=positions.device) <= positions[:, None, None]
+    bias = torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(
+        ~visible, float("-inf")
+    )  # [P, 1, T]
+    return bias[:, None].expand(-1, g, 1, length).reshape(-1, 1, g, length)
+
+
 def _span(
     rows: slice,
     run: list[int],
@@ -180,28 +184,20 @@ def _span(
     device = positions.device
     n, c = positions.shape
     if c == 1:
-        cuts = [(0, 1, _bucket_end(int(positions.amax()), cache))]
+        # Decode rows of one bucket: an entry each.
+        end = _bucket_end(int(positions.amax()), cache)
+        pieces = [_Piece(slice(0, 1), end, _mask(positions[:, 0], end, g, dtype))]
     else:
-        # Consecutive positions of one bucket and one block of query rows.
+        # One row's prefill chunk: its positions of each bucket, an entry each.
         listed = positions[0].tolist()
-        per_call = max(1, ATTENTION_QUERY_ROWS // g)
-        cuts = []
+        pieces = []
         c0 = 0
         for c1 in range(1, c + 1):
-            if c1 == c or (
-                _bucket_end(listed[c1], cache) != _bucket_end(listed[c0], cache)
-                or listed[c1] // per_call != listed[c0] // per_call
-            ):
-                cuts.append((c0, c1, max(_bucket_end(p, cache) for p in listed[c0:c1])))
+            end = _bucket_end(listed[c0], cache)
+            if c1 == c or _bucket_end(listed[c1], cache) != end:
+                end = max(_bucket_end(p, cache) for p in listed[c0:c1])
+                pieces.append(_Piece(slice(c0, c1), end, _mask(positions[0, c0:c1], end, g, dtype)))
                 c0 = c1
-    pieces = []
-    for c0, c1, end in cuts:
-        visible = torch.arange(end, device=device) <= positions[:, c0:c1, None]  # [n, C', T]
-        bias = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(
-            ~visible, float("-inf")
-        )
-        mask = bias[:, None].expand(n, g, c1 - c0, end).reshape(n, 1, g * (c1 - c0), end)
-        pieces.append(_Piece(slice(c0, c1), end, mask))
     length = max(piece.length for piece in pieces)
     consecutive = shared or run == list(range(run[0], run[0] + len(run)))
     views = None
@@ -298,21 +294,21 @@ def attention(
             )
         out = (outs[0] if len(outs) == 1 else torch.cat(outs)).view(b, h * e)
         return linear(out, layer.wo)
-    # A prefill chunk: each piece's positions, [n, C', H, E] -> [n, K, G * C', E].
+    # A prefill chunk (one row): each piece's positions as entries of their G
+    # query rows, [C', H, E] -> [C', K, G, E], over the row's keys repeated.
     out = qkv.new_empty(b, c, h, e)
     for span in step.spans:
-        keys, values = _span_rows(cache, layer_index, span)
-        n = span.rows.stop - span.rows.start
+        keys, values = _span_rows(cache, layer_index, span)  # [1, K, length, E]
+        r = span.rows.start
         for piece in span.pieces:
-            cc = piece.cols.stop - piece.cols.start
-            q = qkv[span.rows, piece.cols, :h].transpose(1, 2).reshape(n, k, g * cc, e)
+            entries = piece.cols.stop - piece.cols.start
             attended = F.scaled_dot_product_attention(
-                q,
-                keys[:, :, : piece.length],
-                values[:, :, : piece.length],
+                qkv[r, piece.cols, :h].view(entries, k, g, e),
+                keys[:, :, : piece.length].expand(entries, -1, -1, -1),
+                values[:, :, : piece.length].expand(entries, -1, -1, -1),
                 attn_mask=piece.mask,
             )
-            out[span.rows, piece.cols] = attended.view(n, h, cc, e).transpose(1, 2)
+            out[r, piece.cols] = attended.view(entries, h, e)
     out = out.view(b * c, h * e)
     return linear(out, layer.wo)
 

@@ -40,7 +40,8 @@ _BUSY_COLUMNS = (0, 1, 2, 5, 6, 7)
 @attrs.frozen
 class CpuTimes:
     """One reading: the monotonic clock, the busy seconds of the CPUs this
-    process may run on (every process's), and this process's CPU seconds."""
+    process may run on (every process's), and this process's CPU seconds
+    (its children's it waited for included)."""
 
     wall: float
     busy: float
@@ -78,7 +79,10 @@ def sample() -> CpuTimes | None:
     except (OSError, AttributeError, ValueError):
         return None
     own = os.times()
-    return CpuTimes(time.monotonic(), busy_seconds(stat, cpus, ticks), own.user + own.system)
+    # A child this process waited for (the C compiler building the native
+    # kernels) counts as its own.
+    seconds = own.user + own.system + own.children_user + own.children_system
+    return CpuTimes(time.monotonic(), busy_seconds(stat, cpus, ticks), seconds)
 
 
 def contention(before: CpuTimes, after: CpuTimes, cores: int) -> Contention | None:

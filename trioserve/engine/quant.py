@@ -268,7 +268,8 @@ def _q4_nibble_sources(n: int, k: int) -> Tensor:
     Packing is a permutation of nibbles, so the index of every weight can be
     packed through it one hexadecimal digit at a time. Raises
     :class:`ModelError` where the packed form is not such a permutation (a
-    torch whose kernel packs differently): dequantizing is then not offered.
+    torch whose kernel packs differently), so :func:`dequantize` fails
+    loudly instead of reading weights from the wrong places.
     """
     index = torch.arange(n * k, dtype=torch.int64)
     sources = torch.zeros(n * k, dtype=torch.int64)
