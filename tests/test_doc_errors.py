@@ -1,12 +1,15 @@
 """The error tables of the docs, asserted on the wire: for each row, a test
 sends the input the row names to a server on the real model and checks the
 documented error type (protocol.md section 4) or HTTP status (openai.md).
-A row that cannot be triggered on demand is a skip that says why and which
-test covers it; none is left out silently."""
+A row that cannot be triggered on demand names the test that covers it, and
+a test checks that every row of both tables is one or the other."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import re
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -18,6 +21,8 @@ from .http_helpers import connect, request
 
 if TYPE_CHECKING:
     from trioserve.engine.cpu import CpuEngine
+
+ROOT = Path(__file__).resolve().parent.parent
 
 HI = {"action": "infer", "text": "Hi", "max_new_tokens": 4}
 
@@ -77,26 +82,32 @@ WS_ROWS: list[Any] = [
     ("unknown_action", "an unknown action", {"action": "generate"}, "$.action"),
 ]
 
-WS_SKIPPED = [
-    pytest.param(
-        "invalid_json raw surrogate",
-        marks=pytest.mark.skip(
-            reason="a raw unpaired surrogate cannot travel in a UTF-8 text frame (the peer closes "
-            "with 1007); tests/test_protocol.py decodes it"
-        ),
+#: protocol.md section 4's rows that no frame sent here triggers on demand:
+#: (type, when, why not here, the test that covers it).
+WS_ELSEWHERE = [
+    (
+        "invalid_json",
+        "a raw unpaired surrogate",
+        "a UTF-8 text frame cannot carry one (the peer closes with 1007)",
+        "tests/test_protocol.py::test_frames_that_are_not_json_objects_are_invalid_json",
     ),
-    pytest.param(
-        "invalid_request messages without a chat template",
-        marks=pytest.mark.skip(
-            reason="the embedded model has a chat template; tests/test_chat_template.py covers it"
-        ),
+    (
+        "invalid_request",
+        "messages without a chat template",
+        "the embedded model has a chat template",
+        "tests/test_chat_template.py::test_a_model_without_a_template_gets_a_clear_error",
     ),
-    pytest.param(
+    (
+        "overloaded",
+        "a limit of section 1 is full",
+        "it needs a request in flight",
+        "tests/test_doc_errors.py::test_overloaded_on_the_wire",
+    ),
+    (
         "internal",
-        marks=pytest.mark.skip(
-            reason="a healthy engine does not fail on demand; tests/test_server.py drives a "
-            "failing scripted engine"
-        ),
+        "the engine failed for this request",
+        "a healthy engine does not fail on demand",
+        "tests/test_server.py::test_a_failing_job_answers_internal_and_others_go_on",
     ),
 ]
 
@@ -132,11 +143,6 @@ async def test_overloaded_on_the_wire(cpu_engine: CpuEngine) -> None:
     by_id = {r["request_id"]: r for r in replies}
     assert by_id["b"]["error"]["type"] == "overloaded"
     assert by_id["a"]["response_type"] == "full"
-
-
-@pytest.mark.parametrize("row", WS_SKIPPED)
-def test_protocol_error_rows_not_triggered_here(row: str) -> None:
-    raise AssertionError(row)  # each is skipped, saying why
 
 
 CHAT = "/v1/chat/completions"
@@ -181,31 +187,24 @@ HTTP_ROWS: list[Any] = [
     (431, "a head larger than 16 KiB", "GET", "/v1/models", {"X-Big": "x" * 17000}, b"", {}),
 ]
 
-HTTP_SKIPPED = [
-    pytest.param(
-        "408",
-        marks=pytest.mark.skip(
-            reason="takes the 10 s head timeout; tests/test_http.py sends a slow head"
-        ),
+#: openai.md's status rows that no request sent here triggers on demand:
+#: (status, why not here, the test that covers it).
+HTTP_ELSEWHERE = [
+    (
+        408,
+        "it takes the 10 s head timeout",
+        "tests/test_http.py::test_slowloris_gets_408_while_others_are_served",
     ),
-    pytest.param(
-        "429",
-        marks=pytest.mark.skip(
-            reason="needs requests in flight; tests/test_doors.py covers it through the CLI"
-        ),
+    (
+        429,
+        "it needs requests in flight",
+        "tests/test_doors.py::test_one_key_is_one_client_on_both_doors_through_the_cli",
     ),
-    pytest.param(
-        "503",
-        marks=pytest.mark.skip(
-            reason="needs a full queue or a draining server; tests/test_server_http.py covers it"
-        ),
-    ),
-    pytest.param(
-        "500",
-        marks=pytest.mark.skip(
-            reason="a healthy engine does not fail on demand; "
-            "tests/test_http.py checks a route that fails"
-        ),
+    (503, "it needs a full queue", "tests/test_routes.py::test_overload_is_503_with_retry_after"),
+    (
+        500,
+        "a healthy engine does not fail on demand",
+        "tests/test_http.py::test_a_failing_handler_costs_a_500_not_the_connection",
     ),
 ]
 
@@ -245,6 +244,33 @@ async def test_openai_status_table_on_the_wire(
         assert reply.json()["error"]["code"] == "model_not_found"
 
 
-@pytest.mark.parametrize("row", HTTP_SKIPPED)
-def test_openai_status_rows_not_triggered_here(row: str) -> None:
-    raise AssertionError(row)  # each is skipped, saying why
+def _table(path: str, first: str) -> str:
+    """The Markdown table of ``path`` whose header row starts with ``first``."""
+    text = (ROOT / path).read_text(encoding="utf-8")
+    start = text.index(f"\n| {first} |") + 1
+    end = text.find("\n\n", start)
+    return text[start : end if end >= 0 else len(text)]
+
+
+def _exists(node: str) -> bool:
+    path, _, name = node.partition("::")
+    module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+    return callable(getattr(module, name, None))
+
+
+def test_every_row_is_sent_here_or_covered_by_a_named_test() -> None:
+    """Each error type of protocol.md's table and each status of openai.md's
+    is triggered by a row here or names the test that triggers it (which
+    must exist), and a row covered elsewhere is one the table lists."""
+    ws_table = _table("docs/protocol.md", "type")
+    ws_types = set(re.findall(r"^\| `([a-z_]+)` \|", ws_table, flags=re.MULTILINE))
+    assert ws_types == {row[0] for row in WS_ROWS} | {row[0] for row in WS_ELSEWHERE}
+    for error_type, when, _, node in WS_ELSEWHERE:
+        line = next(ln for ln in ws_table.splitlines() if ln.startswith(f"| `{error_type}` |"))
+        assert when.split()[-1] in line, (error_type, when)
+        assert _exists(node), node
+    http_table = _table("docs/openai.md", "status")
+    statuses = {int(n) for n in re.findall(r"^\| (\d{3}) \|", http_table, flags=re.MULTILINE)}
+    assert statuses == {row[0] for row in HTTP_ROWS} | {row[0] for row in HTTP_ELSEWHERE}
+    for _, _, node in HTTP_ELSEWHERE:
+        assert _exists(node), node
