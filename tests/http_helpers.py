@@ -3,7 +3,7 @@ the client's parser, bytes sent as given) and a front door on a loopback port.""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -127,16 +127,3 @@ async def get(port: int, path: str = "/health", **kwargs: Any) -> Reply:
         reply = await client.response(kwargs.get("method", "GET"))
     assert reply is not None
     return reply
-
-
-def until(predicate: Callable[[], bool]) -> Callable[[], Any]:
-    """An awaitable that polls ``predicate`` (for state another task changes)."""
-
-    async def wait() -> None:
-        for _ in range(1000):
-            if predicate():
-                return
-            await trio.sleep(0.01)
-        raise AssertionError("the condition did not come true within 10 s")
-
-    return wait

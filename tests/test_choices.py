@@ -17,8 +17,7 @@ import openai
 import pytest
 import trio
 
-from tests.helpers import ScriptedEngine, serving
-from tests.http_helpers import until
+from tests.helpers import ScriptedEngine, serving, wait_until
 from trioserve.generation import GenerationRequest, Generations
 from trioserve.generation.request import with_seed_offset
 
@@ -110,7 +109,7 @@ async def test_n_choices_whole_and_streamed_on_both_routes() -> None:
             assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
 
         await trio.to_thread.run_sync(calls)
-        await until(lambda: idle(server))()
+        await wait_until(lambda: idle(server))
 
 
 async def test_n_choices_of_a_chat_stream_each_start_with_the_role(tmp_path: Path) -> None:
@@ -133,7 +132,7 @@ async def test_n_choices_of_a_chat_stream_each_start_with_the_role(tmp_path: Pat
             assert reasons == {i: ["stop"] for i in range(3)}
 
         await trio.to_thread.run_sync(calls)
-        await until(lambda: idle(server))()
+        await wait_until(lambda: idle(server))
 
 
 async def test_n_is_bounded_and_counts_against_the_clients_limit() -> None:
@@ -158,7 +157,7 @@ async def test_n_is_bounded_and_counts_against_the_clients_limit() -> None:
 
             for _ in range(3):
                 nursery.start_soon(trio.to_thread.run_sync, long)
-            await until(lambda: server.generations.in_flight(ME) == 3)()
+            await wait_until(lambda: server.generations.in_flight(ME) == 3)
 
             def refused() -> None:
                 with pytest.raises(openai.RateLimitError) as info:
@@ -168,7 +167,7 @@ async def test_n_is_bounded_and_counts_against_the_clients_limit() -> None:
 
             await trio.to_thread.run_sync(refused)
             assert server.generations.in_flight(ME) == 3
-        await until(lambda: idle(server))()
+        await wait_until(lambda: idle(server))
 
 
 async def test_the_choices_are_jobs_of_one_client() -> None:
@@ -209,7 +208,7 @@ async def test_a_disconnect_frees_every_choice() -> None:
                     return
 
         await trio.to_thread.run_sync(read_some)
-        await until(lambda: idle(server) and server.generations.in_flight(ME) == 0)()
+        await wait_until(lambda: idle(server) and server.generations.in_flight(ME) == 0)
 
 
 async def test_a_failed_choice_fails_the_request_once() -> None:
@@ -224,7 +223,7 @@ async def test_a_failed_choice_fails_the_request_once() -> None:
                 list(stream)
 
         await trio.to_thread.run_sync(failing)
-        await until(lambda: idle(server) and server.generations.in_flight(ME) == 0)()
+        await wait_until(lambda: idle(server) and server.generations.in_flight(ME) == 0)
         # The first choice failed before the others were submitted: they never ran.
         stats = server.generations.scheduler.statistics()
         assert (stats.failed, stats.cancelled, stats.served) == (2, 0, 0)
@@ -437,7 +436,7 @@ async def test_many_choices_starve_no_other_connection() -> None:
             during = await rate()
             assert during >= 0.7 * before, (before, during)
             await trio.to_thread.run_sync(readers[0].close)  # the response: a disconnect
-            await until(lambda: server.generations.in_flight(ME) == 1)()
+            await wait_until(lambda: server.generations.in_flight(ME) == 1)
             await victim.send({"action": "stop"})
             await victim.until("stop")
-        await until(lambda: idle(server))()
+        await wait_until(lambda: idle(server))
