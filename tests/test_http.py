@@ -15,7 +15,8 @@ import trio_websocket
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.http_helpers import RawClient, connect, get, request, running, until
+from tests.helpers import wait_until
+from tests.http_helpers import RawClient, connect, get, request, running
 from trioserve.metrics import Metrics
 from trioserve.server.front_door import FrontDoor
 from trioserve.server.http_types import (
@@ -666,14 +667,14 @@ async def test_http_and_websocket_interleave_on_one_port() -> None:
                 "trioserve_open_connections", {"protocol": "websocket"}
             )
             assert opened == 1
-        await until(
+        await wait_until(
             lambda: (
                 metrics.registry.get_sample_value(
                     "trioserve_open_connections", {"protocol": "websocket"}
                 )
                 == 0
             )
-        )()
+        )
     total = metrics.registry.get_sample_value("trioserve_connections_total", {"protocol": "http"})
     assert total == 4
     count = metrics.registry.get_sample_value(
@@ -798,7 +799,7 @@ async def test_drain_closes_idle_connections_and_finishes_requests() -> None:
         await idle.send(request())
         assert (await idle.response()) is not None
         await busy.send(request(path="/slow"))
-        await until(lambda: front.statistics().requests >= 1)()
+        await wait_until(lambda: front.statistics().requests >= 1)
         await trio.sleep(0.1)
         front.drain()
         assert await idle.closed()

@@ -16,8 +16,8 @@ import trio
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import ScriptedEngine
-from tests.http_helpers import get, running, until
+from tests.helpers import ScriptedEngine, wait_until
+from tests.http_helpers import get, running
 from trioserve import openai as oa
 from trioserve.chat_template import ChatTemplate, load_chat_template
 from trioserve.engine.base import Engine
@@ -96,7 +96,7 @@ async def in_thread(fn: Callable[[], T]) -> T:
 
 async def idle(scheduler: Scheduler) -> None:
     """Wait until the scheduler holds no job."""
-    await until(lambda: not (scheduler.statistics().running or scheduler.statistics().waiting))()
+    await wait_until(lambda: not (scheduler.statistics().running or scheduler.statistics().waiting))
 
 
 async def post_json(port: int, path: str, body: dict[str, Any]) -> tuple[int, Any]:
@@ -271,10 +271,10 @@ async def test_a_client_that_leaves_mid_stream_frees_the_engine() -> None:
         assert len(await in_thread(leave)) > 20
         await idle(served.scheduler)
         # The engine drops the job at the step after the cancel.
-        await until(lambda: engine.running_jobs == 0)()
-        await until(
+        await wait_until(lambda: engine.running_jobs == 0)
+        await wait_until(
             lambda: served.sample("trioserve_cancellations_total", cause="disconnect") == 1
-        )()
+        )
         outcome = {"api": "openai", "action": "completions", "outcome": "interrupted"}
         assert served.sample("trioserve_requests_total", **outcome) == 1
 
@@ -318,7 +318,7 @@ async def test_overload_is_503_with_retry_after() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(busy)
             nursery.start_soon(busy)
-            await until(lambda: served.scheduler.statistics().waiting >= 1)()
+            await wait_until(lambda: served.scheduler.statistics().waiting >= 1)
             nursery.start_soon(one)
         [error] = results
         assert isinstance(error, openai.InternalServerError)
