@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from trioserve import protocol as p
+from trioserve.engine.base import grammars_of
 from trioserve.engine.constraint import CONSTRAINT_LIMITS, Constraint, ConstraintError
 from trioserve.engine.grammars import Grammars, MaskRows
 from trioserve.openai import OpenAIError, parse_chat_request, parse_completion_request
@@ -428,6 +429,10 @@ CAT = {
     },
     "required": ["name", "age"],
 }
+
+
+def test_the_embedded_models_engine_has_grammars(cpu_engine: Any) -> None:
+    assert isinstance(grammars_of(cpu_engine), Grammars)
 
 
 def test_a_job_whose_masks_cost_too_much_fails_alone(cpu_engine: Any) -> None:

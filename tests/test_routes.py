@@ -20,7 +20,7 @@ from tests.helpers import ScriptedEngine, wait_until
 from tests.http_helpers import get, running
 from trioserve import openai as oa
 from trioserve.chat_template import ChatTemplate, load_chat_template
-from trioserve.engine.base import Engine
+from trioserve.engine.base import Engine, grammars_of
 from trioserve.generation import Generations, Tokenizing
 from trioserve.generation.scheduler import Scheduler
 from trioserve.metrics import Metrics
@@ -418,10 +418,32 @@ async def test_unsupported_features_are_refused_as_the_docs_say() -> None:
             assert (error["code"], error["param"]) == ("unsupported_parameter", param), fields
 
 
-async def test_a_constraint_to_an_engine_without_grammars_is_a_400_naming_it() -> None:
-    # The scripted engine enforces no constraint: the request is refused
-    # before any work, naming the field the client used.
-    async with serving(ScriptedEngine(), template=ChatTemplate.from_string(SAY_TEMPLATE)) as served:
+class GrammarsNone(ScriptedEngine):
+    """An engine with the attribute but built without grammars (as CpuEngine
+    and ExLlamaV2Engine say it when constructed so)."""
+
+    @property
+    def grammars(self) -> None:
+        return None
+
+
+def test_grammars_of_reads_the_engines_attribute() -> None:
+    # The server asks grammars_of, not isinstance against a runtime-checkable
+    # protocol: from Python 3.12 on that only looks the property up on the
+    # class, so an engine whose grammars is None would pass it.
+    assert grammars_of(ScriptedEngine()) is None
+    assert grammars_of(GrammarsNone()) is None
+    assert isinstance(ScriptedEngine(), Engine)
+    assert isinstance(GrammarsNone(), Engine)
+
+
+@pytest.mark.parametrize("engine_type", [ScriptedEngine, GrammarsNone], ids=["absent", "none"])
+async def test_a_constraint_to_an_engine_without_grammars_is_a_400_naming_it(
+    engine_type: type[ScriptedEngine],
+) -> None:
+    # An engine that enforces no constraint (no grammars attribute, or None):
+    # the request is refused before any work, naming the field the client used.
+    async with serving(engine_type(), template=ChatTemplate.from_string(SAY_TEMPLATE)) as served:
         body = {"model": "m", "messages": USER, "response_format": {"type": "json_object"}}
         status, answer = await post_json(served.port, "/v1/chat/completions", body)
         assert status == 400

@@ -243,6 +243,8 @@ def specs_for(engine: CpuEngine) -> list[GenerationSpec]:
     """Jobs whose drafts are often taken (copying, repeating), and others."""
     seeded = SamplingSettings(temperature=0.8, top_p=0.95, rep_pen=1.1, seed=11)
     dry = attrs.evolve(GREEDY, dry_multiplier=0.8, dry_allowed_length=3, freq_pen=0.1)
+    grammars = engine.grammars
+    assert grammars is not None, "the embedded model's engine has grammars"
     return [
         make_spec(engine, SUMMARY, 40),
         make_spec(engine, COUNTING, 24),
@@ -255,9 +257,7 @@ def specs_for(engine: CpuEngine) -> list[GenerationSpec]:
             engine,
             chat("List the market days."),
             24,
-            constraint=engine.grammars.compile(
-                Constraint("regex", "(Thursday, ){2,5}and Friday\\.")
-            ),
+            constraint=grammars.compile(Constraint("regex", "(Thursday, ){2,5}and Friday\\.")),
         ),
         *(make_spec(engine, COUNTING, n) for n in (1, 2, 3)),
     ]

@@ -101,7 +101,8 @@ def _percentile(values: Sequence[float], q: float) -> float:
 
 def run(results: list[dict[str, Any]], *, say: Callable[[str], None] = print) -> None:
     engine = CpuEngine.load(max_batch=max(STREAMS), prefix_cache_bytes=0)
-    grammars: Grammars = engine.grammars
+    grammars = engine.grammars
+    assert grammars is not None, "the embedded model's engine has grammars"
     compiled = grammars.compile(Constraint.json_schema(CITIES))
     eos = frozenset(engine.info.eos_token_ids)
     job = 0

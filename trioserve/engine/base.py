@@ -57,6 +57,7 @@ __all__ = [
     "TokenBias",
     "TokenLogprob",
     "Update",
+    "grammars_of",
     "setting_bounds",
     "setting_ranges",
 ]
@@ -517,10 +518,25 @@ class Engine(Protocol):
         ...
 
 
-@runtime_checkable
 class ConstrainedEngine(Engine, Protocol):
-    """An engine that enforces constraints (:attr:`GenerationSpec.constraint`):
-    its :class:`Grammars` compiles them for its model, off its own thread."""
+    """An engine that can enforce constraints (:attr:`GenerationSpec.constraint`):
+    its :class:`Grammars` compiles them for its model, off its own thread, and
+    is None when this engine was built without them. Ask :func:`grammars_of`,
+    which any engine answers, rather than ``isinstance``."""
 
     @property
-    def grammars(self) -> Grammars: ...
+    def grammars(self) -> Grammars | None: ...
+
+
+def grammars_of(engine: Engine) -> Grammars | None:
+    """The constraint compiler of ``engine``, or None when it enforces none.
+
+    An engine that has no ``grammars`` attribute, or whose ``grammars`` is
+    None, enforces no constraint. A plain attribute read, not ``isinstance``
+    against a runtime-checkable protocol: that check only asks whether the
+    attribute exists, and from Python 3.12 on it does not even read it (a
+    property is found on the class), so an engine built without grammars would
+    pass it and fail at the first constraint.
+    """
+    grammars: Grammars | None = getattr(engine, "grammars", None)
+    return grammars

@@ -317,11 +317,9 @@ class CpuEngine:
         return self._tokenizer
 
     @property
-    def grammars(self) -> Grammars:
-        """Compiles constraints for this model (see :mod:`trioserve.engine.constraints`)."""
-        if self._grammars is None:
-            # AttributeError: then it is not a ConstrainedEngine at all.
-            raise AttributeError("this cpu engine was built without grammars")
+    def grammars(self) -> Grammars | None:
+        """Compiles constraints for this model (:mod:`trioserve.engine.grammars`);
+        None when the engine was built without them."""
         return self._grammars
 
     @property

@@ -476,11 +476,9 @@ class ExLlamaV2Engine:
         return self._info
 
     @property
-    def grammars(self) -> Grammars:
-        """Compiles constraints for this model (:mod:`trioserve.engine.grammars`)."""
-        if self._grammars is None:
-            # AttributeError: then it is not a ConstrainedEngine at all.
-            raise AttributeError("this exllamav2 engine was built without grammars")
+    def grammars(self) -> Grammars | None:
+        """Compiles constraints for this model (:mod:`trioserve.engine.grammars`);
+        None when the engine was built without them."""
         return self._grammars
 
     @property

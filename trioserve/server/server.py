@@ -30,7 +30,7 @@ from trio_websocket import WebSocketConnection
 from trioserve import protocol as p
 from trioserve._version import __version__
 from trioserve.chat_template import ChatTemplate, NoChatTemplate, load_chat_template
-from trioserve.engine.base import ConstrainedEngine, Engine, EngineInfo
+from trioserve.engine.base import Engine, EngineInfo, grammars_of
 from trioserve.errors import ConfigError, ListenError, TrioserveError
 from trioserve.generation import Generations, Tokenizing
 from trioserve.generation.engine_thread import EngineThread, open_loaded_engine
@@ -274,7 +274,7 @@ class Server:
             observer=self.metrics,
             is_draining=lambda: self._draining,
             max_requests_per_client=config.max_requests_per_client,
-            grammars=engine.grammars if isinstance(engine, ConstrainedEngine) else None,
+            grammars=grammars_of(engine),
             tool_call_format=config.tool_call_format,
         )
         self.identity = ClientIdentity(
