@@ -523,7 +523,15 @@ async def test_a_burst_fills_free_engine_slots_not_just_the_queue() -> None:
             # and the queue 1 place: 4 fit, 3 must be refused.
             for index in range(1, 8):
                 await clients[index].send(infer(f"say:r{index}", 20, request_id=index))
-            await trio.sleep(0.5)
+            # Every one of them decided before the first job can end and free a place.
+            refused = {"api": "websocket", "action": "infer", "outcome": "overloaded"}
+            await wait_until(
+                lambda: (
+                    server.metrics.registry.get_sample_value("trioserve_requests_total", refused)
+                    == 3
+                    and server.statistics().requests_in_flight == 5
+                )
+            )
             engine.gate.set()
             replies = [await ws.recv() for ws in clients]
             done.set()
@@ -980,16 +988,25 @@ async def test_a_violation_while_replies_are_queued_closes_with_its_code(
     read blocked it; the writer's next reply then met wsproto after the close
     frame (LocalProtocolError) and the server logged "writer failed" (in the
     fuzz run one peer saw its connection drop, 1006, instead of its close code)."""
-    big = "x" * 200_000
+    rid = "x" * 1000  # request ids are at most 1,024 bytes: each echo is about 1 kB
     async with serving(
         ScriptedEngine(step_delay=0.002), max_message_bytes=2**20, max_output_bytes=2**27
-    ) as (_, listening):
+    ) as (server, listening):
         ws = await wire.open_raw_websocket("127.0.0.1", listening.port, receive_buffer=4096)
-        for n in range(200):  # 40 MB of replies: more than the socket buffers hold
-            await ws.send_json({"action": "echo", "request_id": [n, big]})
-        await trio.sleep(0.5)  # the writer is now blocked on the socket
+        for n in range(200):  # 200 kB of replies: more than the sockets hold for a 4 kB window
+            await ws.send_json({"action": "echo", "request_id": [n, rid]})
+        (connection,) = server._connections
+        # The writer is in the middle of a frame the socket does not take, and
+        # 50 more replies wait behind it (the client reads nothing).
+        await wait_until(
+            lambda: (
+                connection._sending_since is not None and connection.outbox.bytes > 50 * len(rid)
+            )
+        )
         await ws.send_raw(wire.build_frame(0x3, b"{}"))  # a reserved opcode
-        await trio.sleep(0.5)  # the close frame waits behind the writer
+        # The reader has seen the violation: its close frame waits behind the writer.
+        await wait_until(lambda: connection.ws._close_reason is not None)
+        assert connection._sending_since is not None
         frames, close = await ws.read_to_close(within=20)
         await ws.aclose()
         assert close is not None and close.close_code == 1002, close
