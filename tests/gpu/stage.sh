@@ -47,7 +47,7 @@ mkdir -p .gpu/call1/wheels .gpu/call2
     exllamav2==0.3.2 attrs==26.1.0 cattrs==26.2.1 typing_extensions==4.16.0 \
     trio==0.35.0 outcome==1.3.0.post0 sniffio==1.3.1 sortedcontainers==2.4.0 idna==3.20 \
     trio-websocket==0.12.2 wsproto==1.3.2 h11==0.16.0 gguf==0.19.0 pytest-trio==0.8.0 \
-    llguidance==1.9.1
+    llguidance==1.9.1 pytest-timeout==2.4.0
 
 # The prebuilt extension, and what it was built for (call 1 prints it beside its import test).
 if [ -n "$PREBUILT" ]; then
