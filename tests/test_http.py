@@ -368,6 +368,24 @@ async def test_idle_keep_alive_connection_is_closed_quietly() -> None:
         assert await client.closed()
 
 
+async def test_cancelling_the_door_closes_a_keep_alive_connection_without_lingering() -> None:
+    # Lingering (reading what a client still sends after an error, for up to
+    # `linger` seconds) is for connections the server ends; a cancelled server
+    # closes at once. Here the linger is 60 s and the idle timeout longer: the
+    # shutdown must not wait for either.
+    limits = attrs_evolve(FAST, idle_timeout=120, linger=60)
+    stream = None
+    with trio.fail_after(10):
+        async with running(door(App(), limits=limits)) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            client = RawClient(stream)
+            await client.send(request())
+            assert (await client.response()) is not None
+        # running() cancelled the door, the kept-alive connection still open.
+        assert await client.closed()
+    await stream.aclose()
+
+
 async def test_slow_body_is_408() -> None:
     async with running(door(App())) as port, connect(port) as client:
         await client.send(request("POST", "/echo", {"Content-Length": "100"}) + b"x" * 10)

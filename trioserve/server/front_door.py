@@ -215,12 +215,16 @@ class FrontDoor:
         )
         self._connections.add(conn)
         self._observer.connection_opened("http")
+        # Whether closing lingers (see HTTPLimits.linger); not when cancelled,
+        # which closes the connection at once.
+        linger = True
         try:
             await self._serve(conn, over_capacity)
         except EndConnection:
             pass
         except BaseException as exc:
             if _must_propagate(exc):
+                linger = False
                 raise
             self._errors += 1
             log.error("connection from %s failed", conn.peer, exc_info=exc)
@@ -229,8 +233,9 @@ class FrontDoor:
             self._observer.connection_closed(conn.protocol)
             if not any(c.protocol == "http" for c in self._connections):
                 self._idle.set()
-            with trio.CancelScope(shield=True), trio.move_on_after(self.limits.linger):
-                await conn.close()
+            if linger:
+                with trio.CancelScope(shield=True), trio.move_on_after(self.limits.linger):
+                    await conn.close()
             await trio.aclose_forcefully(stream)
 
     async def _serve(self, conn: HTTPConnection, over_capacity: bool) -> None:
