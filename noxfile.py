@@ -1,4 +1,4 @@
-"""Developer sessions: ``nox -s tests`` (default), ``isa``, ``lint``, ``typecheck``,
+"""Developer sessions: ``nox -s tests`` (default), ``unit``, ``isa``, ``lint``, ``typecheck``,
 ``bench``, ``fuzz``, ``soak``, ``scale-out``, ``clients``, ``gpu``.
 
 Each session installs the project into its own virtual environment (reused by
@@ -17,15 +17,51 @@ has the machine's CUDA torch.
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import nox
+from packaging.requirements import Requirement
 
 nox.options.sessions = ["tests"]
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_venv = "yes"
+# A supported Python that is not installed skips its session (with a line
+# that says so) instead of failing the run, CI's included.
+nox.options.error_on_missing_interpreters = False
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 TORCH = os.environ.get("TRIOSERVE_TORCH", "torch==2.13.0")
+#: The Pythons the package supports (pyproject's requires-python).
+PYTHONS = ["3.11", "3.12"]
+
+
+def _pyenv_pythons() -> None:
+    """Where pyenv manages the interpreters and PYENV_VERSION is unset, let
+    nox find each installed CPython of :data:`PYTHONS` (pyenv's shims run only
+    the selected versions: ``python3.12`` fails while the global one is 3.11).
+    The global version stays first, so ``python3`` is unchanged."""
+    if "PYENV_VERSION" in os.environ or shutil.which("pyenv") is None:
+        return
+    pyenv = ["pyenv", "versions", "--bare"], ["pyenv", "version-name"]
+    installed, selected = (
+        subprocess.run(command, capture_output=True, text=True, check=False).stdout
+        for command in pyenv
+    )
+    newest: dict[str, tuple[int, str]] = {}
+    for version in installed.split():
+        match = re.fullmatch(r"(3\.\d+)\.(\d+)", version)
+        if match and match[1] in PYTHONS:
+            newest[match[1]] = max(newest.get(match[1], (-1, "")), (int(match[2]), version))
+    chosen = [v for v in selected.strip().split(":") if v]
+    chosen += [v for _, v in newest.values() if v not in chosen]
+    if chosen:
+        os.environ["PYENV_VERSION"] = ":".join(chosen)
+
+
+_pyenv_pythons()
 
 
 # Says which torch build a session got, so that a 2.7 GB surprise is visible.
@@ -48,6 +84,31 @@ def tests(session: nox.Session) -> None:
     """The default suite: protocol, engines, server; everything on the CPU."""
     install_project(session, "test")
     session.run("pytest", *pytest_args(session.posargs))
+
+
+#: The line that puts a test module in the fast tier (tests/test_tiers.py).
+UNIT_MARK = re.compile(r"^pytestmark = pytest\.mark\.unit$", re.MULTILINE)
+
+
+@nox.session(python=PYTHONS)
+def unit(session: nox.Session) -> None:
+    """The fast tier, on each supported Python, without torch: the test
+    modules marked ``unit`` (the codecs and their rules, the plans, the HTTP
+    front door, the server and scheduler on a scripted engine), in well under
+    a minute. torch and the model are not installed: a unit test that needs
+    either fails here."""
+    requirements = PYPROJECT["project"]["dependencies"]
+    session.install(
+        *(r for r in requirements if Requirement(r).name != "torch"),
+        *nox.project.dependency_groups(PYPROJECT, "test"),
+    )
+    session.install("--no-deps", "-e", ".")
+    modules = sorted(
+        str(path)
+        for path in Path("tests").glob("test_*.py")
+        if UNIT_MARK.search(path.read_text(encoding="utf-8"))
+    )
+    session.run("pytest", "-m", "unit", "-p", "no:cacheprovider", *modules, *session.posargs)
 
 
 #: What the default session leaves out: GPU tests (their own session) and

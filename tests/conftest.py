@@ -53,3 +53,19 @@ def cpu_engine(model_dir: Path) -> Iterator[CpuEngine]:
     engine = CpuEngine.load(None, max_batch=8)
     yield engine
     engine.close()
+
+
+# --- The fast tier ---------------------------------------------------------------
+# Modules marked `pytestmark = pytest.mark.unit` are the fast tier (nox -s unit):
+# they need neither torch nor the model (tests/test_tiers.py checks the imports).
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test of the fast tier that asks for the model is a mistake, not a skip."""
+    wrong = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("unit") and "model_dir" in getattr(item, "fixturenames", ())
+    ]
+    if wrong:
+        raise pytest.UsageError(f"tests marked unit use the model: {', '.join(wrong)}")

@@ -18,6 +18,8 @@ from trioserve.server.access import MAX_VALUE_CHARS, plain_value
 
 from .helpers import ScriptedEngine, raw_client, running_server
 
+pytestmark = pytest.mark.unit
+
 
 class Captured:
     def __init__(self) -> None:

@@ -37,6 +37,8 @@ from trioserve.client import (
     open_client,
 )
 
+pytestmark = pytest.mark.unit
+
 API_KEY = "s3cret"
 
 

@@ -21,6 +21,8 @@ from trioserve.server import ServerConfig
 from trioserve.server.http_types import HTTPLimits
 from trioserve.server.server import default_max_message_bytes
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 KiB = 1024
 MiB = 1024 * KiB

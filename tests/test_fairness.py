@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from trioserve.generation.fairness import FairQueue
 
+pytestmark = pytest.mark.unit
+
 
 @attrs.frozen
 class J:

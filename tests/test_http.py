@@ -33,6 +33,8 @@ from trioserve.server.http_types import (
     event_stream,
 )
 
+pytestmark = pytest.mark.unit
+
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 OPEN = AccessPolicy()

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 PACKAGE = Path(__file__).resolve().parents[1] / "trioserve"
 
 #: Higher may import lower; a layer may import itself.

@@ -20,6 +20,8 @@ from trioserve.logs import (
     record_fields,
 )
 
+pytestmark = pytest.mark.unit
+
 ACCESS = {
     "peer": "127.0.0.1:50312",
     "request_id": "q 1",

@@ -3,6 +3,7 @@ counters moving as the server's hooks are called."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,
@@ -10,6 +11,8 @@ from prometheus_client.openmetrics.parser import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from trioserve.metrics import CANCEL_CAUSES, Metrics
+
+pytestmark = pytest.mark.unit
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -40,6 +40,8 @@ from trioserve.openai import (
 )
 from trioserve.server.doors import from_openai, openai_error
 
+pytestmark = pytest.mark.unit
+
 MODEL = EngineInfo(
     engine="scripted",
     model_name="SmolLM2-135M-Instruct",

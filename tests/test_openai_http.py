@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import openai
+import pytest
 import trio
 
 from tests.http_helpers import running
@@ -45,6 +46,8 @@ from trioserve.server.http_types import (
     event_stream,
 )
 from trioserve.server.routes import http_errors
+
+pytestmark = pytest.mark.unit
 
 KEY = "sk-test"
 MODEL = EngineInfo(

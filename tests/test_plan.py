@@ -26,6 +26,8 @@ from trioserve.engine.plan import (
     plan_step,
 )
 
+pytestmark = pytest.mark.unit
+
 RULES = PrefillRules(chunk=512, share=0.5)
 
 

@@ -24,6 +24,8 @@ from trioserve import protocol as p
 from trioserve.engine.base import SamplingSettings
 from trioserve.errors import TrioserveError
 
+pytestmark = pytest.mark.unit
+
 
 def decode_error(frame: str | bytes) -> p.ProtocolError:
     with pytest.raises(p.ProtocolError) as info:

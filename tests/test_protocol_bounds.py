@@ -21,6 +21,8 @@ from trioserve.generation.generation import check_request
 from trioserve.protocol._json import _nesting_exceeds, json_depth_exceeds, json_size_exceeds
 from trioserve.server.doors import from_infer, infer_error
 
+pytestmark = pytest.mark.unit
+
 
 def decode_error(frame: str | dict[str, Any]) -> p.ProtocolError:
     if not isinstance(frame, str):

@@ -25,6 +25,8 @@ from hypothesis import strategies as st
 from tests.strategies import json_values
 from trioserve import protocol as p
 
+pytestmark = pytest.mark.unit
+
 DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
 
 

@@ -12,6 +12,8 @@ import pytest
 
 import trioserve
 
+pytestmark = pytest.mark.unit
+
 PUBLIC = {
     # serving
     "serve": "trioserve.server.server",

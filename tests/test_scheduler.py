@@ -14,6 +14,8 @@ from trioserve.generation.scheduler import Job, QueueFull, Scheduler
 
 from .helpers import EOS, ScriptedEngine
 
+pytestmark = pytest.mark.unit
+
 
 def make_spec(
     scheduler: Scheduler, engine: ScriptedEngine, prompt: str, n: int = 32

@@ -20,6 +20,8 @@ from .helpers import ScriptedEngine, raw_client, wait_until
 from .http_helpers import connect as http_connect
 from .http_helpers import get, request
 
+pytestmark = pytest.mark.unit
+
 
 @asynccontextmanager
 async def server_in_scope(

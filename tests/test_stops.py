@@ -15,6 +15,8 @@ from trioserve.engine.stops import (
     stop_automaton,
 )
 
+pytestmark = pytest.mark.unit
+
 # A small alphabet makes overlaps, shared prefixes and repeats common.
 _text = st.text(alphabet="abcé😀", max_size=40)
 _stops = st.lists(st.text(alphabet="abcé😀", min_size=1, max_size=6), min_size=1, max_size=8)

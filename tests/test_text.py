@@ -19,6 +19,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from trioserve.engine.text import StreamEndedError, StreamPiece, TextStream
 from trioserve.errors import ConfigError, TrioserveError
 
+pytestmark = pytest.mark.unit
+
 FFFD = "\ufffd"
 ASCII_WORDS = [
     "the",

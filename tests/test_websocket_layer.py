@@ -14,6 +14,7 @@ import inspect
 import tomllib
 from pathlib import Path
 
+import pytest
 import trio
 import trio.testing
 from packaging.requirements import Requirement
@@ -22,6 +23,8 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import TextMessage
 
 from trioserve.server.websocket import ServerWebSocket
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,6 +9,8 @@ import trio
 
 from trioserve.generation.engine_thread import EngineThread, EngineThreadClosed, open_engine_thread
 
+pytestmark = pytest.mark.unit
+
 
 async def test_every_call_runs_on_one_thread_in_order() -> None:
     seen: list[tuple[int, int]] = []
