@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 if TYPE_CHECKING:
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
 
 # --- Hypothesis profiles ---------------------------------------------------------
 # `ci` (chosen when the CI variable is set): more examples, no deadline, since
@@ -48,7 +48,7 @@ def cpu_engine(model_dir: Path) -> Iterator[CpuEngine]:
     """One CPU engine on the default model (bfloat16, 8 slots) shared by the
     whole session: loading costs seconds. Tests must leave it with no job
     running. (It depends on ``model_dir`` so that the model is obtained once.)"""
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
 
     engine = CpuEngine.load(None, max_batch=8)
     yield engine

@@ -1,5 +1,5 @@
 """The model functions alone (no engine, no sampler, no scheduler): greedy
-ids and a text's negative log-likelihood straight from :mod:`trioserve.engine.llama`,
+ids and a text's negative log-likelihood straight from :mod:`trioserve.engine.cpu.llama`,
 the references the engine's tests compare against."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from trioserve.engine import llama
+from trioserve.engine.cpu import llama
 
 CPU = torch.device("cpu")
 

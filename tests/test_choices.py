@@ -22,7 +22,7 @@ from trioserve.generation import GenerationRequest, Generations
 from trioserve.generation.request import with_seed_offset
 
 if TYPE_CHECKING:
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
     from trioserve.server.server import Server
 
 

@@ -32,7 +32,7 @@ from trioserve import (
 from .helpers import running_server, serving, wait_until
 
 if TYPE_CHECKING:
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
 
 EOS = 2
 QUESTION = "What is the capital of France?"

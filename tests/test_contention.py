@@ -1,4 +1,4 @@
-"""The startup hint on ``--threads`` (trioserve/engine/contention.py): what
+"""The startup hint on ``--threads`` (trioserve/engine/cpu/contention.py): what
 other processes used of this process's cores while the engine loaded."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from trioserve.engine.contention import (
+from trioserve.engine.cpu.contention import (
     Contention,
     CpuTimes,
     advice,

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from tests.direct import CPU, greedy_ids, perplexity_ratio, token_nlls
-from trioserve.engine import llama, native
 from trioserve.engine.base import (
     Engine,
     Failed,
@@ -29,7 +28,8 @@ from trioserve.engine.base import (
     TextUpdate,
     Update,
 )
-from trioserve.engine.cpu import DEFAULT_PREFIX_CACHE_BYTES, CpuEngine
+from trioserve.engine.cpu import llama, native
+from trioserve.engine.cpu.engine import DEFAULT_PREFIX_CACHE_BYTES, CpuEngine
 from trioserve.errors import ConfigError, ModelError
 
 GREEDY = SamplingSettings(temperature=0.0, rep_pen=1.0)

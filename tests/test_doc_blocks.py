@@ -48,7 +48,7 @@ import trio_websocket
 from .helpers import running_server
 
 if TYPE_CHECKING:
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
@@ -249,7 +249,7 @@ async def _receive(ws: trio_websocket.WebSocketConnection, within: float = 120) 
 def engine_256(model_dir: Path) -> Iterator[CpuEngine]:
     """The engine protocol.md's examples were made on: the embedded model,
     ``--context-length 256``, two slots (``info`` shows them)."""
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
 
     engine = CpuEngine.load(None, context_length=256, max_batch=2)
     yield engine

@@ -20,7 +20,7 @@ from .helpers import running_server
 from .http_helpers import connect, request
 
 if TYPE_CHECKING:
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 

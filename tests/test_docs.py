@@ -18,7 +18,7 @@ import trio_websocket
 from .helpers import running_server
 
 if TYPE_CHECKING:
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -148,7 +148,7 @@ async def test_the_quickstart_startup_log_is_what_a_start_writes(
     trioserve's native kernels logs it, the second the two lines that differ
     where they are not used, the third the warning of a busy machine, which
     any start may add."""
-    from trioserve.engine import native
+    from trioserve.engine.cpu import native
 
     from .test_cli import started
     from .test_doc_blocks import blocks_named

@@ -34,7 +34,7 @@ from trioserve.server.doors import from_infer, from_openai, openai_param, websoc
 from trioserve.server.http_types import RequestHead, client_address, parse_networks
 
 if TYPE_CHECKING:
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
 
 SAMPLERS = tuple(a.name for a in attrs.fields(SamplingSettings))
 NAMES = {name: oa.OPENAI_NAMES.get(name, name) for name in (*SAMPLERS, *SHARED_FIELDS)}

@@ -19,7 +19,7 @@ import trio
 from .helpers import chunks_of, raw_client, server_in_thread, serving, wait_until
 
 if TYPE_CHECKING:
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
 
 EOS = 2
 
@@ -40,7 +40,7 @@ def infer(text: str, max_new_tokens: int, **fields: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def small_engine(model_dir: Path) -> Iterator[CpuEngine]:
     """The same model with a 64-token context, for trimming."""
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
 
     engine = CpuEngine.load(model_dir, context_length=64, max_batch=2)
     yield engine

@@ -41,7 +41,6 @@ from hypothesis import strategies as st
 
 from tests.gpu.greedy import NEAR_TIE, GreedyReference, check_greedy, divergences
 from trioserve.engine import EngineOptions, load_engine
-from trioserve.engine import exllamav2 as exllamav2_engine
 from trioserve.engine.base import (
     Engine,
     Failed,
@@ -52,9 +51,10 @@ from trioserve.engine.base import (
     TextUpdate,
     Update,
 )
-from trioserve.engine.exllamav2 import CACHE_CLASSES, probe_exllamav2
-from trioserve.engine.exllamav2_build import wait_for_build_lock
-from trioserve.engine.exllamav2_jobs import (
+from trioserve.engine.exllamav2 import engine as exllamav2_engine
+from trioserve.engine.exllamav2.build import wait_for_build_lock
+from trioserve.engine.exllamav2.engine import CACHE_CLASSES, probe_exllamav2
+from trioserve.engine.exllamav2.jobs import (
     JobState,
     refusal,
     sampled_token,
@@ -62,7 +62,7 @@ from trioserve.engine.exllamav2_jobs import (
     stop_conditions,
     updates_from_result,
 )
-from trioserve.engine.exllamav2_plan import (
+from trioserve.engine.exllamav2.plan import (
     CACHE_TYPES,
     MAX_ATTENTION_SIZE,
     PAGE_SIZE,
@@ -130,7 +130,7 @@ without_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the 
 def test_importing_the_engine_module_does_not_import_exllamav2() -> None:
     # A fresh interpreter: this one may have imported exllamav2 for gpu tests.
     code = (
-        "import sys, trioserve.engine.exllamav2; "
+        "import sys, trioserve.engine.exllamav2.engine; "
         "print(any(m == 'exllamav2' or m.startswith('exllamav2.') for m in sys.modules))"
     )
     out = subprocess.run(
@@ -151,7 +151,7 @@ def test_probe_without_cuda_says_why_and_does_not_import() -> None:
 
 @without_cuda
 def test_load_without_cuda_raises_engine_error(tmp_path: Path) -> None:
-    from trioserve.engine.exllamav2 import ExLlamaV2Engine
+    from trioserve.engine.exllamav2.engine import ExLlamaV2Engine
 
     with pytest.raises(EngineError, match="CUDA"):
         ExLlamaV2Engine.load(tmp_path)
@@ -1583,7 +1583,7 @@ def test_real_jobs_through_the_engine_step(real_jobs: RealJobs) -> None:
     from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
 
     from trioserve.engine.base import EngineInfo
-    from trioserve.engine.exllamav2 import ExLlamaV2Engine
+    from trioserve.engine.exllamav2.engine import ExLlamaV2Engine
 
     tokenizer = real_jobs.tokenizer
     generator = ScriptedGenerator(
@@ -1731,7 +1731,7 @@ def real_config() -> Any:
 def test_real_config_unpaged_turns_sdpa_off(real_config: Any) -> None:
     from exllamav2.attn import has_flash_attn_with_paged
 
-    from trioserve.engine.exllamav2_plan import configure_attention
+    from trioserve.engine.exllamav2.plan import configure_attention
 
     config = real_config()
     # SDPA is ExLlamaV2's default for Llama (unless the environment says no).
@@ -1766,7 +1766,7 @@ def test_real_build_lock_is_in_the_directory_torch_built_into(real_config: Any) 
     imported extension came from."""
     from exllamav2.ext import exllamav2_ext
 
-    from trioserve.engine.exllamav2_build import build_lock
+    from trioserve.engine.exllamav2.build import build_lock
 
     lock = build_lock()
     assert lock is not None
@@ -1804,7 +1804,7 @@ def test_real_attention_is_causal_only_with_sdpa_off(real_config: Any) -> None:
     from exllamav2 import ExLlamaV2
     from exllamav2.attn import ExLlamaV2Attention, has_lower_right_sdpa
 
-    from trioserve.engine.exllamav2_plan import configure_attention
+    from trioserve.engine.exllamav2.plan import configure_attention
 
     config = real_config()
     model = ExLlamaV2(config)  # modules only: nothing is loaded
@@ -1863,7 +1863,7 @@ def _needs_exllamav2() -> None:
 @pytest.fixture(scope="module")
 def xengine() -> Iterator[Any]:
     _needs_exllamav2()
-    from trioserve.engine.exllamav2 import ExLlamaV2Engine
+    from trioserve.engine.exllamav2.engine import ExLlamaV2Engine
     from trioserve.engine.models import default_model_dir
 
     engine = ExLlamaV2Engine.load(default_model_dir(), max_batch=32)
@@ -2137,7 +2137,7 @@ def test_gpu_engine_runs_on_a_thread_of_its_own() -> None:
     """Load, warm up, step and close on one thread that is not the main one,
     as the server's engine thread does."""
     _needs_exllamav2()
-    from trioserve.engine.exllamav2 import ExLlamaV2Engine
+    from trioserve.engine.exllamav2.engine import ExLlamaV2Engine
     from trioserve.engine.models import default_model_dir
 
     outcome: dict[str, Any] = {}
@@ -2168,8 +2168,8 @@ def test_gpu_engine_runs_on_a_thread_of_its_own() -> None:
 
 _TOO_LARGE = """
 import json, torch
-from trioserve.engine.exllamav2 import ExLlamaV2Engine
-from trioserve.engine.exllamav2_plan import PAGE_SIZE
+from trioserve.engine.exllamav2.engine import ExLlamaV2Engine
+from trioserve.engine.exllamav2.plan import PAGE_SIZE
 from trioserve.engine.models import default_model_dir
 from trioserve.errors import ModelError
 

@@ -2,7 +2,7 @@
 
 Two parts:
 
-* :class:`~trioserve.engine.exllamav2_filter.GrammarMask` and the engine's
+* :class:`~trioserve.engine.exllamav2.filter.GrammarMask` and the engine's
   rules for constrained jobs (:func:`constrained_update`, :func:`refusal`),
   with real llguidance matchers over the embedded model's tokenizer; these
   run everywhere.
@@ -52,9 +52,9 @@ from trioserve.engine.base import (
     Update,
 )
 from trioserve.engine.constraint import CONSTRAINT_KINDS, Constraint
-from trioserve.engine.exllamav2_filter import GrammarMask
-from trioserve.engine.exllamav2_jobs import JobState, constrained_update, refusal
-from trioserve.engine.exllamav2_plan import PAGE_SIZE, plan_load
+from trioserve.engine.exllamav2.filter import GrammarMask
+from trioserve.engine.exllamav2.jobs import JobState, constrained_update, refusal
+from trioserve.engine.exllamav2.plan import PAGE_SIZE, plan_load
 from trioserve.engine.grammars import CompiledGrammar, Grammars, JobMatcher, MaskBudget
 from trioserve.engine.models import default_model_dir
 from trioserve.engine.tokenizer import Tokenizer
@@ -389,7 +389,7 @@ class SamplingGenerator(ScriptedGenerator):
 def engine(real_jobs: RealJobs, grammars: Grammars) -> Iterator[Any]:
     from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
 
-    from trioserve.engine.exllamav2 import ExLlamaV2Engine
+    from trioserve.engine.exllamav2.engine import ExLlamaV2Engine
 
     generator = SamplingGenerator(
         tokenizer=real_jobs.host.tokenizer, padded_vocab_size=real_jobs.host.padded_vocab_size
@@ -452,7 +452,7 @@ def _text(updates: list[Update]) -> str:
 def test_real_filter_is_an_exllamav2_filter(real_jobs: RealJobs, compiled: Any) -> None:
     from exllamav2.generator.filters import ExLlamaV2Filter
 
-    from trioserve.engine.exllamav2_filter import filter_class
+    from trioserve.engine.exllamav2.filter import filter_class
 
     cls: Any = filter_class()
     assert issubclass(cls, ExLlamaV2Filter) and issubclass(cls, GrammarMask)
@@ -468,8 +468,8 @@ def test_real_sampler_draws_only_allowed_tokens(real_jobs: RealJobs, compiled: A
     thousands are allowed: every token is one the grammar allows."""
     from exllamav2.generator import ExLlamaV2Sampler
 
-    from trioserve.engine.exllamav2_filter import filter_class
-    from trioserve.engine.exllamav2_jobs import sampler_fields
+    from trioserve.engine.exllamav2.filter import filter_class
+    from trioserve.engine.exllamav2.jobs import sampler_fields
 
     settings = ExLlamaV2Sampler.Settings()
     sampling = SamplingSettings(temperature=1.0, top_k=0, top_p=1.0, rep_pen=1.0)
@@ -614,7 +614,7 @@ def test_real_job_that_exllamav2_ends_leaves_its_filter_queued(
     """Why the engine clears the queue: at a stop token 0.3.2's
     receive_sample has already queued the job's filter (dynamic.py, "Feed
     filters" comes before "End on stop tokens")."""
-    from trioserve.engine.exllamav2_filter import filter_class
+    from trioserve.engine.exllamav2.filter import filter_class
 
     host = SamplingGenerator(
         tokenizer=real_jobs.host.tokenizer, padded_vocab_size=real_jobs.host.padded_vocab_size

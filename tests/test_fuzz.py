@@ -22,7 +22,7 @@ from tests.fuzz.run import run_fuzz
 from .helpers import serving, wait_until
 
 if TYPE_CHECKING:
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
 
 FRAMES = 2500
 HTTP_REQUESTS = 600

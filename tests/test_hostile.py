@@ -51,7 +51,7 @@ from .helpers import EOS, ScriptedEngine, raw_client, wait_until
 from .hostile import open_bystander, open_echo_probe, random_words
 
 if TYPE_CHECKING:
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
 
 MiB = 1024 * 1024
 #: How long another connection's echo may wait while one connection attacks.
@@ -1043,7 +1043,7 @@ def metaspace_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     """SmolLM2's weights behind a SentencePiece-style tokenizer: its text is
     nonsense, but healing's constraint (the first token must extend the
     prompt's last one) decides the one token this test asks for."""
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
 
     directory = tmp_path_factory.mktemp("metaspace")
     for name in ("config.json", "generation_config.json"):

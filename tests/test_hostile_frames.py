@@ -12,7 +12,7 @@ from trioserve import protocol as p
 from .helpers import raw_client, running_server
 
 if TYPE_CHECKING:
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
 
 PROMPT = "<|im_start|>user\nTell me a long story about a dragon.<|im_end|>\n<|im_start|>assistant\n"
 

@@ -23,7 +23,7 @@ import trio
 from .helpers import running_server
 
 if TYPE_CHECKING:
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
 
 SCRIPT = Path(__file__).resolve().parent / "js" / "exllamav2_api.mjs"
 PARIS = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"

@@ -25,9 +25,9 @@ from tests.test_cpu_engine import (
     run_one,
     story_chat,
 )
-from trioserve.engine import llama
-from trioserve.engine.cpu import CpuEngine
-from trioserve.engine.kvcache import KVCache, dequantize, quantize
+from trioserve.engine.cpu import llama
+from trioserve.engine.cpu.engine import CpuEngine
+from trioserve.engine.cpu.kvcache import KVCache, dequantize, quantize
 from trioserve.errors import ConfigError
 
 CPU = torch.device("cpu")

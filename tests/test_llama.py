@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trioserve.engine import llama, native, quant
+from trioserve.engine.cpu import llama, native, quant
 from trioserve.errors import ModelError
 
 CONFIG = llama.LlamaConfig(

@@ -35,7 +35,7 @@ from .serverproc import ROOT, open_server_process
 from .test_logprobs import direct_logprobs
 
 if TYPE_CHECKING:
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
 
 _MISSING = [
     name for name in ("lm_eval", "tenacity", "aiohttp") if importlib.util.find_spec(name) is None

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tests.test_cpu_engine import GREEDY, chat, make_spec, run_one
-from trioserve.engine import llama
 from trioserve.engine.base import Finished, SamplingSettings, TextUpdate, TokenLogprob
-from trioserve.engine.cpu import CpuEngine
+from trioserve.engine.cpu import llama
+from trioserve.engine.cpu.engine import CpuEngine
 from trioserve.engine.grammars import Grammars
 
 pytestmark = pytest.mark.usefixtures("cpu_engine")
@@ -205,7 +205,7 @@ def _entry(token: int) -> TokenLogprob:
 
 
 def test_entry_queue_releases_entries_with_their_text() -> None:
-    from trioserve.engine.logprobs import EntryQueue
+    from trioserve.engine.cpu.logprobs import EntryQueue
 
     queue = EntryQueue()
     a, b, c, d = (_entry(i) for i in range(4))
@@ -221,7 +221,7 @@ def test_entry_queue_releases_entries_with_their_text() -> None:
 
 
 def test_entry_queue_cut_keeps_tokens_that_start_before_the_stop_string() -> None:
-    from trioserve.engine.logprobs import EntryQueue
+    from trioserve.engine.cpu.logprobs import EntryQueue
 
     queue = EntryQueue()
     a, b, c = (_entry(i) for i in range(3))

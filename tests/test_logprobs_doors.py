@@ -17,7 +17,7 @@ from .helpers import raw_client, running_server
 from .test_logprobs import direct_logprobs
 
 if TYPE_CHECKING:
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
 
 QUESTION: Any = [{"role": "user", "content": "Name three colours."}]
 

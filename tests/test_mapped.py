@@ -1,4 +1,4 @@
-"""The file-backed embedding table (trioserve/engine/mapped.py): the same
+"""The file-backed embedding table (trioserve/engine/cpu/mapped.py): the same
 values as the table it replaces, written once, rewritten when stale, kept in
 memory where the file cannot be used, and the engine's default weights on it."""
 
@@ -11,8 +11,8 @@ import attrs
 import pytest
 import torch
 
-from trioserve.engine import llama, quant
-from trioserve.engine.mapped import file_backed
+from trioserve.engine.cpu import llama, quant
+from trioserve.engine.cpu.mapped import file_backed
 
 
 def _resident_mib() -> float:

@@ -1,4 +1,4 @@
-"""trioserve's native CPU kernels (trioserve/engine/native.py, cpu_kernels.c):
+"""trioserve's native CPU kernels (trioserve/engine/cpu/native.py, kernels.c):
 what each computes against a float64 reference of its formula, that a row's
 result never depends on the other rows it is computed with, the build, its
 cache and its fallbacks, and the real model on them (perplexity, and greedy
@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.direct import mean_nll
-from trioserve.engine import llama, native
-from trioserve.engine.quant import QuantizedWeight, dequantize, linear, q4_weight, quantize_q4
+from trioserve.engine.cpu import llama, native
+from trioserve.engine.cpu.quant import QuantizedWeight, dequantize, linear, q4_weight, quantize_q4
 from trioserve.errors import ModelError
 
 needs_native = pytest.mark.skipif(
@@ -250,7 +250,7 @@ def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 _REPORT = (
     "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
-    "from trioserve.engine import native\n"
+    "from trioserve.engine.cpu import native\n"
     "print('LOADED', native.kernel() is not None, native.unavailable_reason())\n"
 )
 
@@ -273,7 +273,7 @@ def test_the_build_is_cached_and_a_restart_does_not_compile(tmp_path: Path) -> N
 def test_without_a_compiler_the_engine_falls_back_to_torch_and_says_why(tmp_path: Path) -> None:
     code = _REPORT + (
         "import torch\n"
-        "from trioserve.engine import quant\n"
+        "from trioserve.engine.cpu import quant\n"
         "print('AUTO', quant.use_native('auto'))\n"
         "try:\n"
         "    quant.use_native('native')\n"

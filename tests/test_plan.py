@@ -1,4 +1,4 @@
-"""The CPU engine's step plan (trioserve.engine.plan), without torch or a model.
+"""The CPU engine's step plan (trioserve.engine.cpu.plan), without torch or a model.
 
 The examples pin each rule of the schedule; the properties drive the plan
 through whole runs (jobs arriving, prefilling, decoding and leaving, with a
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trioserve.engine.plan import (
+from trioserve.engine.cpu.plan import (
     SHORT_PREFILL,
     Chunk,
     JobState,
@@ -44,7 +44,7 @@ def spans(plan: StepPlan) -> list[tuple[int, int, int]]:
 
 
 def test_the_plan_needs_no_torch() -> None:
-    code = "import sys, trioserve.engine.plan; assert 'torch' not in sys.modules"
+    code = "import sys, trioserve.engine.cpu.plan; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

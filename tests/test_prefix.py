@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trioserve.engine.prefix import PrefixCache
+from trioserve.engine.cpu.prefix import PrefixCache
 from trioserve.errors import ConfigError
 
 BLOCK = 4

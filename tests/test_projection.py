@@ -18,8 +18,8 @@ import torch
 
 from tests.direct import greedy_ids, mean_nll
 from tests.test_cpu_engine import PERPLEXITY_TEXT, chat
-from trioserve.engine import llama, quant
-from trioserve.engine.cpu import CpuEngine
+from trioserve.engine.cpu import llama, quant
+from trioserve.engine.cpu.engine import CpuEngine
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, ModelError
 

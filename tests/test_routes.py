@@ -30,7 +30,7 @@ from trioserve.server.http_types import AccessPolicy, HTTPLimits, Router
 from trioserve.server.routes import OpenAIRoutes, OpsRoutes, Readiness
 
 if TYPE_CHECKING:
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
 
 T = TypeVar("T")
 KEY = "sk-routes"

@@ -1,4 +1,4 @@
-"""Speculative decoding by prompt lookup (trioserve.engine.speculative).
+"""Speculative decoding by prompt lookup (trioserve.engine.cpu.speculative).
 
 The draft finder against a scan of the context (Hypothesis); the accept rule
 on scripted logits, counted against the distribution it must preserve; and
@@ -33,11 +33,11 @@ from trioserve.engine.base import (
     Update,
 )
 from trioserve.engine.constraint import Constraint
-from trioserve.engine.cpu import CpuEngine
-from trioserve.engine.cpu_jobs import CpuJob, StepSampler, XtcProtected, start_job
-from trioserve.engine.logprobs import TokenTexts
-from trioserve.engine.prefix import PrefixCache
-from trioserve.engine.speculative import ROW_BLOCK, NgramIndex, draft_budget, merged
+from trioserve.engine.cpu.engine import CpuEngine
+from trioserve.engine.cpu.jobs import CpuJob, StepSampler, XtcProtected, start_job
+from trioserve.engine.cpu.logprobs import TokenTexts
+from trioserve.engine.cpu.prefix import PrefixCache
+from trioserve.engine.cpu.speculative import ROW_BLOCK, NgramIndex, draft_budget, merged
 from trioserve.errors import ConfigError
 
 # --- the draft finder ------------------------------------------------------------

@@ -21,7 +21,7 @@ from .http_helpers import get
 from .serverproc import open_server_process
 
 if TYPE_CHECKING:
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
 
 
 def chat(prompt: str) -> str:

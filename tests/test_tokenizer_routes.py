@@ -23,7 +23,7 @@ from .helpers import running_server
 from .strategies import json_values
 
 if TYPE_CHECKING:
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
 
 LIMITS = TokenizerLimits()
 KEY = "sk-tokenize"

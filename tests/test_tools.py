@@ -38,7 +38,7 @@ from .helpers import running_server
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from trioserve.engine.cpu import CpuEngine
+    from trioserve.engine.cpu.engine import CpuEngine
 
 WEATHER: dict[str, Any] = {
     "type": "function",

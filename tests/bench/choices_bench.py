@@ -21,7 +21,7 @@ from typing import Any
 import trio
 
 from tests.helpers import serving
-from trioserve.engine.cpu import CpuEngine
+from trioserve.engine.cpu.engine import CpuEngine
 
 ROUNDS = 5
 CHOICES = 4

@@ -24,7 +24,7 @@ from typing import Any
 
 from trioserve.engine.base import Finished, GenerationSpec, SamplingSettings, TextUpdate, Update
 from trioserve.engine.constraint import Constraint
-from trioserve.engine.cpu import CpuEngine
+from trioserve.engine.cpu.engine import CpuEngine
 from trioserve.engine.grammars import Grammars, MaskRows
 
 ROUNDS = 5

@@ -41,13 +41,13 @@ from trioserve.engine.base import (
     TextUpdate,
     Update,
 )
-from trioserve.engine.cpu import CpuEngine
+from trioserve.engine.cpu.engine import CpuEngine
+from trioserve.engine.cpu.speculative import DEFAULT_DRAFT_TOKENS
 from trioserve.engine.models import (
     DEFAULT_GGUF_MEMBER,
     cache_root,
     default_model_dir,
 )
-from trioserve.engine.speculative import DEFAULT_DRAFT_TOKENS
 from trioserve.errors import ModelError
 
 GREEDY = SamplingSettings(temperature=0.0, rep_pen=1.0)

@@ -36,7 +36,7 @@ from tests.bench.engine_bench import (
     prompt_of,
 )
 from trioserve.engine.base import Failed, GenerationSpec, TextUpdate, Update
-from trioserve.engine.cpu import CpuEngine
+from trioserve.engine.cpu.engine import CpuEngine
 
 #: (streams, prompt tokens, decode steps timed) of each speed case.
 CASES = ((1, 30, 96), (8, 30, 64), (1, 900, 64), (8, 900, 48))

@@ -43,7 +43,7 @@ from tests.bench import (  # noqa: E402
     server_bench,
     server_vs_llama,
 )
-from trioserve.engine.cpu import DTYPES, CpuEngine  # noqa: E402
+from trioserve.engine.cpu.engine import DTYPES, CpuEngine  # noqa: E402
 from trioserve.engine.models import default_model_dir  # noqa: E402
 from trioserve.generation.engine_thread import open_engine_thread  # noqa: E402
 

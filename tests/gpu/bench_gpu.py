@@ -47,8 +47,8 @@ import trio
 import trio_websocket
 
 from trioserve.engine.base import EngineInfo
-from trioserve.engine.exllamav2 import ExLlamaV2Engine, probe_exllamav2
-from trioserve.engine.exllamav2_plan import PAGE_SIZE, configure_attention, unpaged_chunk_size
+from trioserve.engine.exllamav2.engine import ExLlamaV2Engine, probe_exllamav2
+from trioserve.engine.exllamav2.plan import PAGE_SIZE, configure_attention, unpaged_chunk_size
 from trioserve.engine.models import default_model_dir
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.generation.engine_thread import EngineThread, open_engine_thread

@@ -22,7 +22,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from trioserve.engine import llama
+from trioserve.engine.cpu import llama
 
 __all__ = ["NEAR_TIE", "Divergence", "GreedyReference", "check_greedy", "divergences"]
 

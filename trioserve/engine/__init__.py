@@ -27,7 +27,7 @@ from .base import (
     TextUpdate,
     Update,
 )
-from .speculative import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES, SpeculativeMode
+from .cpu.speculative import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES, SpeculativeMode
 
 __all__ = [
     "CPU_KERNELS",
@@ -54,7 +54,7 @@ EngineName = Literal["auto", "cpu", "exllamav2"]
 ENGINE_NAMES: tuple[EngineName, ...] = ("auto", "cpu", "exllamav2")
 CACHE_TYPES = ("fp16", "q4", "q6", "q8")
 #: What the CPU engine's vocabulary projection may run on (as
-#: trioserve.engine.llama.PROJECTIONS, without importing torch here).
+#: trioserve.engine.cpu.llama.PROJECTIONS, without importing torch here).
 VOCAB_PROJECTIONS = ("auto", "bfloat16", "int8")
 
 
@@ -169,7 +169,7 @@ def choose_engine(name: EngineName) -> tuple[Literal["cpu", "exllamav2"], str]:
         return "cpu", "asked for"
     if name == "exllamav2":
         return "exllamav2", "asked for"
-    from .exllamav2 import probe_exllamav2
+    from .exllamav2.engine import probe_exllamav2
 
     usable, reason = probe_exllamav2()
     if usable:
@@ -186,7 +186,7 @@ def load_engine(options: EngineOptions) -> Engine:
     backend, reason = choose_engine(options.engine)
     log.info("engine: %s (%s)", backend, reason)
     if backend == "cpu":
-        from .cpu import CpuEngine
+        from .cpu.engine import CpuEngine
 
         return CpuEngine.load(
             options.model,
@@ -205,7 +205,7 @@ def load_engine(options: EngineOptions) -> Engine:
             kv_cache_dtype=options.kv_cache_dtype,
             cpu_kernels=options.cpu_kernels,
         )
-    from .exllamav2 import ExLlamaV2Engine, probe_exllamav2
+    from .exllamav2.engine import ExLlamaV2Engine, probe_exllamav2
 
     if options.engine == "exllamav2":
         usable, why = probe_exllamav2()

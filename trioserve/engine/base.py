@@ -69,10 +69,10 @@ __all__ = [
 WEIGHT_MODES: Final = ("auto", "float", "q4", "int8")
 #: What the CPU engine's KV cache may store: ``"auto"`` the model's dtype,
 #: ``"int8"`` 8 bits per value with one bfloat16 scale per head and position
-#: (see :mod:`trioserve.engine.kvcache`).
+#: (see :mod:`trioserve.engine.cpu.kvcache`).
 KV_CACHE_DTYPES: Final = ("auto", "int8")
 #: Which kernel the CPU engine's 4-bit layers run on: ``"auto"`` trioserve's
-#: own (trioserve.engine.native) where it builds and passes its probe, else
+#: own (trioserve.engine.cpu.native) where it builds and passes its probe, else
 #: torch's; ``"native"`` trioserve's only; ``"torch"`` torch's
 #: ``_weight_int4pack_mm_for_cpu`` only.
 CPU_KERNELS: Final = ("auto", "native", "torch")

@@ -132,7 +132,7 @@ async def run_websocket(
                 request = await accept_stream(nursery, replay, max_message_bytes=max_message_bytes)
                 ws = await request.accept()
             except (HandshakeAborted, trio_websocket.ConnectionClosed):
-                # The peer left during the handshake (issue 8, defect 1):
+                # The peer left during the handshake (it used to crash the server):
                 # that ends this connection, nothing else.
                 log.info("websocket peer %s left during the handshake", peer)
                 nursery.cancel_scope.cancel()

@@ -6,7 +6,7 @@ or linear rope scaling. The model is a handful of pure functions over a weights
 object; one :func:`forward` serves both chunked prefill (one job, many
 positions) and batched decode (many jobs, one position each). The linear
 layers' weight forms (quantized, oneDNN-packed) and their matmul are in
-:mod:`trioserve.engine.quant`, the cache in :mod:`trioserve.engine.kvcache`.
+:mod:`trioserve.engine.cpu.quant`, the cache in :mod:`trioserve.engine.cpu.kvcache`.
 
 Shapes in comments: B batch rows (jobs), C positions per row, D hidden size,
 H query heads, K key/value heads, G = H // K queries per KV head, E head dim,
@@ -30,17 +30,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trioserve.engine import native
-from trioserve.engine.attention import (
+from trioserve.engine.base import WEIGHT_MODES as _WEIGHT_MODES
+from trioserve.engine.cpu import native
+from trioserve.engine.cpu.attention import (
     attention,
     native_attention,
     native_attention_for,
     prepare,
 )
-from trioserve.engine.base import WEIGHT_MODES as _WEIGHT_MODES
-from trioserve.engine.kvcache import KVCache
-from trioserve.engine.mapped import file_backed
-from trioserve.engine.quant import (
+from trioserve.engine.cpu.kvcache import KVCache
+from trioserve.engine.cpu.mapped import file_backed
+from trioserve.engine.cpu.quant import (
     Q4_FILE,
     Linear,
     QuantizedWeight,
@@ -195,7 +195,7 @@ def rope_tables(config: LlamaConfig, length: int, device: torch.device) -> tuple
 
 
 #: The bfloat16 token-embedding table of a quantized model, mapped from this
-#: file of its directory (written on first load; trioserve.engine.mapped).
+#: file of its directory (written on first load; trioserve.engine.cpu.mapped).
 EMBED_FILE = "trioserve/embed_tokens.bf16"
 
 #: What :meth:`LlamaWeights.load` may be asked for: ``"auto"`` takes the
@@ -231,12 +231,12 @@ class LlamaWeights:
     #: the weights, per unit of the hidden state's norm (see :func:`logits`).
     projection_error: float = 0.0
     #: Whether ``embed`` (and the tied ``lm_head``) is mapped from a file
-    #: (:func:`trioserve.engine.mapped.file_backed`) rather than held in memory.
+    #: (:func:`trioserve.engine.cpu.mapped.file_backed`) rather than held in memory.
     embed_mapped: bool = False
     #: Whether the residual adds and RMS norms run on trioserve's kernel
-    #: (:func:`trioserve.engine.native.add_rms_norm`), one call per norm.
+    #: (:func:`trioserve.engine.cpu.native.add_rms_norm`), one call per norm.
     native_norm: bool = False
-    #: For :func:`trioserve.engine.native.forward_layers`: every layer's
+    #: For :func:`trioserve.engine.cpu.native.forward_layers`: every layer's
     #: addresses, where all of them run on trioserve's kernels (else None).
     layer_table: Tensor | None = None
 

@@ -1,4 +1,4 @@
-"""trioserve's native CPU kernels (cpu_kernels.c), compiled on first use and
+"""trioserve's native CPU kernels (kernels.c), compiled on first use and
 cached on disk: the 4-bit matmul, the 8-bit vocabulary projection, the
 residual add with RMS norm, a layer's attention (rope, the KV cache write and
 causal attention), and the MLP's silu(gate) * up.
@@ -8,7 +8,7 @@ dequantized weights; llama.cpp, on the same CPUs, quantizes each row of
 activations to 8 bits per group of 32 and dots integers (``vpdpbusd``: 64
 multiply-adds an instruction). :func:`q4_mm` dots integers too, with the GGUF's
 Q4_1 groups, but writes each activation in 15 bits (8 bits and an 8-bit
-residual: cpu_kernels.c), so that its answers are torch's bfloat16 path's
+residual: kernels.c), so that its answers are torch's bfloat16 path's
 where 8 bits moved near-ties, and asks for the weights ahead of its reads
 (one core alone keeps too few misses in flight to use the memory's
 bandwidth): 0.70x torch's time at one row, 0.90x at 8 and 64 rows. :func:`int8_mm` is the
@@ -25,7 +25,7 @@ exactly its own positions, so nothing else can change its sums.
 Every kernel computes a row from that row alone, in an order that depends on
 nothing else: a job's logits do not depend on its companions, nor on whether
 its positions came from a prefill chunk or a decode step (the exactness that
-trioserve.engine.llama relies on; the probe and tests/test_native.py check
+trioserve.engine.cpu.llama relies on; the probe and tests/test_native.py check
 it).
 
 Nothing here is needed: :func:`kernel` returns ``None``, with the reason in
@@ -89,7 +89,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCE = Path(__file__).with_name("kernels.c")
 _MODULE = "_trioserve_cpu"
 _FLAGS = (
     "-O3",
@@ -178,7 +178,7 @@ def attention(
 
     ``qkv`` [R, (H + 2K) * E] bfloat16 (the fused projection's output, before
     rope); ``rope`` the (cos, sin) tables [length, E] float32 of
-    :func:`trioserve.engine.llama.rope_tables`; ``cache`` the layer's
+    :func:`trioserve.engine.cpu.llama.rope_tables`; ``cache`` the layer's
     [S, 2K, T, E] bfloat16 KV cache; ``slots``, ``positions`` [R] int64, each
     row's, no two rows at the same (slot, position). Each row's query and key
     heads are rotated (float32, then bfloat16), its keys and values written at
@@ -238,7 +238,7 @@ def forward_layers(
 ) -> None:
     """Every layer of a forward pass on ``x`` [R, D] float32 (the residual
     stream, in place) in one call, without the GIL: the same kernels, in the
-    same order, as :func:`trioserve.engine.llama.forward`'s per-operator
+    same order, as :func:`trioserve.engine.cpu.llama.forward`'s per-operator
     path (so the same bits). ``table`` from :func:`layer_table`; ``caches``
     int64 [L], each layer's bfloat16 KV cache [S, 2K, T, E] address;
     ``cache_shape`` (S, T); ``slots``, ``positions`` [R] int64, each row's."""
@@ -392,7 +392,7 @@ def pack(q: Tensor, d: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
     high one (GGUF Q4_1's order). The first groups come in wide blocks of 16,
     their bytes interleaved four at a time (bytes 4t .. 4t + 3 of each group
     in turn, t = 0 .. 3), the last K/32 % 16 groups one after another
-    (cpu_kernels.c says why). ``scales`` are d and m in float16, [2, N, K/32].
+    (kernels.c says why). ``scales`` are d and m in float16, [2, N, K/32].
     """
     n, k = q.shape
     groups = k // 32

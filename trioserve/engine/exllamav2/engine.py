@@ -7,17 +7,17 @@ tokens and token healing; this module translates:
 
 * each :class:`~trioserve.engine.base.GenerationSpec` becomes one
   ``ExLlamaV2DynamicJob`` with a fresh ``ExLlamaV2Sampler.Settings``
-  (:func:`~trioserve.engine.exllamav2_jobs.sampler_fields`,
-  :func:`~trioserve.engine.exllamav2_jobs.stop_conditions`), after the checks
-  ExLlamaV2 does not make (:func:`~trioserve.engine.exllamav2_jobs.refusal`);
+  (:func:`~trioserve.engine.exllamav2.jobs.sampler_fields`,
+  :func:`~trioserve.engine.exllamav2.jobs.stop_conditions`), after the checks
+  ExLlamaV2 does not make (:func:`~trioserve.engine.exllamav2.jobs.refusal`);
 * the untyped result dicts of ``generator.iterate()`` become typed updates at
-  once (:func:`~trioserve.engine.exllamav2_jobs.updates_from_result`). The
+  once (:func:`~trioserve.engine.exllamav2.jobs.updates_from_result`). The
   text comes from the sampled tokens, decoded and cut at stop strings by the
   CPU engine's own rules (:class:`~trioserve.engine.text.TextStream`), not
   from ExLlamaV2's text: the same tokens give the same text on both engines;
 * a job with a constraint gets its own ``ExLlamaV2Filter`` over llguidance
-  (:mod:`~trioserve.engine.exllamav2_filter`, on ExLlamaV2's mask path), and
-  the CPU engine's rules for it (:func:`~trioserve.engine.exllamav2_jobs.constrained_update`):
+  (:mod:`~trioserve.engine.exllamav2.filter`, on ExLlamaV2's mask path), and
+  the CPU engine's rules for it (:func:`~trioserve.engine.exllamav2.jobs.constrained_update`):
   a complete value ends the job with reason ``constraint``, a failed matcher
   fails that job alone. docs/gpu.md says what a constrained job costs the batch.
 
@@ -52,15 +52,15 @@ which thread that is, or that it is the thread that loaded the model:
 
 ``exllamav2`` is imported only by :func:`probe_exllamav2` and
 :meth:`ExLlamaV2Engine.load` (and, after a load, by
-:func:`~trioserve.engine.exllamav2_filter.filter_class` for the first
+:func:`~trioserve.engine.exllamav2.filter.filter_class` for the first
 constrained job), never when this module is imported: on a machine
 without CUDA the import fails (its C++/CUDA extension cannot be built), and
 where it works it compiles that extension on first use, which takes minutes.
 Everything else is pure, tested on a CPU, and lives in modules of its own that
-never import exllamav2: :mod:`~trioserve.engine.exllamav2_plan` (the options
-and attention mode a load builds), :mod:`~trioserve.engine.exllamav2_jobs`
-(jobs in, typed updates out), :mod:`~trioserve.engine.exllamav2_filter`
-(the constraint's mask) and :mod:`~trioserve.engine.exllamav2_build`
+never import exllamav2: :mod:`~trioserve.engine.exllamav2.plan` (the options
+and attention mode a load builds), :mod:`~trioserve.engine.exllamav2.jobs`
+(jobs in, typed updates out), :mod:`~trioserve.engine.exllamav2.filter`
+(the constraint's mask) and :mod:`~trioserve.engine.exllamav2.build`
 (the bounded wait for torch's build lock of the extension).
 """
 
@@ -78,9 +78,9 @@ import attrs
 
 from trioserve.engine.base import EngineInfo, Failed, Finished, GenerationSpec, TextUpdate, Update
 from trioserve.engine.constraint import CONSTRAINT_KINDS
-from trioserve.engine.exllamav2_build import BUILD_LOCK_WAIT, build_lock, wait_for_build_lock
-from trioserve.engine.exllamav2_filter import GrammarMask, filter_class
-from trioserve.engine.exllamav2_jobs import (
+from trioserve.engine.exllamav2.build import BUILD_LOCK_WAIT, build_lock, wait_for_build_lock
+from trioserve.engine.exllamav2.filter import GrammarMask, filter_class
+from trioserve.engine.exllamav2.jobs import (
     JobState,
     constrained_update,
     refusal,
@@ -89,7 +89,7 @@ from trioserve.engine.exllamav2_jobs import (
     stop_conditions,
     updates_from_result,
 )
-from trioserve.engine.exllamav2_plan import PAGE_SIZE, LoadPlan, configure_attention, plan_load
+from trioserve.engine.exllamav2.plan import PAGE_SIZE, LoadPlan, configure_attention, plan_load
 from trioserve.engine.grammars import Grammars, JobMatcher
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError, ModelError
@@ -130,7 +130,7 @@ def probe_exllamav2(*, lock_wait: float | None = None) -> tuple[bool, str]:
 
     Nor is it tried while torch's build lock of the extension stays in place
     for ``lock_wait`` seconds (default
-    :data:`~trioserve.engine.exllamav2_build.BUILD_LOCK_WAIT`): torch's JIT
+    :data:`~trioserve.engine.exllamav2.build.BUILD_LOCK_WAIT`): torch's JIT
     build (``torch.utils.cpp_extension``, ``FileBaton.wait``) waits on that
     file with no timeout, and a build killed half-way leaves it behind, so
     the import would hang the server's start for ever. The probe says so
@@ -292,7 +292,7 @@ class ExLlamaV2Engine:
             EngineError: exllamav2 cannot be used here (no CUDA, import fails).
             ModelError: the directory is not a model ExLlamaV2 can load.
             ConfigError: an option is invalid (see
-                :func:`~trioserve.engine.exllamav2_plan.plan_load`).
+                :func:`~trioserve.engine.exllamav2.plan.plan_load`).
         """
         usable, reason = probe_exllamav2()
         if not usable:

@@ -4,9 +4,9 @@ the attention mode chosen.
 ExLlamaV2's dynamic generator asserts rather than explains, and one of its
 attention paths prefills without a causal mask; :func:`plan_load` and
 :func:`configure_attention` settle, before anything is loaded, what
-:meth:`~trioserve.engine.exllamav2.ExLlamaV2Engine.load` builds. Pure: the
+:meth:`~trioserve.engine.exllamav2.engine.ExLlamaV2Engine.load` builds. Pure: the
 ``ExLlamaV2Config`` is taken duck-typed, and ``exllamav2`` is never imported
-here (only :mod:`trioserve.engine.exllamav2` imports it).
+here (only :mod:`trioserve.engine.exllamav2.engine` imports it).
 """
 
 from __future__ import annotations

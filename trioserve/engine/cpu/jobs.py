@@ -1,7 +1,7 @@
 """The CPU engine's jobs: what each running job holds, how a spec is checked
 and turned into one, and how a step's rows are sampled.
 
-:class:`~trioserve.engine.cpu.CpuEngine` owns the slots and the KV cache;
+:class:`~trioserve.engine.cpu.engine.CpuEngine` owns the slots and the KV cache;
 everything here works on one job, or on the rows of one step, and touches
 neither.
 """
@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from trioserve.engine import llama
 from trioserve.engine.base import (
     MAX_TOP_LOGPROBS,
     Failed,
@@ -28,8 +27,8 @@ from trioserve.engine.base import (
     TokenLogprob,
     Update,
 )
-from trioserve.engine.grammars import JobMatcher, MaskRows
-from trioserve.engine.logprobs import (
+from trioserve.engine.cpu import llama
+from trioserve.engine.cpu.logprobs import (
     EntryQueue,
     Exact,
     RawLogprob,
@@ -37,8 +36,10 @@ from trioserve.engine.logprobs import (
     prompt_logprobs,
     row_logprobs,
 )
-from trioserve.engine.plan import JobState
-from trioserve.engine.prefix import PrefixCache
+from trioserve.engine.cpu.plan import JobState
+from trioserve.engine.cpu.prefix import PrefixCache
+from trioserve.engine.cpu.speculative import DraftCounts, NgramIndex, draft_budget, merged
+from trioserve.engine.grammars import JobMatcher, MaskRows
 from trioserve.engine.samplers import (
     DryHistory,
     bias_row,
@@ -52,7 +53,6 @@ from trioserve.engine.sampling import (
     sample,
     settings_problem,
 )
-from trioserve.engine.speculative import DraftCounts, NgramIndex, draft_budget, merged
 from trioserve.engine.text import TextStream
 from trioserve.engine.tokenizer import Tokenizer
 
@@ -132,7 +132,7 @@ class CpuJob:
 
     def draft(self, most: int) -> tuple[int, ...]:
         """Up to ``most`` tokens to feed after the pending one, looked up in
-        the job's context (:mod:`trioserve.engine.speculative`); no more than
+        the job's context (:mod:`trioserve.engine.cpu.speculative`); no more than
         its ``max_new_tokens`` leave room to sample after them."""
         most = min(most, self.draft_limit or most, self.spec.max_new_tokens - self.generated - 1)
         if most <= 0:
@@ -265,7 +265,7 @@ def draft_rows(
     decoding: Sequence[CpuJob], draft_tokens: int
 ) -> list[tuple[tuple[int, ...], CpuJob]]:
     """Each decoding job with its drafts (up to ``draft_tokens`` each, as
-    many in all as :func:`~trioserve.engine.speculative.draft_budget`
+    many in all as :func:`~trioserve.engine.cpu.speculative.draft_budget`
     allows, first come first served), the jobs without drafts first: their
     rows' slots stay consecutive (one attention call for them all)."""
     budget = draft_budget(len(decoding), draft_tokens)
@@ -289,7 +289,7 @@ def decode_rows(
     (in the job's slot, at its next positions), in one batched forward; the
     rows' hidden states (``[R, D]``). A job's rows attend as decode rows do,
     so each gives the logits that plain decoding would (see
-    ``trioserve.engine.attention._spans``)."""
+    ``trioserve.engine.cpu.attention._spans``)."""
     fed = [(t, job, i) for draft, job in drafted for i, t in enumerate((job.pending, *draft))]
     return llama.forward(
         weights,
@@ -520,7 +520,7 @@ class StepSampler:
 
         A job takes the token sampled at its first position, then, while
         that token is the draft fed after it, the next position's
-        (:mod:`trioserve.engine.speculative`); its updates are merged into
+        (:mod:`trioserve.engine.cpu.speculative`); its updates are merged into
         one. ``finish`` is called with each job that ended (it frees the
         slot); ``fail`` gives the failure of a job that could not be sampled.
         """
@@ -592,7 +592,7 @@ def sample_jobs(
     ``rows[i]``), or why the job cannot be sampled: each job once, in the
     order its update is to be given (the jobs whose DRY or constraint failed
     first), with the token's log probabilities when its job asks for them
-    (:mod:`trioserve.engine.logprobs`).
+    (:mod:`trioserve.engine.cpu.logprobs`).
 
     ``xtc_protected`` gives the XTC mask for the rows sampled (None when no
     row uses XTC); ``masks`` fills the constrained rows' allowed tokens. The

@@ -1,7 +1,7 @@
-"""One layer's attention for :func:`trioserve.engine.llama.forward`: torch's
+"""One layer's attention for :func:`trioserve.engine.cpu.llama.forward`: torch's
 ``scaled_dot_product_attention`` over spans of rows that attend over one
 bucketed length (the masks and buckets that keep it batch-invariant), or
-trioserve's own kernel (:func:`trioserve.engine.native.attention`: rope, the
+trioserve's own kernel (:func:`trioserve.engine.cpu.native.attention`: rope, the
 KV cache write and causal attention in one call, each row over exactly its
 own positions)."""
 
@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trioserve.engine import native
-from trioserve.engine.kvcache import KVCache
-from trioserve.engine.quant import Linear, linear
+from trioserve.engine.cpu import native
+from trioserve.engine.cpu.kvcache import KVCache
+from trioserve.engine.cpu.quant import Linear, linear
 
 
-# What this module reads of trioserve.engine.llama's classes (which import it).
+# What this module reads of trioserve.engine.cpu.llama's classes (which import it).
 class LlamaConfig(Protocol):
     @property
     def n_heads(self) -> int: ...
@@ -130,8 +130,8 @@ def _spans(
     (where a chunk's positions were blocked together). So a job's greedy text
     does not depend on its companions, nor on whether its prefix came from
     the prefix cache (given matmul kernels whose rows do not depend on the
-    other rows: checked at load, see :func:`~trioserve.engine.quant.packer`
-    and :mod:`trioserve.engine.quant`)."""
+    other rows: checked at load, see :func:`~trioserve.engine.cpu.quant.packer`
+    and :mod:`trioserve.engine.cpu.quant`)."""
     b, c = positions.shape
     if c > 1:
         # A prefill chunk (rows of their own slots): each row alone, its
@@ -142,7 +142,7 @@ def _spans(
         ]
     ends = [_bucket_end(n, cache) for n in positions[:, 0].tolist()]
     # Rows that share a slot (a job's draft positions, see
-    # trioserve.engine.speculative) are kept together in spans of their own,
+    # trioserve.engine.cpu.speculative) are kept together in spans of their own,
     # each attending to a view of that one slot.
     counts = Counter(slots)
     keys = [(end, slot if counts[slot] > 1 else -1) for end, slot in zip(ends, slots, strict=True)]
@@ -336,7 +336,7 @@ def native_attention(
     rope: tuple[Tensor, Tensor],
     rows: tuple[Tensor, Tensor],
 ) -> Tensor:
-    """:func:`attention` on trioserve's kernel (:func:`trioserve.engine.native.attention`):
+    """:func:`attention` on trioserve's kernel (:func:`trioserve.engine.cpu.native.attention`):
     rope, the cache write and causal attention in one call; ``rows`` are each
     row's (slot, position) [B * C] int64."""
     qkv = linear(x, layer.wqkv)

@@ -30,9 +30,9 @@
    split the outputs (never K), and a block of fewer rows runs the same
    per-row sequence. So a job's logits do not depend on its companions, nor
    on whether its positions were computed in a prefill chunk or a decode step
-   (trioserve.engine.llama relies on it; tests/test_native.py checks it).
+   (trioserve.engine.cpu.llama relies on it; tests/test_native.py checks it).
 
-   Built and loaded by trioserve/engine/native.py (compiled on first use with
+   Built and loaded by trioserve/engine/cpu/native.py (compiled on first use with
    the machine's C compiler, cached on disk). Its functions take raw
    addresses: Python checks shapes, dtypes and contiguity before calling. */
 
@@ -59,7 +59,7 @@
    weights is harmless (it never faults). */
 #define PREFETCH 4096
 
-/* The weights' layout, per output (trioserve.engine.native.pack): K / 2
+/* The weights' layout, per output (trioserve.engine.cpu.native.pack): K / 2
    bytes, a byte holding q[j] of a group in its low nibble and q[j + 16] in
    its high one. The first 16 * (G / 16) groups (G = K / 32) come in wide
    blocks of 16 groups, 256 bytes: 4 loads of 64 bytes, load t holding, for
@@ -302,7 +302,7 @@ static int matmul(const uint16_t *x, const uint8_t *w, const uint16_t *d, const 
 
 /* out[M, N] (bfloat16) = x[M, K] (bfloat16) @ (q[N, K] int8 * scale[N]).T, in
    float32 from the bfloat16 activations as they are (no 8-bit activations:
-   trioserve.engine.llama.logits bounds this projection's error by its
+   trioserve.engine.cpu.llama.logits bounds this projection's error by its
    weights' rounding alone). K is a multiple of 16. A row's sums run in the
    same order whatever M is. */
 static int int8_matmul(const uint16_t *x, const int8_t *q, const uint16_t *scale, uint16_t *out,
@@ -554,7 +554,7 @@ enum { L_ATTN_NORM, L_QKV, L_QKV_D, L_QKV_M, L_O, L_O_D, L_O_M, L_MLP_NORM, L_GU
        L_GU_M, L_DOWN, L_DOWN_D, L_DOWN_M, L_FIELDS };
 
 /* Every layer of one forward pass, on x [R, D] float32 (the residual stream,
-   in place), exactly as the per-operator path of trioserve.engine.llama.forward
+   in place), exactly as the per-operator path of trioserve.engine.cpu.llama.forward
    calls these same kernels one by one (so the same bits): for each layer,
    h = norm(x); x += o(attention(qkv(h))); h = norm(x); x += down(silu(gate) * up).
    The GIL is released for the whole stack. */

@@ -17,7 +17,7 @@ written over later.
 
 Why this changes no output, for any sampler. Each position is sampled from
 logits bit for bit those of a plain decode step (each draft row attends
-over the slot as a decode row does: see ``trioserve.engine.attention._spans``),
+over the slot as a decode row does: see ``trioserve.engine.cpu.attention._spans``),
 by the same call with the same state (penalty counts, DRY history,
 mirostat's mu, the constraint's matcher, the text stream and its stop
 strings, all updated by the tokens accepted before it), and each sampled

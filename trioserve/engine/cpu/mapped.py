@@ -4,7 +4,7 @@ token-embedding table of a quantized model.
 With the layers and the vocabulary projection quantized, the bfloat16
 embedding table (54 MiB for SmolLM2's 49,152 x 576) is read only a few rows
 at a time: one per token fed, the candidates the float32 refinement of
-near-ties recomputes (:func:`trioserve.engine.llama.logits`), the ids whose
+near-ties recomputes (:func:`trioserve.engine.cpu.llama.logits`), the ids whose
 log probabilities are asked for. Mapped from a file, only the pages of rows
 read are resident, and they are clean pages the kernel can drop and read
 again, not heap: the server's RSS after load falls by about the table's

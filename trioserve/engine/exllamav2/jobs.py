@@ -8,7 +8,7 @@ settings and stop conditions of one ``ExLlamaV2DynamicJob``
 (:func:`updates_from_result`), its text decoded from the sampled tokens and
 cut at stop strings by the CPU engine's rules (:class:`JobState`). Pure: the
 ExLlamaV2 objects are taken duck-typed, and ``exllamav2`` is never imported
-here (only :mod:`trioserve.engine.exllamav2` imports it).
+here (only :mod:`trioserve.engine.exllamav2.engine` imports it).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def stop_conditions(spec: GenerationSpec, eos_token_ids: frozenset[int]) -> list
     ExLlamaV2's job adds no EOS id itself (dynamic.py, ExLlamaV2DynamicJob
     takes only what it is given), and its config keeps just the first of a
     list of EOS ids, which is why Llama 3 instruct models never stop there
-    (exllamav2 issue #803); the engine passes them all.
+    (turboderp-org/exllamav2#803 on GitHub); the engine passes them all.
     """
     ids: list[int | str] = sorted(spec.stop_token_ids | eos_token_ids)
     return ids + list(dict.fromkeys(spec.stop_strings))
@@ -346,7 +346,7 @@ def constrained_update(
 
 class Constrained(Protocol):
     """What :func:`constrained_update` reads of a job's constraint
-    (:class:`~trioserve.engine.exllamav2_filter.GrammarMask`)."""
+    (:class:`~trioserve.engine.exllamav2.filter.GrammarMask`)."""
 
     @property
     def problem(self) -> str | None: ...

@@ -1,7 +1,7 @@
 """The CPU engine's step plan: which prompt chunks run, which jobs decode,
 which prompts wait. Pure: plain numbers in, a plan out, no torch.
 
-:class:`~trioserve.engine.cpu.CpuEngine` admits jobs and fits its KV cache,
+:class:`~trioserve.engine.cpu.engine.CpuEngine` admits jobs and fits its KV cache,
 asks :func:`plan_step` what the step runs, runs it (prefill forwards, one
 batched decode forward, one sampling call), and settles the prefill share's
 balance with :meth:`StepPlan.balance_after` from the times it measured. Every rule

@@ -3,7 +3,7 @@ lock file is, and a bounded wait for it to go.
 
 ``import exllamav2`` without a prebuilt ``exllamav2_ext`` compiles the
 extension through ``torch.utils.cpp_extension.load``, which waits on a lock
-file with no timeout; :func:`~trioserve.engine.exllamav2.probe_exllamav2`
+file with no timeout; :func:`~trioserve.engine.exllamav2.engine.probe_exllamav2`
 waits for it here with one. Nothing here imports ``exllamav2``.
 """
 
@@ -18,7 +18,7 @@ __all__ = ["BUILD_LOCK_WAIT", "build_lock", "wait_for_build_lock"]
 
 log = logging.getLogger("trioserve.engine")
 
-#: Seconds :func:`~trioserve.engine.exllamav2.probe_exllamav2` waits for
+#: Seconds :func:`~trioserve.engine.exllamav2.engine.probe_exllamav2` waits for
 #: torch's build lock of ExLlamaV2's extension to go before it gives up on
 #: ExLlamaV2 (a build in another process may be finishing; a killed build's
 #: lock never goes).

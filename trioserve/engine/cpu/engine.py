@@ -1,8 +1,8 @@
 """The embedded CPU engine: a compact torch Llama with continuous batching.
 
 Each :meth:`CpuEngine.step` applies cancellations and new jobs, admits
-waiting jobs into free slots in arrival order (:mod:`trioserve.engine.cpu_jobs`),
-asks :func:`~trioserve.engine.plan.plan_step` what the step runs -- a pure
+waiting jobs into free slots in arrival order (:mod:`trioserve.engine.cpu.jobs`),
+asks :func:`~trioserve.engine.cpu.plan.plan_step` what the step runs -- a pure
 plan; its module states every rule of the schedule -- and runs it: prefill
 chunks for new jobs (about :attr:`CpuEngine.prefill_chunk` prompt tokens per
 step, so that one long prompt delays the running jobs' next token by one
@@ -37,7 +37,6 @@ import attrs
 import torch
 from torch import Tensor
 
-from trioserve.engine import contention, llama
 from trioserve.engine.base import (
     EngineInfo,
     Failed,
@@ -45,7 +44,8 @@ from trioserve.engine.base import (
     Update,
 )
 from trioserve.engine.constraint import CONSTRAINT_KINDS
-from trioserve.engine.cpu_jobs import (
+from trioserve.engine.cpu import contention, llama
+from trioserve.engine.cpu.jobs import (
     CpuJob,
     StepSampler,
     XtcProtected,
@@ -55,14 +55,14 @@ from trioserve.engine.cpu_jobs import (
     spec_problem,
     start_job,
 )
+from trioserve.engine.cpu.kvcache import KV_CACHE_DTYPES
+from trioserve.engine.cpu.logprobs import TokenTexts
+from trioserve.engine.cpu.plan import Chunk, PrefillRules, plan_step
+from trioserve.engine.cpu.prefix import PrefixCache, PrefixCacheStatistics
+from trioserve.engine.cpu.quant import CPU_KERNELS, weight_kind
+from trioserve.engine.cpu.speculative import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES
 from trioserve.engine.grammars import Grammars, MaskRows
-from trioserve.engine.kvcache import KV_CACHE_DTYPES
-from trioserve.engine.logprobs import TokenTexts
 from trioserve.engine.models import DEFAULT_MODEL_NAME, default_model_dir
-from trioserve.engine.plan import Chunk, PrefillRules, plan_step
-from trioserve.engine.prefix import PrefixCache, PrefixCacheStatistics
-from trioserve.engine.quant import CPU_KERNELS, weight_kind
-from trioserve.engine.speculative import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError
 
@@ -144,7 +144,7 @@ class CpuEngine:
     #: get one token per chunk for as long as it lasts.
     prefill_share: float = 0.5
     #: Draft tokens fed after each decoding job's pending token, at most
-    #: (speculative decoding by prompt lookup, :mod:`trioserve.engine.speculative`);
+    #: (speculative decoding by prompt lookup, :mod:`trioserve.engine.cpu.speculative`);
     #: 0 turns speculation off. Outputs are the same either way.
     draft_tokens: int = 0
     _waiting: deque[GenerationSpec] = attrs.field(factory=deque)
@@ -197,18 +197,18 @@ class CpuEngine:
 
         ``prefix_cache_bytes`` bounds the prefix cache (the keys and values of
         finished jobs, reused by later prompts that start with the same tokens;
-        see :mod:`trioserve.engine.prefix`); 0 turns it off.
+        see :mod:`trioserve.engine.cpu.prefix`); 0 turns it off.
 
-        ``projection`` (one of :data:`~trioserve.engine.llama.PROJECTIONS`)
+        ``projection`` (one of :data:`~trioserve.engine.cpu.llama.PROJECTIONS`)
         chooses what the vocabulary projection runs on: ``"auto"`` an 8-bit
         copy of it when the linear layers are quantized, else bfloat16.
 
         ``kv_cache_dtype`` ``"int8"`` stores keys and values in 8 bits, about
-        half the memory of ``"auto"`` (``dtype``; see :mod:`~trioserve.engine.kvcache`).
+        half the memory of ``"auto"`` (``dtype``; see :mod:`~trioserve.engine.cpu.kvcache`).
 
-        ``cpu_kernels`` (one of :data:`~trioserve.engine.quant.CPU_KERNELS`) says
+        ``cpu_kernels`` (one of :data:`~trioserve.engine.cpu.quant.CPU_KERNELS`) says
         which kernel 4-bit layers run on: ``"auto"`` trioserve's own
-        (:mod:`~trioserve.engine.native`: 8-bit activations, integer dot
+        (:mod:`~trioserve.engine.cpu.native`: 8-bit activations, integer dot
         products, as llama.cpp) where it builds and passes its probe, else
         torch's.
 

@@ -5,9 +5,9 @@
 probe finds its kernel present, right, and batch-invariant: a row's result
 must not depend on the other rows of the batch, so that a job's greedy text
 does not depend on its companions nor on the prefix cache (see
-:func:`trioserve.engine.llama.forward`). Where a probe fails, a weight stays
+:func:`trioserve.engine.cpu.llama.forward`). Where a probe fails, a weight stays
 in (or goes back to) plain bfloat16, or
-:meth:`~trioserve.engine.llama.LlamaWeights.load` says why it cannot give the
+:meth:`~trioserve.engine.cpu.llama.LlamaWeights.load` says why it cannot give the
 form asked for.
 """
 
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trioserve.engine import native
 from trioserve.engine.base import CPU_KERNELS
+from trioserve.engine.cpu import native
 from trioserve.errors import ModelError
 
 __all__ = [
@@ -60,11 +60,11 @@ class QuantizedWeight:
     and zero ``m + 8 d``. ``"int8"``: one scale per output row, for
     ``_weight_int8pack_mm``; ``data`` [N, K] int8, ``scales`` [N] bfloat16.
 
-    ``native``: for trioserve's own kernels (:mod:`trioserve.engine.native`)
+    ``native``: for trioserve's own kernels (:mod:`trioserve.engine.cpu.native`)
     instead. ``"q4"``: the same 4-bit groups (GGUF's Q4_1: ``d * q + m``), the
     activations quantized to 8 bits per group of 32 and integers dotted, as
     llama.cpp does; ``data`` [N, K / 2] uint8 and ``scales`` [2, N, K / 32]
-    float16 (d, m) in :func:`trioserve.engine.native.pack`'s layout.
+    float16 (d, m) in :func:`trioserve.engine.cpu.native.pack`'s layout.
     ``"int8"``: the same layout as torch's, bfloat16 activations.
     """
 
@@ -160,7 +160,7 @@ def quantize_q4(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def use_native(choice: str) -> bool:
-    """Whether trioserve's kernels (:mod:`trioserve.engine.native`) run for
+    """Whether trioserve's kernels (:mod:`trioserve.engine.cpu.native`) run for
     ``choice``, one of :data:`CPU_KERNELS`: ``"auto"`` where they build and
     pass their probe here; raises :class:`ModelError` where ``"native"`` is
     asked for and they cannot run, with the reason."""
@@ -211,7 +211,7 @@ def int8_weight(
     """Float [N, K] (any float dtype) -> 8 bits per weight, one scale per
     output row (rounded to bfloat16 first, so that the kernel's scale is the
     one the weights were rounded with); quantized in blocks of rows. With
-    ``native_kernel`` (where :func:`trioserve.engine.native.kernel` loaded and
+    ``native_kernel`` (where :func:`trioserve.engine.cpu.native.kernel` loaded and
     K is a multiple of 16) the weight runs on trioserve's kernel."""
     n, k = w.shape
     native_kernel = native_kernel and k % 16 == 0
