@@ -1,7 +1,7 @@
-"""The CPU engine's KV cache in 8 bits (``kv_cache_dtype="int8"``, issue 23's
-lever 4): the quantization itself, and the engine's exactness with it (greedy
-text batch-invariant, identical with and without the prefix cache) on the
-real embedded model. Its perplexity and speed: docs/performance.md.
+"""The CPU engine's KV cache in 8 bits (``kv_cache_dtype="int8"``): the
+quantization itself, and the engine's exactness with it (greedy text
+batch-invariant, identical with and without the prefix cache) on the real
+embedded model. Its perplexity and speed: docs/performance.md.
 """
 
 from __future__ import annotations

@@ -325,7 +325,7 @@ def test_perplexity_on_the_native_kernels_is_within_one_percent_of_torchs(
     model_dir: Path,
 ) -> None:
     """15-bit activations: the same quality as torch's kernel (measured:
-    docs/performance.md, "Native kernels"). The bound is the 4-bit path's own
+    docs/performance.md, "trioserve's native kernels"). The bound is the 4-bit path's own
     (test_4bit_perplexity_is_within_one_percent_of_bfloat16)."""
     from tests.test_cpu_engine import PERPLEXITY_TEXT
     from trioserve.engine.tokenizer import Tokenizer

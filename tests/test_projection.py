@@ -1,4 +1,4 @@
-"""The 8-bit vocabulary projection (issue 23, lever 2).
+"""The 8-bit vocabulary projection (docs/performance.md, "The 8-bit vocabulary projection").
 
 The last matmul of a decode step, hidden states to logits, reads the whole
 lm_head; an 8-bit copy with one scale per vocabulary row halves that read.

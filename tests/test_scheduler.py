@@ -288,7 +288,7 @@ async def test_no_step_runs_after_the_task_ends() -> None:
 
 
 async def test_a_routing_bug_ends_the_task_with_its_error_and_fails_the_jobs() -> None:
-    """Routing runs outside any task (docs/performance.md, lever 5): an error
+    """Routing runs outside any task (docs/performance.md, "Where the gap goes"): an error
     there must not reach trio's loop. The task ends raising it, and the jobs
     are failed, so no owner is left waiting."""
 

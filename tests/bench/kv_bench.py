@@ -1,4 +1,4 @@
-"""The KV cache's options measured against each other (issue 23, levers 3 and 4).
+"""The KV cache's options measured against each other (its 8-bit form, the prefix cache).
 
 ``python tests/bench/kv_bench.py speed`` steps two engines alternately, one
 decode step of each in turn (which goes first alternating between rounds), so
@@ -7,7 +7,7 @@ time of each and the median and quartiles of the per-pair ratios, for 1 and 8
 streams at a short and a long context. ``python tests/bench/kv_bench.py rss``
 runs 8 jobs of 900 prompt + 100 generated tokens in a fresh process per
 setting and prints its peak RSS (``VmHWM``) and the KV cache's largest size.
-Method and results: docs/performance.md, "Issue 23's levers".
+Method and results: docs/performance.md, "The 8-bit KV cache".
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""trioserve against llama.cpp's ``llama-server``, both as servers (issue 23).
+"""trioserve against llama.cpp's ``llama-server``, both as servers.
 
 Both run as their own processes on loopback with the same model (trioserve's
 embedded SmolLM2, llama-server on the same Q4_1 GGUF), the same thread count

@@ -53,10 +53,10 @@
                                          tried: 0.90x torch's time at 8 and 64 rows) */
 #define OUTS 16                       /* outputs per unit of parallel work */
 /* How far ahead of its reads a thread asks for the weights: one core keeps
-   too few misses in flight for the memory's bandwidth on its own; 4 KiB
-   ahead made a decode step's 4-bit matmuls 0.78x as long as without it on
-   a 2-core AMD EPYC (docs/performance.md). A prefetch past the end of the
-   weights is harmless (it never faults). */
+   too few misses in flight for the memory's bandwidth on its own, and 4 KiB
+   ahead was the distance that shortened a decode step's 4-bit matmuls most
+   where it was tried. A prefetch past the end of the weights is harmless
+   (it never faults). */
 #define PREFETCH 4096
 
 /* The weights' layout, per output (trioserve.engine.cpu.native.pack): K / 2

@@ -8,7 +8,7 @@ near-ties recomputes (:func:`trioserve.engine.cpu.llama.logits`), the ids whose
 log probabilities are asked for. Mapped from a file, only the pages of rows
 read are resident, and they are clean pages the kernel can drop and read
 again, not heap: the server's RSS after load falls by about the table's
-size (docs/performance.md, "Against llama-server").
+size (docs/performance.md, "The 8-bit vocabulary projection").
 
 The file is written once beside the model's other converted files (the
 bfloat16 values exactly as loaded, so nothing computed changes) and checked
