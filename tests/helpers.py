@@ -19,16 +19,10 @@ import attrs
 import trio
 import trio_websocket
 
-from trioserve.engine.base import (
-    EngineInfo,
-    Failed,
-    Finished,
-    GenerationSpec,
-    TextUpdate,
-    Update,
-)
+from trioserve.engine.base import EngineInfo, GenerationSpec
 from trioserve.engine.text import TextStream
 from trioserve.server import Listening, Server, ServerConfig, serve
+from trioserve.vocabulary.results import Failed, Finished, TextUpdate, Update
 
 BOS = 256
 EOS = 257

@@ -15,7 +15,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from trioserve import protocol as p
-from trioserve.engine.base import Range, setting_ranges
+from trioserve.vocabulary.sampling import Range, setting_ranges
 
 __all__ = [
     "echoed_ids",

@@ -61,7 +61,7 @@ def by_index(chunks: list[Any]) -> tuple[dict[int, str], dict[int, list[str]]]:
 
 
 def test_each_choice_moves_the_seed_on_and_wraps_within_its_range() -> None:
-    from trioserve.engine.base import SamplingSettings
+    from trioserve.vocabulary.sampling import SamplingSettings
 
     plain = GenerationRequest(text="x", max_new_tokens=1)
     assert with_seed_offset(plain, 3) is plain  # no seed: each job draws its own

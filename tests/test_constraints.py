@@ -17,9 +17,9 @@ import torch
 
 from trioserve import protocol as p
 from trioserve.engine.base import grammars_of
-from trioserve.engine.constraint import CONSTRAINT_LIMITS, Constraint, ConstraintError
 from trioserve.engine.grammars import Grammars, MaskRows
 from trioserve.openai import OpenAIError, parse_chat_request, parse_completion_request
+from trioserve.vocabulary.constraint import CONSTRAINT_LIMITS, Constraint, ConstraintError
 
 SCHEMA = {
     "type": "object",
@@ -383,7 +383,8 @@ def test_regex_outputs_match_in_full(grammars: Grammars) -> None:
 
 
 def _spec(engine: Any, job_id: int, prompt: str, **fields: Any) -> Any:
-    from trioserve.engine.base import GenerationSpec, SamplingSettings
+    from trioserve.engine.base import GenerationSpec
+    from trioserve.vocabulary.sampling import SamplingSettings
 
     return GenerationSpec(
         job_id=job_id,
@@ -396,7 +397,7 @@ def _spec(engine: Any, job_id: int, prompt: str, **fields: Any) -> Any:
 
 
 def _run(engine: Any, specs: list[Any]) -> dict[int, tuple[str, Any]]:
-    from trioserve.engine.base import Failed, Finished, TextUpdate
+    from trioserve.vocabulary.results import Failed, Finished, TextUpdate
 
     texts: dict[int, str] = {spec.job_id: "" for spec in specs}
     ends: dict[int, Any] = {}
@@ -436,8 +437,8 @@ def test_the_embedded_models_engine_has_grammars(cpu_engine: Any) -> None:
 
 
 def test_a_job_whose_masks_cost_too_much_fails_alone(cpu_engine: Any) -> None:
-    from trioserve.engine.base import Failed, Finished
     from trioserve.engine.grammars import MaskBudget
+    from trioserve.vocabulary.results import Failed, Finished
 
     costly = Grammars.for_model(
         Path(cpu_engine.info.model_dir),
@@ -464,7 +465,8 @@ def test_a_job_whose_masks_cost_too_much_fails_alone(cpu_engine: Any) -> None:
 def test_constrained_greedy_text_is_the_same_alone_beside_others_and_from_the_prefix_cache(
     cpu_engine: Any,
 ) -> None:
-    from trioserve.engine.base import Finished, SamplingSettings
+    from trioserve.vocabulary.results import Finished
+    from trioserve.vocabulary.sampling import SamplingSettings
 
     schema = cpu_engine.grammars.compile(Constraint.json_schema(CAT))
     alone = _run(cpu_engine, [_spec(cpu_engine, 10, PROMPT, constraint=schema)])[10]
@@ -504,7 +506,7 @@ def test_a_cancelled_constrained_job_leaves_nothing_behind(cpu_engine: Any) -> N
 
 
 def test_token_healing_with_a_constraint_fails_the_job_at_the_engine(cpu_engine: Any) -> None:
-    from trioserve.engine.base import Failed
+    from trioserve.vocabulary.results import Failed
 
     compiled = cpu_engine.grammars.compile(Constraint("regex", "[a-z]+"))
     out = _run(cpu_engine, [_spec(cpu_engine, 30, PROMPT, constraint=compiled, token_healing=True)])

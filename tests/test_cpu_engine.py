@@ -19,18 +19,12 @@ import pytest
 import torch
 
 from tests.direct import CPU, greedy_ids, perplexity_ratio, token_nlls
-from trioserve.engine.base import (
-    Engine,
-    Failed,
-    Finished,
-    GenerationSpec,
-    SamplingSettings,
-    TextUpdate,
-    Update,
-)
+from trioserve.engine.base import Engine, GenerationSpec
 from trioserve.engine.cpu import llama, native
 from trioserve.engine.cpu.engine import DEFAULT_PREFIX_CACHE_BYTES, CpuEngine
 from trioserve.errors import ConfigError, ModelError
+from trioserve.vocabulary.results import Failed, Finished, TextUpdate, Update
+from trioserve.vocabulary.sampling import SamplingSettings
 
 GREEDY = SamplingSettings(temperature=0.0, rep_pen=1.0)
 _ids = itertools.count(1)

@@ -25,13 +25,14 @@ from tests.http_helpers import connect, request
 from tests.serverproc import open_server_process
 from trioserve import openai as oa
 from trioserve import protocol as p
-from trioserve.engine.base import EngineInfo, SamplingSettings, setting_ranges
-from trioserve.engine.constraint import CONSTRAINT_KINDS
+from trioserve.engine.base import EngineInfo
 from trioserve.generation import GenerationRequest, InvalidGeneration
 from trioserve.generation.generation import build_spec, check_request, fit_prompt, trim_prompt
 from trioserve.openai.fields import OPENAI_RANGES, SHARED_FIELDS
 from trioserve.server.doors import from_infer, from_openai, openai_param, websocket_path
 from trioserve.server.http_types import RequestHead, client_address, parse_networks
+from trioserve.vocabulary.constraint import CONSTRAINT_KINDS
+from trioserve.vocabulary.sampling import SamplingSettings, setting_ranges
 
 if TYPE_CHECKING:
     from trioserve.engine.cpu.engine import CpuEngine

@@ -41,16 +41,7 @@ from hypothesis import strategies as st
 
 from tests.gpu.greedy import NEAR_TIE, GreedyReference, check_greedy, divergences
 from trioserve.engine import EngineOptions, load_engine
-from trioserve.engine.base import (
-    Engine,
-    Failed,
-    Finished,
-    FinishReason,
-    GenerationSpec,
-    SamplingSettings,
-    TextUpdate,
-    Update,
-)
+from trioserve.engine.base import Engine, GenerationSpec
 from trioserve.engine.exllamav2 import engine as exllamav2_engine
 from trioserve.engine.exllamav2.build import wait_for_build_lock
 from trioserve.engine.exllamav2.engine import CACHE_CLASSES, probe_exllamav2
@@ -74,6 +65,8 @@ from trioserve.engine.stops import earliest_stop
 from trioserve.engine.text import TextStream
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError
+from trioserve.vocabulary.results import Failed, Finished, FinishReason, TextUpdate, Update
+from trioserve.vocabulary.sampling import SamplingSettings
 
 # The fields of ExLlamaV2Sampler.Settings (exllamav2/generator/sampler.py,
 # the Settings dataclass at v0.3.2), written out because ExLlamaV2 cannot be
@@ -2338,7 +2331,7 @@ def test_gpu_constrained_jobs_in_one_batch(xengine: Any) -> None:
     in one batch, through ExLlamaV2's dynamic generator with the filter on
     its mask path: every output is valid, a complete value ends with reason
     constraint, the plain jobs end as usual, and no mask is left queued."""
-    from trioserve.engine.constraint import CONSTRAINT_KINDS, Constraint
+    from trioserve.vocabulary.constraint import CONSTRAINT_KINDS, Constraint
 
     assert xengine.info.constraints == CONSTRAINT_KINDS
     grammars = xengine.grammars
@@ -2393,7 +2386,7 @@ def test_gpu_constrained_jobs_in_one_batch(xengine: Any) -> None:
 
 @pytest.mark.gpu
 def test_gpu_cancelled_constrained_job_leaves_nothing_behind(xengine: Any) -> None:
-    from trioserve.engine.constraint import Constraint
+    from trioserve.vocabulary.constraint import Constraint
 
     person = xengine.grammars.compile(Constraint.json_schema(PERSON))
     spec = _chat_spec(xengine, 330, "Describe a person as JSON.", constraint=person)
@@ -2417,7 +2410,7 @@ def test_gpu_cancelled_constrained_job_leaves_nothing_behind(xengine: Any) -> No
 
 @pytest.mark.gpu
 def test_gpu_constraint_with_token_healing_is_refused(xengine: Any) -> None:
-    from trioserve.engine.constraint import Constraint
+    from trioserve.vocabulary.constraint import Constraint
 
     city = xengine.grammars.compile(Constraint.choice(["Paris", "Rome"]))
     spec = _chat_spec(xengine, 340, "Capital?", constraint=city, token_healing=True)

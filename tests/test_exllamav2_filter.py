@@ -42,22 +42,16 @@ from tests.test_exllamav2 import (
     ScriptedGenerator,
     exllamav2_unavailable,
 )
-from trioserve.engine.base import (
-    EngineInfo,
-    Failed,
-    Finished,
-    GenerationSpec,
-    SamplingSettings,
-    TextUpdate,
-    Update,
-)
-from trioserve.engine.constraint import CONSTRAINT_KINDS, Constraint
+from trioserve.engine.base import EngineInfo, GenerationSpec
 from trioserve.engine.exllamav2.filter import GrammarMask
 from trioserve.engine.exllamav2.jobs import JobState, constrained_update, refusal
 from trioserve.engine.exllamav2.plan import PAGE_SIZE, plan_load
 from trioserve.engine.grammars import CompiledGrammar, Grammars, JobMatcher, MaskBudget
 from trioserve.engine.models import default_model_dir
 from trioserve.engine.tokenizer import Tokenizer
+from trioserve.vocabulary.constraint import CONSTRAINT_KINDS, Constraint
+from trioserve.vocabulary.results import Failed, Finished, TextUpdate, Update
+from trioserve.vocabulary.sampling import SamplingSettings
 
 VOCAB = 49152  # the embedded model's (a multiple of 32: no padding)
 

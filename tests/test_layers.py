@@ -18,16 +18,21 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trioserve"
 #: The module trioserve/engine/__init__.py as a layer of its own.
 ENGINE_LOADER = "trioserve.engine (loader)"
 
-#: Higher may import lower; a layer may import itself.
+#: Higher may import lower; a layer may import itself; two layers of one rank
+#: may not import each other. The ranks follow from docs/design.md's rules:
+#: the vocabulary is the floor (no torch, no trio); the wire formats stand on
+#: it alone, protocol/ beside the engines (neither knows the other) and
+#: openai/ below generation/ (it never sees the trio scheduler); server/
+#: routes and moves bytes above them all.
 RANKS = {
     "trioserve": 7,  # the public __init__ re-exports every layer
     "trioserve.__main__": 8,
     "trioserve.cli": 7,
     "trioserve.server": 6,
     "trioserve.client": 5,
-    "trioserve.openai": 5,
     "trioserve.generation": 4,
-    "trioserve.protocol": 3,
+    "trioserve.openai": 3,
+    "trioserve.protocol": 2,
     "trioserve.metrics": 2,
     "trioserve.chat_template": 2,
     # The engine package's own __init__ is the loader (EngineOptions,
@@ -38,6 +43,7 @@ RANKS = {
     "trioserve.engine.exllamav2": 3,
     # What both backends share: the Engine protocol, constraints, samplers, text.
     "trioserve.engine": 2,
+    "trioserve.vocabulary": 1,
     "trioserve.logs": 0,
     "trioserve._version": 0,
     "trioserve.errors": 0,
@@ -89,6 +95,47 @@ def imports(path: Path) -> set[str]:
 MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
+#: What each wire format may import besides itself: the vocabulary, the
+#: errors, and (for openai/) the WebSocket protocol's public names.
+WIRE_FLOOR = {
+    "trioserve.protocol": {"trioserve.vocabulary", "trioserve.errors"},
+    "trioserve.openai": {"trioserve.vocabulary", "trioserve.errors", "trioserve.protocol"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if layer(n) in WIRE_FLOOR))
+def test_the_wire_formats_stand_on_the_vocabulary(name: str) -> None:
+    own = layer(name)
+    for target in imports(MODULES[name]):
+        other = layer(target)
+        if other == own:
+            continue
+        assert other in WIRE_FLOOR[own], f"{name} imports {target}"
+        # A wire format's private modules are its own: openai/ reads the
+        # protocol through the names it exports.
+        assert not any(part.startswith("_") for part in target.split(".")[2:]), (
+            f"{name} imports {target}, a private module of {other}"
+        )
+
+
+def test_the_vocabulary_needs_neither_torch_nor_trio() -> None:
+    for name, path in MODULES.items():
+        if layer(name) != "trioserve.vocabulary":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            found = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
+            for module in found:
+                top = module.split(".")[0]
+                assert top not in {"torch", "trio", "trio_websocket"}, f"{name}: {module}"
+
+
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_imports_point_down(name: str) -> None:
     own = layer(name)
@@ -133,3 +180,17 @@ def test_modules_and_classes_stay_small(name: str) -> None:
         if isinstance(node, ast.ClassDef):
             size = (node.end_lineno or node.lineno) - node.lineno + 1
             assert size <= 430, f"{name}.{node.name}: {size} lines"
+
+
+#: What only a wire format's own code writes: OpenAI's reply fields and its
+#: stream's framing.
+REPLY_WORDS = ("tool_calls", "finish_reason", '"data: ', "[DONE]", "chat.completion")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if layer(n) == "trioserve.server"))
+def test_the_server_holds_no_reply_logic(name: str) -> None:
+    """server/ routes and moves bytes: what turns a generation into an
+    API's reply lives with the API's wire format (openai/replies.py)."""
+    source = MODULES[name].read_text(encoding="utf-8")
+    for word in REPLY_WORDS:
+        assert word not in source, f"{name} writes {word!r}"

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from tests.test_cpu_engine import GREEDY, chat, make_spec, run_one
-from trioserve.engine.base import Finished, SamplingSettings, TextUpdate, TokenLogprob
 from trioserve.engine.cpu import llama
 from trioserve.engine.cpu.engine import CpuEngine
 from trioserve.engine.grammars import Grammars
+from trioserve.vocabulary.results import Finished, TextUpdate, TokenLogprob
+from trioserve.vocabulary.sampling import SamplingSettings
 
 pytestmark = pytest.mark.usefixtures("cpu_engine")
 
@@ -156,7 +157,7 @@ def test_prompt_logprobs_with_no_new_token_match_the_model(cpu_engine: CpuEngine
 def test_logprobs_respect_the_constraint_mask(cpu_engine: CpuEngine) -> None:
     grammars = cpu_engine.grammars
     assert isinstance(grammars, Grammars)
-    from trioserve.engine.constraint import Constraint
+    from trioserve.vocabulary.constraint import Constraint
 
     compiled = grammars.compile(Constraint.choice(("yes", "no", "maybe"), "$.choice"))
     spec = make_spec(

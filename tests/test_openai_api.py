@@ -14,7 +14,7 @@ from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion import Completion as CompletionChunk
 
-from trioserve.engine.base import EngineInfo, Finished, GenerationSpec, SamplingSettings
+from trioserve.engine.base import EngineInfo, GenerationSpec
 from trioserve.generation import InvalidGeneration
 from trioserve.generation.generation import build_spec as pipeline_build_spec
 from trioserve.generation.generation import check_request, fit_prompt
@@ -39,6 +39,8 @@ from trioserve.openai import (
     parse_completion_request,
 )
 from trioserve.server.doors import from_openai, openai_error
+from trioserve.vocabulary.results import Finished
+from trioserve.vocabulary.sampling import SamplingSettings
 
 pytestmark = pytest.mark.unit
 

@@ -21,8 +21,8 @@ from tests.strategies import (
     valid_request_pairs,
 )
 from trioserve import protocol as p
-from trioserve.engine.base import SamplingSettings
 from trioserve.errors import TrioserveError
+from trioserve.vocabulary.sampling import SamplingSettings
 
 pytestmark = pytest.mark.unit
 

@@ -18,8 +18,8 @@ from trioserve import protocol as p
 from trioserve.engine.base import EngineInfo
 from trioserve.generation import InvalidGeneration
 from trioserve.generation.generation import check_request
-from trioserve.protocol._json import _nesting_exceeds, json_depth_exceeds, json_size_exceeds
 from trioserve.server.doors import from_infer, infer_error
+from trioserve.vocabulary.strict_json import _nesting_exceeds, json_depth_exceeds, json_size_exceeds
 
 pytestmark = pytest.mark.unit
 
@@ -424,7 +424,7 @@ def test_info_limits_are_the_declared_ones() -> None:
 
 
 def test_sampler_fields_take_their_declarations_from_the_engine() -> None:
-    from trioserve.engine.base import SamplingSettings, setting_ranges
+    from trioserve.vocabulary.sampling import SamplingSettings, setting_ranges
 
     fields = p.request_fields("infer")
     for name, allowed in setting_ranges().items():

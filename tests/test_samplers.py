@@ -11,7 +11,6 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trioserve.engine.base import SamplingSettings
 from trioserve.engine.models import default_model_dir
 from trioserve.engine.samplers import (
     DRY_MAX_NGRAM,
@@ -21,6 +20,7 @@ from trioserve.engine.samplers import (
     xtc_protected_ids,
 )
 from trioserve.engine.tokenizer import Tokenizer
+from trioserve.vocabulary.sampling import SamplingSettings
 
 VOCAB = 10
 BREAK = 9

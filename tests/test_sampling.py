@@ -17,7 +17,6 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from numpy.typing import NDArray
 
-from trioserve.engine.base import SamplingSettings
 from trioserve.engine.sampling import (
     RowState,
     SamplingError,
@@ -28,6 +27,7 @@ from trioserve.engine.sampling import (
     settings_problem,
 )
 from trioserve.errors import EngineError, TrioserveError
+from trioserve.vocabulary.sampling import SamplingSettings
 
 F32 = NDArray[np.float32]
 F64 = NDArray[np.float64]

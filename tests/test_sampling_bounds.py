@@ -12,7 +12,6 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trioserve.engine.base import Range, SamplingSettings, setting_ranges
 from trioserve.engine.sampling import (
     SamplingError,
     _rows_apart,
@@ -20,6 +19,7 @@ from trioserve.engine.sampling import (
     sample,
     settings_problem,
 )
+from trioserve.vocabulary.sampling import Range, SamplingSettings, setting_ranges
 
 RANGES = setting_ranges()
 

@@ -8,9 +8,11 @@ from typing import Any
 import pytest
 import trio
 
-from trioserve.engine.base import Failed, Finished, GenerationSpec, SamplingSettings, TextUpdate
+from trioserve.engine.base import GenerationSpec
 from trioserve.generation.engine_thread import open_engine_thread
 from trioserve.generation.scheduler import Job, QueueFull, Scheduler
+from trioserve.vocabulary.results import Failed, Finished, TextUpdate
+from trioserve.vocabulary.sampling import SamplingSettings
 
 from .helpers import EOS, ScriptedEngine
 

@@ -23,22 +23,16 @@ from hypothesis import strategies as st
 
 from tests.test_cpu_engine import GREEDY, Outcome, chat, make_spec, run_all
 from trioserve.engine import EngineOptions
-from trioserve.engine.base import (
-    Failed,
-    Finished,
-    GenerationSpec,
-    SamplingSettings,
-    TextUpdate,
-    TokenLogprob,
-    Update,
-)
-from trioserve.engine.constraint import Constraint
+from trioserve.engine.base import GenerationSpec
 from trioserve.engine.cpu.engine import CpuEngine
 from trioserve.engine.cpu.jobs import CpuJob, StepSampler, XtcProtected, start_job
 from trioserve.engine.cpu.logprobs import TokenTexts
 from trioserve.engine.cpu.prefix import PrefixCache
 from trioserve.engine.cpu.speculative import ROW_BLOCK, NgramIndex, draft_budget, merged
 from trioserve.errors import ConfigError
+from trioserve.vocabulary.constraint import Constraint
+from trioserve.vocabulary.results import Failed, Finished, TextUpdate, TokenLogprob, Update
+from trioserve.vocabulary.sampling import SamplingSettings
 
 # --- the draft finder ------------------------------------------------------------
 

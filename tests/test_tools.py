@@ -15,9 +15,10 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trioserve.engine.constraint import Constraint
 from trioserve.engine.grammars import Grammars
-from trioserve.generation.tools import (
+from trioserve.openai import OpenAIError, parse_chat_request
+from trioserve.vocabulary.constraint import Constraint
+from trioserve.vocabulary.tools import (
     TOOL_FORMATS,
     CallArguments,
     CallEnd,
@@ -31,7 +32,6 @@ from trioserve.generation.tools import (
     prompt_messages,
     tool_grammar,
 )
-from trioserve.openai import OpenAIError, parse_chat_request
 
 from .helpers import running_server
 

@@ -27,17 +27,7 @@ from .client import (
     open_client,
 )
 from .engine import EngineOptions, load_engine
-from .engine.base import (
-    Engine,
-    EngineInfo,
-    Failed,
-    Finished,
-    FinishReason,
-    GenerationSpec,
-    SamplingSettings,
-    TextUpdate,
-    Update,
-)
+from .engine.base import Engine, EngineInfo, GenerationSpec
 from .errors import ConfigError, EngineError, ListenError, ModelError, TrioserveError
 from .generation import (
     EngineThread,
@@ -51,6 +41,8 @@ from .generation import (
 )
 from .protocol import InferChunk, InferFinal, ProtocolError
 from .server import Listening, Server, ServerConfig, ServerStatistics, serve
+from .vocabulary.results import Failed, Finished, FinishReason, TextUpdate, Update
+from .vocabulary.sampling import SamplingSettings
 
 __all__ = [
     "Client",

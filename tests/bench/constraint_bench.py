@@ -22,10 +22,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trioserve.engine.base import Finished, GenerationSpec, SamplingSettings, TextUpdate, Update
-from trioserve.engine.constraint import Constraint
+from trioserve.engine.base import GenerationSpec
 from trioserve.engine.cpu.engine import CpuEngine
 from trioserve.engine.grammars import Grammars, MaskRows
+from trioserve.vocabulary.constraint import Constraint
+from trioserve.vocabulary.results import Finished, TextUpdate, Update
+from trioserve.vocabulary.sampling import SamplingSettings
 
 ROUNDS = 5
 NEW_TOKENS = 128

@@ -34,13 +34,7 @@ if not __package__:
     # Run as a script from a checkout: make the project importable uninstalled.
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from trioserve.engine.base import (
-    Finished,
-    GenerationSpec,
-    SamplingSettings,
-    TextUpdate,
-    Update,
-)
+from trioserve.engine.base import GenerationSpec
 from trioserve.engine.cpu.engine import CpuEngine
 from trioserve.engine.cpu.speculative import DEFAULT_DRAFT_TOKENS
 from trioserve.engine.models import (
@@ -49,6 +43,8 @@ from trioserve.engine.models import (
     default_model_dir,
 )
 from trioserve.errors import ModelError
+from trioserve.vocabulary.results import Finished, TextUpdate, Update
+from trioserve.vocabulary.sampling import SamplingSettings
 
 GREEDY = SamplingSettings(temperature=0.0, rep_pen=1.0)
 DECODE_TOKENS = 128

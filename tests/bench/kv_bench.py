@@ -35,8 +35,9 @@ from tests.bench.engine_bench import (
     _vm_hwm,
     prompt_of,
 )
-from trioserve.engine.base import Failed, GenerationSpec, TextUpdate, Update
+from trioserve.engine.base import GenerationSpec
 from trioserve.engine.cpu.engine import CpuEngine
+from trioserve.vocabulary.results import Failed, TextUpdate, Update
 
 #: (streams, prompt tokens, decode steps timed) of each speed case.
 CASES = ((1, 30, 96), (8, 30, 64), (1, 900, 64), (8, 900, 48))

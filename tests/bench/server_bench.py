@@ -49,17 +49,11 @@ import trio_websocket
 
 from tests.helpers import RawClient, raw_client
 from trioserve import protocol as p
-from trioserve.engine.base import (
-    Engine,
-    EngineInfo,
-    Failed,
-    Finished,
-    GenerationSpec,
-    SamplingSettings,
-    Update,
-)
+from trioserve.engine.base import Engine, EngineInfo, GenerationSpec
 from trioserve.generation.engine_thread import EngineThread
 from trioserve.server import Server, ServerConfig
+from trioserve.vocabulary.results import Failed, Finished, Update
+from trioserve.vocabulary.sampling import SamplingSettings
 
 __all__ = [
     "FULL",

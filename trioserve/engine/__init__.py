@@ -13,19 +13,15 @@ from typing import Literal
 import attrs
 
 from ..errors import ConfigError, EngineError
+from ..vocabulary.results import Failed, Finished, FinishReason, TextUpdate, Update
+from ..vocabulary.sampling import SamplingSettings
 from .base import (
     CPU_KERNELS,
     KV_CACHE_DTYPES,
     WEIGHT_MODES,
     Engine,
     EngineInfo,
-    Failed,
-    Finished,
-    FinishReason,
     GenerationSpec,
-    SamplingSettings,
-    TextUpdate,
-    Update,
 )
 from .cpu.speculative import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES, SpeculativeMode
 

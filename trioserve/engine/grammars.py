@@ -1,5 +1,5 @@
 """Constrained decoding with llguidance: compiling a request's
-:class:`~trioserve.engine.constraint.Constraint` for a model's tokenizer, and
+:class:`~trioserve.vocabulary.constraint.Constraint` for a model's tokenizer, and
 the per-step token masks.
 
 :class:`Grammars` (one per loaded model) compiles a constraint -- in a worker
@@ -13,7 +13,7 @@ constrained rows of a step) and feeds it each sampled token.
 Bounds, so that no request can freeze the server or grow it without limit:
 
 * before compiling, the request's own size
-  (:data:`~trioserve.engine.constraint.CONSTRAINT_LIMITS`: schema bytes,
+  (:data:`~trioserve.vocabulary.constraint.CONSTRAINT_LIMITS`: schema bytes,
   regex and grammar characters, choices), checked by the doors;
 * while compiling and at every step, llguidance's parser limits
   (:data:`PARSER_LIMITS`): grammar size, lexer states (memory), and the
@@ -41,7 +41,7 @@ import llguidance
 import numpy as np
 import torch
 
-from trioserve.engine.constraint import Constraint, ConstraintError, grammar_syntax
+from trioserve.vocabulary.constraint import Constraint, ConstraintError, grammar_syntax
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions

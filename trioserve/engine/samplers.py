@@ -27,8 +27,8 @@ import attrs
 import torch
 from torch import Tensor
 
-from trioserve.engine.base import SamplingSettings
 from trioserve.engine.tokenizer import Tokenizer
+from trioserve.vocabulary.sampling import SamplingSettings
 
 __all__ = [
     "DRY_MAX_NGRAM",

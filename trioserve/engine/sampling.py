@@ -40,7 +40,6 @@ from typing import Literal, TypeAlias
 
 import torch
 
-from trioserve.engine.base import SamplingSettings, setting_bounds
 from trioserve.engine.samplers import (
     RowState,
     after_filters,
@@ -50,6 +49,7 @@ from trioserve.engine.samplers import (
     row_param,
 )
 from trioserve.errors import EngineError, TrioserveError
+from trioserve.vocabulary.sampling import SamplingSettings, setting_bounds
 
 __all__ = [
     "RowState",

@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from trioserve.engine.constraint import Constraint, ConstraintError
-
-from .tools import ToolFormat, ToolUse, tool_grammar
+from trioserve.vocabulary.constraint import Constraint, ConstraintError
+from trioserve.vocabulary.tools import ToolFormat, ToolUse, tool_grammar
 
 if TYPE_CHECKING:
     from trioserve.engine.grammars import CompiledGrammar, Grammars

@@ -26,13 +26,9 @@ import attrs
 import trio
 
 from trioserve.chat_template import ChatTemplate, ChatTemplateError
-from trioserve.engine.base import (
-    EngineInfo,
-    Failed,
-    Finished,
-    TextUpdate,
-    TokenLogprob,
-)
+from trioserve.engine.base import EngineInfo
+from trioserve.vocabulary.results import Failed, Finished, TextUpdate, TokenLogprob
+from trioserve.vocabulary.tools import ToolFormat, format_for, prompt_messages, takes_tools
 
 from .constraining import ConstraintRefused, compile_constraint, tools_constraint
 from .request import (
@@ -49,7 +45,6 @@ from .request import (
 )
 from .scheduler import Job, QueueFull, Scheduler, SchedulerClosed
 from .tokenizing import Tokenizing
-from .tools import ToolFormat, format_for, prompt_messages, takes_tools
 
 if TYPE_CHECKING:  # llguidance and torch load with the engine, not with this module
     from trioserve.engine.grammars import CompiledGrammar, Grammars
@@ -115,7 +110,7 @@ class Generations:
     #: time, so that a burst of hostile schemas takes one core at most.
     compiling: trio.CapacityLimiter = attrs.field(factory=lambda: trio.CapacityLimiter(1))
     #: How tool calls are written: ``auto`` (from the chat template) or a
-    #: format of :data:`~trioserve.generation.tools.TOOL_FORMATS`.
+    #: format of :data:`~trioserve.vocabulary.tools.TOOL_FORMATS`.
     tool_call_format: str = "auto"
     _in_flight: collections.Counter[Hashable] = attrs.field(factory=collections.Counter, init=False)
 

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import attrs
 
-from trioserve.engine.base import EngineInfo, GenerationSpec, SamplingSettings
-from trioserve.engine.constraint import Constraint
+from trioserve.engine.base import EngineInfo, GenerationSpec
 from trioserve.errors import TrioserveError
-
-from .tools import ToolUse
+from trioserve.vocabulary.constraint import Constraint
+from trioserve.vocabulary.sampling import SamplingSettings
+from trioserve.vocabulary.tools import ToolUse
 
 if TYPE_CHECKING:  # llguidance and torch load with the engine, not with this module
     from trioserve.engine.grammars import CompiledGrammar

@@ -37,8 +37,9 @@ from typing import Any
 import attrs
 import trio
 
-from trioserve.engine.base import Engine, Failed, Finished, GenerationSpec, TextUpdate, Update
+from trioserve.engine.base import Engine, GenerationSpec
 from trioserve.errors import TrioserveError
+from trioserve.vocabulary.results import Failed, Finished, TextUpdate, Update
 
 from .engine_thread import EngineThread, open_engine_thread
 from .fairness import FairQueue

@@ -1,7 +1,9 @@
 """The OpenAI-compatible API as a pure core: request bodies in, typed
 requests out (:mod:`.requests`); answers, stream chunks (:mod:`.responses`)
-and errors (:mod:`.errors`) in OpenAI's shape; vLLM's tokenizer routes
-(:mod:`.tokenize`). No I/O, no trio, no torch.
+and errors (:mod:`.errors`) in OpenAI's shape; the reply to a request from
+the state of its choices, whole or streamed, tool calls and logprob offsets
+included (:mod:`.replies`); vLLM's tokenizer routes (:mod:`.tokenize`). No
+I/O, no trio, no torch.
 
 What is accepted is listed in ``docs/openai.md``; its field table is
 generated from the declarations (:func:`field_table`).
@@ -9,6 +11,7 @@ generated from the declarations (:func:`field_table`).
 
 from .errors import OpenAIError, error_body
 from .logprobs import LegacyLogprobs, LogprobsAsked, chat_logprobs
+from .replies import ChoiceState, Reply
 from .requests import (
     COMPLETIONS_MAX_TOKENS,
     OPENAI_DEFAULTS,
@@ -58,6 +61,7 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatCompletionStream",
     "ChatMessage",
+    "ChoiceState",
     "CompletionChoice",
     "CompletionRequest",
     "CompletionStream",
@@ -67,6 +71,7 @@ __all__ = [
     "LogprobsAsked",
     "OpenAIError",
     "OpenAILimits",
+    "Reply",
     "TokenUsage",
     "TokenizeRequest",
     "TokenizerLimits",

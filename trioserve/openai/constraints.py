@@ -1,6 +1,6 @@
 """Structured output on the OpenAI door: every field that clients of the
 usual servers send to constrain an answer, read into one
-:class:`~trioserve.engine.constraint.Constraint`.
+:class:`~trioserve.vocabulary.constraint.Constraint`.
 
 * OpenAI: ``response_format`` ``{"type": "text" | "json_object" |
   "json_schema", "json_schema": {"name", "schema", "strict", "description"}}``
@@ -25,9 +25,9 @@ from typing import Any, Final
 
 from cattrs.errors import IterableValidationError, IterableValidationNote
 
-from trioserve.engine.constraint import Constraint
-from trioserve.protocol._fields import BadValue, Rule
-from trioserve.protocol._json import STRICT_DECODER, show
+from trioserve.vocabulary.constraint import Constraint
+from trioserve.vocabulary.rules import BadValue, Rule
+from trioserve.vocabulary.strict_json import STRICT_DECODER, show
 
 from .errors import OpenAIError
 from .errors import invalid as _invalid

@@ -12,8 +12,8 @@ from typing import Any, Final
 import attrs
 
 from trioserve import protocol as p
-from trioserve.engine.base import Range, SamplingSettings, setting_ranges
-from trioserve.protocol._fields import Rule
+from trioserve.vocabulary.rules import Rule
+from trioserve.vocabulary.sampling import Range, SamplingSettings, setting_ranges
 
 __all__ = [
     "OPENAI_DEFAULTS",
@@ -66,8 +66,15 @@ _check_overrides()
 
 
 def _rule(name: str) -> Rule:
+    """The rule ``infer``'s field ``name`` is read by."""
     rule: Rule = _INFER[name].rule
     return rule
+
+
+def _limit(name: str, limit: str) -> int:
+    """One of the bounds ``infer``'s field ``name`` declares (its rule's
+    ``limits``, as the ``info`` action reports them)."""
+    return _INFER[name].rule.limits[limit]
 
 
 @attrs.frozen(kw_only=True)
@@ -75,11 +82,11 @@ class OpenAILimits:
     """Bounds on a request's fields, checked before any work: the WebSocket
     protocol's declared bounds, so that both doors take the same."""
 
-    max_stop_strings: int = _rule("stop_conditions").max_count  # type: ignore[attr-defined]
-    max_stop_string_chars: int = _rule("stop_conditions").max_chars  # type: ignore[attr-defined]
-    max_stop_token_ids: int = _rule("stop_conditions").max_count  # type: ignore[attr-defined]
-    max_banned_ids: int = _rule("bann_bann").max_count  # type: ignore[attr-defined]
-    max_messages: int = _rule("messages").max_count  # type: ignore[attr-defined]
+    max_stop_strings: int = _limit("stop_conditions", "max_stop_conditions")
+    max_stop_string_chars: int = _limit("stop_conditions", "max_stop_string_chars")
+    max_stop_token_ids: int = _limit("stop_conditions", "max_stop_conditions")
+    max_banned_ids: int = _limit("bann_bann", "max_banned_ids")
+    max_messages: int = _limit("messages", "max_messages")
     max_name_chars: int = 256
     max_content_parts: int = 1024
     #: Choices one request may ask for (``n``): each is a generation of

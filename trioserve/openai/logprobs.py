@@ -20,7 +20,7 @@ from typing import Any, Final
 
 import attrs
 
-from trioserve.engine.base import MAX_TOP_LOGPROBS, TokenLogprob
+from trioserve.vocabulary.results import MAX_TOP_LOGPROBS, TokenLogprob
 
 from .errors import invalid as _invalid
 

@@ -15,7 +15,7 @@ from typing import Any, Final, Literal
 
 import attrs
 
-from trioserve.generation.tools import ToolCall
+from trioserve.vocabulary.tools import ToolCall
 
 from .fields import OpenAILimits
 from .params import UNSUPPORTED, BadParam, is_text, show

@@ -51,11 +51,11 @@ from cattrs.errors import (
 )
 from cattrs.gen import make_dict_structure_fn, override
 
-from trioserve.engine.base import Range, SamplingSettings
-from trioserve.engine.constraint import Constraint
-from trioserve.generation.tools import ToolUse
-from trioserve.protocol._fields import MAX_TOKEN_ID, BadValue, Rule, as_int
-from trioserve.protocol._json import STRICT_DECODER
+from trioserve.vocabulary.constraint import Constraint
+from trioserve.vocabulary.rules import MAX_TOKEN_ID, BadValue, Rule, as_int
+from trioserve.vocabulary.sampling import Range, SamplingSettings
+from trioserve.vocabulary.strict_json import STRICT_DECODER
+from trioserve.vocabulary.tools import ToolUse
 
 from .constraints import CONSTRAINT_PARAMS, read_constraint
 from .errors import OpenAIError

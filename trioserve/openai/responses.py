@@ -10,8 +10,8 @@ from typing import Any, Final, Literal, TypeAlias
 
 import attrs
 
-from trioserve.engine.base import Finished
-from trioserve.generation.tools import ToolCall
+from trioserve.vocabulary.results import Finished
+from trioserve.vocabulary.tools import ToolCall
 
 from .errors import OpenAIError
 

@@ -23,7 +23,7 @@ from typing import Any, Final
 
 import attrs
 
-from trioserve.protocol._fields import as_int
+from trioserve.vocabulary.rules import as_int
 
 from .errors import invalid
 from .params import UNSUPPORTED, is_text, show

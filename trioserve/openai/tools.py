@@ -1,6 +1,6 @@
 """The tools of a chat request: ``tools``, ``tool_choice``,
 ``parallel_tool_calls``, and the legacy ``functions`` / ``function_call``,
-read into one :class:`~trioserve.generation.tools.ToolUse`.
+read into one :class:`~trioserve.vocabulary.tools.ToolUse`.
 
 Bounds before any work: at most 128 tools (OpenAI's own limit), names of 1 to
 64 characters of letters, digits, ``_`` and ``-``, each only once, a
@@ -14,8 +14,8 @@ import re
 from collections.abc import Mapping
 from typing import Any, Final
 
-from trioserve.generation.tools import Tool, ToolUse
-from trioserve.protocol._fields import BadValue
+from trioserve.vocabulary.rules import BadValue
+from trioserve.vocabulary.tools import Tool, ToolUse
 
 from .fields import _rule
 from .params import BadParam, is_text, show

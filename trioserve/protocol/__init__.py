@@ -10,13 +10,16 @@ be tested and fuzzed alone.
 
 Each request field is declared once, on its message class (wire name, type,
 range, default, doc line; sampler settings take default and range from
-:class:`~trioserve.engine.base.SamplingSettings`): the codec, the error paths,
+:class:`~trioserve.vocabulary.sampling.SamplingSettings`): the codec, the error paths,
 the per-field limits reported by ``info`` (:data:`FIELD_LIMITS`) and the docs'
 field table (:func:`infer_field_table`) are derived from those declarations.
 Every frame is bounded before work: nesting at most :data:`MAX_JSON_DEPTH`,
 checked before parsing; echoed ids, ``tag``, stop conditions, banned ids and
 messages within their limits.
 """
+
+from trioserve.vocabulary.rules import Wire
+from trioserve.vocabulary.strict_json import MAX_JSON_DEPTH, json_equal
 
 from ._codec import (
     INFER_DEFAULTS,
@@ -32,8 +35,6 @@ from ._codec import (
     unstructure_reply,
     unstructure_request,
 )
-from ._fields import Wire
-from ._json import MAX_JSON_DEPTH, json_equal
 from ._messages import (
     ACTIONS,
     ENVELOPE,

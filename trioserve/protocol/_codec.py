@@ -30,8 +30,16 @@ from cattrs.errors import (
 )
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
-from ._fields import WIRE, BadValue, Wire, as_float, as_int, closest
-from ._json import MAX_JSON_DEPTH, JsonError, json_depth_exceeds, json_kind, parse_json, show
+from trioserve.vocabulary.rules import WIRE, BadValue, Wire, as_float, as_int, closest
+from trioserve.vocabulary.strict_json import (
+    MAX_JSON_DEPTH,
+    JsonError,
+    json_depth_exceeds,
+    json_kind,
+    parse_json,
+    show,
+)
+
 from ._messages import (
     ACTIONS,
     ENVELOPE,

@@ -12,11 +12,10 @@ from typing import Any, Final, Literal, TypeAlias
 
 import attrs
 
-from trioserve.engine.base import MAX_TOP_LOGPROBS, SamplingSettings, Strings
-from trioserve.engine.constraint import CONSTRAINT_LIMITS, Constraint
 from trioserve.errors import TrioserveError
-
-from ._fields import (
+from trioserve.vocabulary.constraint import CONSTRAINT_LIMITS, Constraint
+from trioserve.vocabulary.results import MAX_TOP_LOGPROBS
+from trioserve.vocabulary.rules import (
     WIRE,
     AnyJson,
     Bool,
@@ -32,7 +31,8 @@ from ._fields import (
     sampler_field,
     wire_field,
 )
-from ._json import MAX_JSON_DEPTH, json_equal
+from trioserve.vocabulary.sampling import SamplingSettings, Strings
+from trioserve.vocabulary.strict_json import MAX_JSON_DEPTH, json_equal
 
 __all__ = [
     "ACTIONS",
@@ -219,7 +219,7 @@ _BANNED = TokenIds(max_count=65536, limit_name="max_banned_ids")
 #: names ("system", "user", "assistant", "tool", "ipython").
 _MESSAGES = Messages(ChatMessage, max_count=2048, max_role_chars=64)
 #: Constraints: their bounds are declared once, with the engine's
-#: (:data:`~trioserve.engine.constraints.CONSTRAINT_LIMITS`), and the OpenAI
+#: (:data:`~trioserve.vocabulary.constraints.CONSTRAINT_LIMITS`), and the OpenAI
 #: door reads the same.
 _SCHEMA = JsonObject(CONSTRAINT_LIMITS.max_schema_bytes, "max_schema_bytes")
 _REGEX = Str(CONSTRAINT_LIMITS.max_regex_chars, min_chars=1)
@@ -239,7 +239,7 @@ class InferRequest:
 
     Each attribute is one wire field, declared here once: its wire name,
     rule (type and range), default and doc line. Sampler settings take their
-    defaults and ranges from :class:`~trioserve.engine.base.SamplingSettings`.
+    defaults and ranges from :class:`~trioserve.vocabulary.sampling.SamplingSettings`.
     Attribute names are the wire names except ``custom_bos`` (``customBos``).
     ``echoed`` holds ``request_id``, ``response_id`` and ``tag`` as the
     client sent them.

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from trioserve.engine.base import Finished, TokenLogprob
+from trioserve.vocabulary.results import Finished, TokenLogprob
 
 from ._messages import (
     EchoRequest,

@@ -35,9 +35,9 @@ from trioserve.errors import ConfigError, ListenError, TrioserveError
 from trioserve.generation import Generations, Tokenizing
 from trioserve.generation.engine_thread import EngineThread, open_loaded_engine
 from trioserve.generation.scheduler import Scheduler, SchedulerStatistics, StepRecord
-from trioserve.generation.tools import TOOL_FORMATS
 from trioserve.metrics import Metrics
 from trioserve.openai import OpenAILimits
+from trioserve.vocabulary.tools import TOOL_FORMATS
 
 from .connection import Connection, ConnectionServices, ConnectionSettings
 from .doors import ClientIdentity

@@ -37,13 +37,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from trioserve.engine.base import (
-    EngineInfo,
-    Failed,
-    GenerationSpec,
-    Update,
-)
-from trioserve.engine.constraint import CONSTRAINT_KINDS
+from trioserve.engine.base import EngineInfo, GenerationSpec
 from trioserve.engine.cpu import contention, llama
 from trioserve.engine.cpu.jobs import (
     CpuJob,
@@ -65,6 +59,8 @@ from trioserve.engine.grammars import Grammars, MaskRows
 from trioserve.engine.models import DEFAULT_MODEL_NAME, default_model_dir
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError
+from trioserve.vocabulary.constraint import CONSTRAINT_KINDS
+from trioserve.vocabulary.results import Failed, Update
 
 __all__ = [
     "DEFAULT_PREFIX_CACHE_BYTES",

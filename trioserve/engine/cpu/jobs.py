@@ -17,16 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from trioserve.engine.base import (
-    MAX_TOP_LOGPROBS,
-    Failed,
-    Finished,
-    FinishReason,
-    GenerationSpec,
-    TextUpdate,
-    TokenLogprob,
-    Update,
-)
+from trioserve.engine.base import GenerationSpec
 from trioserve.engine.cpu import llama
 from trioserve.engine.cpu.logprobs import (
     EntryQueue,
@@ -55,6 +46,15 @@ from trioserve.engine.sampling import (
 )
 from trioserve.engine.text import TextStream
 from trioserve.engine.tokenizer import Tokenizer
+from trioserve.vocabulary.results import (
+    MAX_TOP_LOGPROBS,
+    Failed,
+    Finished,
+    FinishReason,
+    TextUpdate,
+    TokenLogprob,
+    Update,
+)
 
 __all__ = [
     "CpuJob",

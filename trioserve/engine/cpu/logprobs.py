@@ -31,8 +31,8 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from trioserve.engine.base import TokenLogprob
 from trioserve.engine.tokenizer import Tokenizer
+from trioserve.vocabulary.results import TokenLogprob
 
 __all__ = ["EntryQueue", "Exact", "RawLogprob", "TokenTexts", "prompt_logprobs", "row_logprobs"]
 

@@ -38,7 +38,7 @@ from typing import Literal
 
 import attrs
 
-from trioserve.engine.base import Failed, TextUpdate, Update
+from trioserve.vocabulary.results import Failed, TextUpdate, Update
 
 __all__ = [
     "DEFAULT_DRAFT_TOKENS",

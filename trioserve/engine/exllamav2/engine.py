@@ -76,8 +76,7 @@ from typing import Any, Final
 
 import attrs
 
-from trioserve.engine.base import EngineInfo, Failed, Finished, GenerationSpec, TextUpdate, Update
-from trioserve.engine.constraint import CONSTRAINT_KINDS
+from trioserve.engine.base import EngineInfo, GenerationSpec
 from trioserve.engine.exllamav2.build import BUILD_LOCK_WAIT, build_lock, wait_for_build_lock
 from trioserve.engine.exllamav2.filter import GrammarMask, filter_class
 from trioserve.engine.exllamav2.jobs import (
@@ -93,6 +92,8 @@ from trioserve.engine.exllamav2.plan import PAGE_SIZE, LoadPlan, configure_atten
 from trioserve.engine.grammars import Grammars, JobMatcher
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError, ModelError
+from trioserve.vocabulary.constraint import CONSTRAINT_KINDS
+from trioserve.vocabulary.results import Failed, Finished, TextUpdate, Update
 
 __all__ = ["CACHE_CLASSES", "ExLlamaV2Engine", "probe_exllamav2"]
 

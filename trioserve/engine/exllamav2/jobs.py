@@ -18,15 +18,7 @@ from typing import Any, Protocol, TypeAlias
 
 import attrs
 
-from trioserve.engine.base import (
-    Failed,
-    Finished,
-    FinishReason,
-    GenerationSpec,
-    SamplingSettings,
-    TextUpdate,
-    Update,
-)
+from trioserve.engine.base import GenerationSpec
 from trioserve.engine.samplers import (
     DRY_MAX_NGRAM,
     bias_row,
@@ -36,6 +28,8 @@ from trioserve.engine.samplers import (
 from trioserve.engine.sampling import settings_problem
 from trioserve.engine.text import TextStream
 from trioserve.engine.tokenizer import Tokenizer
+from trioserve.vocabulary.results import Failed, Finished, FinishReason, TextUpdate, Update
+from trioserve.vocabulary.sampling import SamplingSettings
 
 __all__ = [
     "Decode",

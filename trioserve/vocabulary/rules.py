@@ -2,7 +2,7 @@
 
 Every field of every request class is an attrs field made by
 :func:`wire_field` (or :func:`sampler_field`, which takes the default and the
-range from :class:`~trioserve.engine.base.SamplingSettings`). Its metadata is a
+range from :class:`~trioserve.vocabulary.sampling.SamplingSettings`). Its metadata is a
 :class:`Wire`: the wire name, the :class:`Rule` that reads and checks a value,
 and the words for the docs table. The codec's structure hooks, the error
 paths, the per-field ``info`` limits and the docs' field table are all built
@@ -28,9 +28,8 @@ from cattrs.errors import (
     IterableValidationNote,
 )
 
-from trioserve.engine.base import RANGE, Flag, Range, SamplingSettings, Strings, TokenBias
-
-from ._json import json_size_exceeds, show
+from trioserve.vocabulary.sampling import RANGE, Flag, Range, SamplingSettings, Strings, TokenBias
+from trioserve.vocabulary.strict_json import json_size_exceeds, show
 
 __all__ = [
     "WIRE",
@@ -364,7 +363,7 @@ class LogitBias(Rule):
     """OpenAI's ``logit_bias``: an object from token ids, written as JSON
     object keys of decimal digits, to additive biases. Read into ``(id,
     bias)`` pairs in ascending order of id, as
-    :class:`~trioserve.engine.base.SamplingSettings` holds them."""
+    :class:`~trioserve.vocabulary.sampling.SamplingSettings` holds them."""
 
     def __init__(self, bound: TokenBias) -> None:
         self.bound = bound
