@@ -355,6 +355,9 @@ BAD_INFER_FIELDS: list[tuple[str, str]] = [
     ("logit_bias", "[]"),
     ("logit_bias", "null"),
     ("logit_bias", '"5"'),
+    ("min_tokens", "-1"),
+    ("min_tokens", "2.5"),
+    ("min_tokens", str(2**31)),
     # Beyond what the engines can represent (issue 8): each must be named, not
     # reach a sampling step.
     ("top_k", str(2**31)),

@@ -25,10 +25,11 @@ from tests.test_cpu_engine import GREEDY, Outcome, chat, make_spec, run_all
 from trioserve.engine import EngineOptions
 from trioserve.engine.base import GenerationSpec
 from trioserve.engine.cpu.engine import CpuEngine
-from trioserve.engine.cpu.jobs import CpuJob, StepSampler, XtcProtected, start_job
+from trioserve.engine.cpu.jobs import CpuJob, start_job
 from trioserve.engine.cpu.logprobs import TokenTexts
 from trioserve.engine.cpu.prefix import PrefixCache
 from trioserve.engine.cpu.speculative import ROW_BLOCK, NgramIndex, draft_budget, merged
+from trioserve.engine.cpu.step import StepSampler, XtcProtected
 from trioserve.errors import ConfigError
 from trioserve.vocabulary.constraint import Constraint
 from trioserve.vocabulary.results import Failed, Finished, TextUpdate, TokenLogprob, Update

@@ -16,6 +16,9 @@ stages, in this order:
    text of the prompt's last token; exactly that prefix is dropped.
 3. **Stop strings.** Text that could still be the start of a stop string is
    held; on a match, the text before it is released and the stream ends.
+   With ``hold_stops`` (a request's ``min_tokens``), the text of the first
+   that many ids pushed is released as it is and never looked at: a stop
+   string counts only within the text of later ids.
 
 Cost per push is a decode of a window of a few tokens, whatever the length of
 the generation (after each release the window restarts at the ids just
@@ -73,7 +76,8 @@ class TextStream:
     context (a leading space, an unfinished character) and are never emitted;
     only the last eight are used. ``skip_prefix`` is the text of the prompt
     token that token healing removed: the generated text starts with it again
-    and it is dropped once.
+    and it is dropped once. ``hold_stops``: stop strings are looked for only
+    in the text that ids after the first ``hold_stops`` pushed add.
 
     Not thread-safe; one job's stream is used by one thread at a time.
     """
@@ -85,6 +89,7 @@ class TextStream:
         *,
         context_ids: Sequence[int] = (),
         skip_prefix: str = "",
+        hold_stops: int = 0,
     ) -> None:
         if any(not s for s in stop_strings):
             raise ConfigError(f"stop strings must not be empty, got {list(stop_strings)!r}")
@@ -109,8 +114,10 @@ class TextStream:
         self._skip = skip_prefix
         self._skip_buffer = ""
         self._skipping = bool(skip_prefix)
-        # Stop-string state: text that may be the start of a stop string.
+        # Stop-string state: text that may be the start of a stop string,
+        # and how many ids are still to be pushed before stops count.
         self._pending = ""
+        self._hold = hold_stops
         self._ended = False
         self._stop_string: str | None = None
 
@@ -147,6 +154,7 @@ class TextStream:
                 f"(stop string {self._stop_string!r})"
             )
         self._ids.extend(ids)
+        self._hold -= len(ids)
         decoded = self._advance()
         return self._stop_stage(self._skip_stage(decoded, final=False), final=False)
 
@@ -262,7 +270,8 @@ class TextStream:
     # -- stage 3: stop strings ---------------------------------------------------
 
     def _stop_stage(self, text: str, *, final: bool) -> StreamPiece:
-        if self._matcher is None:
+        if self._matcher is None or self._hold >= 0:
+            # No stop strings, or text of the ids that min_tokens holds them for.
             return StreamPiece(text)
         pending = self._pending
         match = self._matcher.feed(text)

@@ -138,8 +138,9 @@ def check_request(
     renders_messages: bool,
 ) -> None:
     """The checks that depend on the model and need no tokenizer (protocol
-    section 3.4): ``max_new_tokens`` within the server's cap, token ids within
-    the vocabulary, ``messages`` only where the model has a chat template.
+    section 3.4): ``max_new_tokens`` within the server's cap (and at least
+    ``min_tokens``), token ids within the vocabulary, ``messages`` only where
+    the model has a chat template.
     Raises :class:`InvalidGeneration`."""
     if request.max_new_tokens is not None and request.max_new_tokens > max_new_tokens:
         raise InvalidGeneration(
@@ -170,6 +171,13 @@ def check_request(
             f"the {info.engine} engine does not report log probabilities",
             "logprobs",
             code="unsupported_parameter",
+        )
+    least = request.sampling.min_tokens
+    if request.max_new_tokens is not None and least > request.max_new_tokens:
+        raise InvalidGeneration(
+            f"min_tokens must be at most the request's limit on new tokens"
+            f" ({request.max_new_tokens}), got {least}",
+            "min_tokens",
         )
     if request.max_new_tokens == 0 and request.prompt_logprobs is None:
         raise InvalidGeneration(
@@ -246,7 +254,9 @@ def fit_prompt(
             )
         cap = max_new_tokens
         if request.default_max_new_tokens is not None:
-            cap = min(cap, request.default_max_new_tokens)
+            # The door's default gives way to min_tokens; the server's cap does not.
+            default = max(request.default_max_new_tokens, request.sampling.min_tokens)
+            cap = min(cap, default)
         new = max(1, min(cap, room))
     else:
         new = request.max_new_tokens

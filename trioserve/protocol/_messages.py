@@ -364,6 +364,12 @@ class InferRequest:
         extension=True,
         default_doc="`{}`",
     )
+    min_tokens: int = sampler_field(
+        "min_tokens",
+        "the first this many new tokens are never a stop token, and no stop string is looked for "
+        "in their text (vLLM's name)",
+        extension=True,
+    )
     json_schema: Mapping[str, Any] | None = wire_field(
         _SCHEMA,
         "the output is JSON valid against this schema (`{}` is no constraint); "

@@ -179,6 +179,7 @@ class SamplingSettings:
     temperature after the filters (temperature_last, or the dynamic one
     between min_temp and max_temp), XTC, and skew on the final draw.
     ``temperature == 0`` is greedy (penalties, biases and DRY still apply).
+    ``min_tokens`` holds the job's stops back (the stop tokens are banned).
     docs/sampling.md defines each.
 
     Each field declares its default and its :class:`Bound` here, once; the
@@ -246,6 +247,12 @@ class SamplingSettings:
     logit_bias: tuple[tuple[int, float], ...] = _bounded(
         (), TokenBias(max_count=1024, lo=-100.0, hi=100.0)
     )
+    #: vLLM's ``min_tokens`` (ExLlamaV2's ``min_new_tokens``): the first
+    #: this many generated tokens are never a stop token (the model's EOS
+    #: ids and the request's stop ids are banned until then), and no stop
+    #: string is looked for in their text. It never makes a job longer than
+    #: its ``max_new_tokens``.
+    min_tokens: int = _setting(0, 0, 2**31 - 1, integer=True)
 
     @property
     def greedy(self) -> bool:

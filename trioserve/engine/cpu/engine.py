@@ -7,7 +7,8 @@ plan; its module states every rule of the schedule -- and runs it: prefill
 chunks for new jobs (about :attr:`CpuEngine.prefill_chunk` prompt tokens per
 step, so that one long prompt delays the running jobs' next token by one
 chunk, not by the whole prompt), then one batched decode forward for every
-job that has a token to feed, and samples all the step's tokens in one call.
+job that has a token to feed, and samples all the step's tokens in one call
+(:mod:`trioserve.engine.cpu.step`).
 While jobs decode, prefill chunks take at most :attr:`CpuEngine.prefill_share`
 of the engine's time: steps past that share decode alone, so a prompt of the
 whole context slows the running streams to about half their speed instead of
@@ -41,8 +42,6 @@ from trioserve.engine.base import EngineInfo, GenerationSpec
 from trioserve.engine.cpu import contention, llama
 from trioserve.engine.cpu.jobs import (
     CpuJob,
-    StepSampler,
-    XtcProtected,
     decode_rows,
     draft_rows,
     prefill_chunk,
@@ -55,6 +54,7 @@ from trioserve.engine.cpu.plan import Chunk, PrefillRules, plan_step
 from trioserve.engine.cpu.prefix import PrefixCache, PrefixCacheStatistics
 from trioserve.engine.cpu.quant import CPU_KERNELS, weight_kind
 from trioserve.engine.cpu.speculative import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES
+from trioserve.engine.cpu.step import StepSampler, XtcProtected
 from trioserve.engine.grammars import Grammars, MaskRows
 from trioserve.engine.models import DEFAULT_MODEL_NAME, default_model_dir
 from trioserve.engine.tokenizer import Tokenizer

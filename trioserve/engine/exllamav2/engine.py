@@ -612,6 +612,9 @@ class ExLlamaV2Engine:
             job = self._job_class(
                 input_ids=torch.tensor([spec.prompt_ids], dtype=torch.long),
                 max_new_tokens=spec.max_new_tokens,
+                # The stop tokens are blocked until then (dynamic.py,
+                # ExLlamaV2DynamicJob.receive_logits), the healed token not counted.
+                min_new_tokens=spec.sampling.min_tokens,
                 gen_settings=settings,
                 seed=spec.sampling.seed,
                 stop_conditions=stop_conditions(spec, self._info.eos_token_ids),

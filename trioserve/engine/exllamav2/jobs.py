@@ -112,7 +112,7 @@ def sampler_fields(
 
 def stop_conditions(spec: GenerationSpec, eos_token_ids: frozenset[int]) -> list[int | str]:
     """The job's ``stop_conditions``: every EOS id of the model, the request's
-    stop ids, then its stop strings.
+    stop ids, then its stop strings (not with ``min_tokens``: see below).
 
     ExLlamaV2's job adds no EOS id itself (dynamic.py, ExLlamaV2DynamicJob
     takes only what it is given), and its config keeps just the first of a
@@ -120,6 +120,11 @@ def stop_conditions(spec: GenerationSpec, eos_token_ids: frozenset[int]) -> list
     (turboderp-org/exllamav2#803 on GitHub); the engine passes them all.
     """
     ids: list[int | str] = sorted(spec.stop_token_ids | eos_token_ids)
+    if spec.sampling.min_tokens:
+        # ExLlamaV2 holds back only the stop tokens (min_new_tokens); the
+        # job's TextStream finds the stop strings after min_tokens, and a job
+        # it ends is cancelled in ExLlamaV2 (updates_from_result).
+        return ids
     return ids + list(dict.fromkeys(spec.stop_strings))
 
 
@@ -220,6 +225,8 @@ class JobState:
                 # The healed token re-generates the removed token's text,
                 # which is not emitted again.
                 skip_prefix=decode(spec.prompt_ids[-1:]) if healing else "",
+                # ExLlamaV2 does not count the healed token in min_new_tokens.
+                hold_stops=spec.sampling.min_tokens + (1 if healing else 0),
             ),
         )
 
