@@ -366,7 +366,8 @@ def test_plan_refuses_tensor_parallel_without_flash_attn() -> None:
 #: How each trioserve sampler setting maps onto ``ExLlamaV2Sampler.Settings``
 #: (0.3.2): one attribute each, the same name but for the penalties (the
 #: ExLlamaV2 server's names) and logit_bias (ExLlamaV2's token_bias row).
-#: ``seed`` belongs to the job, not to the settings.
+#: ``seed`` and ``min_tokens`` belong to the job, not to the settings
+#: (``ExLlamaV2DynamicJob``'s ``seed`` and ``min_new_tokens``).
 ONE_TO_ONE = {
     "temperature": "temperature",
     "top_k": "top_k",
@@ -474,7 +475,7 @@ def test_sampler_fields_are_settings_fields(tokenizer: Tokenizer) -> None:
 def test_every_setting_maps_onto_one_exllamav2_attribute(tokenizer: Tokenizer) -> None:
     """Each trioserve setting changes its one ExLlamaV2 attribute and no
     other: the mapping is one to one."""
-    names = {a.name for a in attrs.fields(SamplingSettings)} - {"seed"}
+    names = {a.name for a in attrs.fields(SamplingSettings)} - {"seed", "min_tokens"}
     assert set(ONE_TO_ONE) == names == set(CHANGED)
     assert set(ONE_TO_ONE.values()) <= set(SETTINGS_REFERENCE)
     base = _fields(SamplingSettings(), tokenizer)
