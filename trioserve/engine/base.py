@@ -1,7 +1,7 @@
 """The Engine protocol: what the generation task needs from a backend.
 
 Engines are synchronous and know nothing of trio, so they can be tested and
-benchmarked alone. The generation task (``trioserve.scheduler``) is the only
+benchmarked alone. The generation task (``trioserve.generation.scheduler``) is the only
 caller of :meth:`Engine.step`, always from one worker thread at a time;
 :meth:`Engine.encode` and :meth:`Engine.decode` are thread-safe and may be
 called from any thread at any time.

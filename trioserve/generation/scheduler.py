@@ -6,7 +6,7 @@ synchronous; the scheduler admits waiting jobs into the engine's free slots,
 fairly across owners (connections), and routes each step's updates to the
 jobs' own result channels with ``send_nowait``: it never waits on a client.
 
-On the engine thread (:mod:`trioserve.worker`), a step loop takes the jobs
+On the engine thread (:mod:`trioserve.generation.engine_thread`), a step loop takes the jobs
 admitted and the cancellations made since the last step from a thread-safe
 inbox, runs one :meth:`Engine.step`, hands its updates back to trio without
 waiting, and goes straight into the next step. Routing and frame sending
@@ -160,7 +160,7 @@ class Scheduler:
     once even while one client floods the engine, through either door).
 
     ``engine_thread``: the thread that steps the engine (use the one that
-    loaded it, see :mod:`trioserve.worker`); without one, the step loop runs
+    loaded it, see :mod:`trioserve.generation.engine_thread`); without one, the step loop runs
     in a worker thread of its own.
     """
 

@@ -24,15 +24,11 @@ from trioserve.vocabulary.strict_json import MAX_JSON_DEPTH, json_equal
 from ._codec import (
     INFER_DEFAULTS,
     INFER_FIELDS,
-    decode_reply,
     decode_request,
-    encode_reply,
     encode_request,
     infer_field_table,
     request_fields,
-    structure_reply,
     structure_request,
-    unstructure_reply,
     unstructure_request,
 )
 from ._messages import (
@@ -41,34 +37,37 @@ from ._messages import (
     ERROR_TYPES,
     FIELD_LIMITS,
     ChatMessage,
-    EchoReply,
     EchoRequest,
+    ErrorType,
+    EstimateTokenRequest,
+    InferRequest,
+    InfoRequest,
+    LefttrimTokenRequest,
+    Request,
+    StopRequest,
+)
+from ._replies import (
+    EchoReply,
     EosReason,
     ErrorDetail,
     ErrorReply,
-    ErrorType,
     EstimateTokenReply,
-    EstimateTokenRequest,
     InferChunk,
     InferFinal,
-    InferRequest,
     InfoReply,
-    InfoRequest,
     LefttrimTokenReply,
-    LefttrimTokenRequest,
     Limits,
     ModelInfo,
     ProtocolError,
     Reply,
-    Request,
     ServerInfo,
     Status,
     StopReason,
     StopReply,
-    StopRequest,
     Timing,
     Usage,
 )
+from ._reply_codec import decode_reply, encode_reply, structure_reply, unstructure_reply
 from ._semantics import action_name, infer_chunk, infer_final
 
 __all__ = [

@@ -13,13 +13,15 @@ from trioserve.vocabulary.results import Finished, TokenLogprob
 from ._messages import (
     EchoRequest,
     EstimateTokenRequest,
-    InferChunk,
-    InferFinal,
     InferRequest,
     InfoRequest,
     LefttrimTokenRequest,
     Request,
     StopRequest,
+)
+from ._replies import (
+    InferChunk,
+    InferFinal,
     Timing,
     Usage,
 )

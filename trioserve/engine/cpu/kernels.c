@@ -49,8 +49,8 @@
 #define WIDE_BYTES 256                /* 16 groups x 16 bytes, as 4 loads of 64 */
 #define NARROW 4                      /* groups of one narrow block (the tail) */
 #define NARROW_BYTES 64
-#define ROWS 6                        /* rows of x sharing one pass over W (6 of 8, 4 and 6
-                                         tried: 0.90x torch's time at 8 and 64 rows) */
+#define ROWS 6                        /* rows of x sharing one pass over W (of 4, 6 and
+                                         8, the fastest at 8 and 64 rows when measured) */
 #define OUTS 16                       /* outputs per unit of parallel work */
 /* How far ahead of its reads a thread asks for the weights: one core keeps
    too few misses in flight for the memory's bandwidth on its own, and 4 KiB

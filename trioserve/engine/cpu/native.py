@@ -11,12 +11,12 @@ Q4_1 groups, but writes each activation in 15 bits (8 bits and an 8-bit
 residual: kernels.c), so that its answers are torch's bfloat16 path's
 where 8 bits moved near-ties, and asks for the weights ahead of its reads
 (one core alone keeps too few misses in flight to use the memory's
-bandwidth): 0.70x torch's time at one row, 0.90x at 8 and 64 rows. :func:`int8_mm` is the
+bandwidth; docs/performance.md has its timings). :func:`int8_mm` is the
 vocabulary projection's 8-bit weights times bfloat16 activations (no 8-bit
 activations there: its error bound is its weights'), with the same
 prefetching. :func:`add_rms_norm` adds a layer's output to the float32
 residual stream and normalises it in one pass per row, where torch runs a
-chain of about ten small operators (about 1 ms of a 7 ms decode step).
+chain of about ten small operators.
 :func:`attention` replaces rope's seven operators, the cache write and
 ``scaled_dot_product_attention`` (with its masks and length buckets, which
 kept torch's kernel batch-invariant) by one call: each row attends to
@@ -36,38 +36,24 @@ formula says, and a row's result must not depend on the other rows); the
 engine then runs torch's operators, as before. ``TRIOSERVE_NATIVE=0`` turns
 them off.
 
-The build: one C file, the machine's compiler (``$CC``, else ``cc``), about
-a second. The library lands in trioserve's cache (``$TRIOSERVE_CACHE``, else
-``$XDG_CACHE_HOME/trioserve``, else ``~/.cache/trioserve``) under
-``native/<digest>/``, the digest naming the source, the flags and the Python
-ABI (not the compiler: a restart loads it without one). It links the
-OpenMP runtime torch has already loaded (the same ``libgomp.so.1``), so its
-threads are torch's threads: the kernels run with torch's thread count and
-do not compete with a second pool.
+The build, the cache and the checks before loading are in
+:mod:`trioserve.engine.cpu.native_build`.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.machinery
-import importlib.util
 import logging
 import math
-import os
-import shutil
-import subprocess
-import sys
-import sysconfig
-import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from trioserve.engine.cpu.native_build import SOURCE, Unavailable, cache_dir, load
 
 __all__ = [
     "SOURCE",
@@ -89,38 +75,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels.c")
-_MODULE = "_trioserve_cpu"
-_FLAGS = (
-    "-O3",
-    "-shared",
-    "-fPIC",
-    "-fopenmp",
-    # The arithmetic as written: no multiply and add fused behind our back,
-    # so that the numbers do not depend on the compiler's choices.
-    "-ffp-contract=off",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512vnni",
-    "-mavx512bf16",
-    "-mf16c",
-    "-mfma",
-)
-#: CPU flags (as /proc/cpuinfo spells them) the kernel's instructions need.
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "f16c", "fma")
-_BUILD_TIMEOUT_S = 120.0
-
 _reason: str | None = None
-
-
-def cache_dir() -> Path:
-    """Where built kernels are kept: ``native/`` in trioserve's cache
-    (:func:`trioserve.engine.models.cache_root`: ``$TRIOSERVE_CACHE``, else
-    ``$XDG_CACHE_HOME/trioserve``, else ``~/.cache/trioserve``)."""
-    from trioserve.engine.models import cache_root
-
-    return cache_root() / "native"
 
 
 def unavailable_reason() -> str | None:
@@ -135,11 +90,11 @@ def kernel() -> ModuleType | None:
     :func:`unavailable_reason`)."""
     global _reason
     try:
-        module = _load()
+        module = load()
         failed = _probe(module)
         if failed:
-            raise _Unavailable(f"the built kernels failed their probe: {failed}")
-    except _Unavailable as exc:
+            raise Unavailable(f"the built kernels failed their probe: {failed}")
+    except Unavailable as exc:
         _reason = str(exc)
         logger.info("native CPU kernels not used: %s", _reason)
         return None
@@ -283,103 +238,6 @@ def _module() -> ModuleType:
     if module is None:  # pragma: no cover - callers use it only when it loaded
         raise RuntimeError(f"trioserve's native kernels are unavailable: {_reason}")
     return module
-
-
-class _Unavailable(Exception):
-    pass
-
-
-def _load() -> ModuleType:
-    if os.environ.get("TRIOSERVE_NATIVE", "1").strip().lower() in ("0", "off", "false", "no"):
-        raise _Unavailable("TRIOSERVE_NATIVE is off")
-    if sys.platform != "linux" or _machine() not in ("x86_64", "amd64"):
-        raise _Unavailable(f"built for x86-64 Linux only (this is {sys.platform}/{_machine()})")
-    missing = _missing_cpu_flags()
-    if missing:
-        raise _Unavailable(f"this CPU lacks {', '.join(missing)}")
-    path = _built()
-    spec = importlib.util.spec_from_file_location(
-        _MODULE, path, loader=importlib.machinery.ExtensionFileLoader(_MODULE, str(path))
-    )
-    if spec is None or spec.loader is None:  # pragma: no cover - a path always has a spec
-        raise _Unavailable(f"cannot load {str(path)!r}")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except ImportError as exc:
-        raise _Unavailable(f"cannot load {str(path)!r}: {exc}") from exc
-    if not module.supported():
-        raise _Unavailable("this CPU lacks AVX-512 VNNI or BF16 (cpuid)")
-    runtimes = _openmp_runtimes()
-    if len(runtimes) > 1:
-        raise _Unavailable(f"two OpenMP runtimes loaded ({', '.join(runtimes)}): not torch's pool")
-    return module
-
-
-def _machine() -> str:
-    return os.uname().machine.lower()
-
-
-def _missing_cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError as exc:
-        raise _Unavailable(f"cannot read /proc/cpuinfo: {exc}") from exc
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    flags = set(line.partition(":")[2].split())
-    return [f for f in _CPU_FLAGS if f not in flags]
-
-
-def _openmp_runtimes() -> list[str]:
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:  # pragma: no cover - Linux has it
-        return []
-    names = {ln.split()[-1] for ln in maps.splitlines() if "libgomp" in ln or "libiomp" in ln}
-    return sorted({os.path.realpath(n) for n in names if n.startswith("/")})
-
-
-def _compiler() -> str:
-    cc = os.environ.get("CC") or "cc"
-    found = shutil.which(cc)
-    if found is None:
-        raise _Unavailable(f"no C compiler ({cc!r} not found)")
-    return found
-
-
-def _built() -> Path:
-    """The kernels' shared library, built now unless the cache has it (a
-    cached one loads without a compiler)."""
-    include = sysconfig.get_paths()["include"]
-    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    digest = hashlib.sha256(
-        b"\0".join([SOURCE.read_bytes(), " ".join(_FLAGS).encode(), suffix.encode()])
-    ).hexdigest()[:16]
-    where = cache_dir() / digest
-    target = where / (_MODULE + suffix)
-    if target.is_file():
-        return target
-    cc = _compiler()
-    if not (Path(include) / "Python.h").is_file():
-        raise _Unavailable(f"no Python headers (Python.h not in {include!r})")
-    try:
-        where.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=where) as tmp:
-            built = Path(tmp) / target.name
-            command = [cc, *_FLAGS, f"-I{include}", str(SOURCE), "-o", str(built)]
-            result = subprocess.run(
-                command, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False
-            )
-            if result.returncode != 0:
-                tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
-                raise _Unavailable(f"building {SOURCE.name} failed: {' / '.join(tail)}")
-            os.replace(built, target)  # atomic: a concurrent build's file is as good
-    except OSError as exc:
-        raise _Unavailable(f"cannot build into {str(where)!r}: {exc}") from exc
-    except subprocess.TimeoutExpired as exc:
-        raise _Unavailable(f"building {SOURCE.name} took over {_BUILD_TIMEOUT_S:.0f} s") from exc
-    logger.info("built the native CPU kernels into %s", target)
-    return target
 
 
 # --- the layout and its reference ----------------------------------------------

@@ -55,10 +55,10 @@ __all__ = [
 SpeculativeMode = Literal["off", "ngram"]
 #: What the engine's ``speculative`` setting accepts.
 SPECULATIVE_MODES: tuple[SpeculativeMode, ...] = ("off", "ngram")
-#: Rows of a forward that cost about as much as one more (measured on the
+#: Rows of a forward that cost little more than one (measured on the
 #: embedded model, one thread, the forward and the vocabulary projection:
-#: 1.10x, 1.23x, 1.35x one row's CPU time for 2 to 4 rows, then 1.91x for
-#: 5): the 4-bit and 8-bit kernels work in blocks of four rows.
+#: each of the second to fourth rows adds a small part of one row's time, a
+#: fifth nearly doubles it).
 ROW_BLOCK = 4
 #: Drafts fed after a job's pending token, at most, per step: one job's
 #: rows then fill one block.
