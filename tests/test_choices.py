@@ -77,6 +77,31 @@ def test_each_choice_moves_the_seed_on_and_wraps_within_its_range() -> None:
 # Scripted engine: the protocol of n choices
 
 
+async def test_a_generation_ends_however_its_block_is_left() -> None:
+    """``with generation:`` is the lifecycle's guarantee: left by a
+    cancellation mid-stream it interrupts (nothing generated is lost) and
+    frees the engine job and the client's count; left normally it keeps the
+    real outcome."""
+    async with serving(ScriptedEngine(step_delay=0.01)) as (server, _):
+        generations = server.generations
+        request = GenerationRequest(text="say:" + "abcdefgh" * 8, max_new_tokens=64)
+        generation = generations.open(request, client="me")
+        assert generations.in_flight("me") == 1
+        with trio.move_on_after(0.2) as scope, generation:
+            await generation.run()
+        assert scope.cancelled_caught
+        assert generation.outcome == "interrupted"
+        assert 0 < len(generation.response) < 64
+        assert generations.in_flight("me") == 0
+        await wait_until(lambda: idle(server))
+        whole = generations.open(GenerationRequest(text="say:ok", max_new_tokens=8), client="me")
+        with whole:
+            await whole.run()
+        assert (whole.outcome, whole.response) == ("finished", "ok")
+        assert generations.in_flight("me") == 0
+        assert whole.end() is False  # idempotent: already ended
+
+
 async def test_n_choices_whole_and_streamed_on_both_routes() -> None:
     async with serving(ScriptedEngine()) as (server, listening):
         sdk = client(listening.port)

@@ -172,14 +172,14 @@ def test_no_import_cycle() -> None:
 
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_modules_and_classes_stay_small(name: str) -> None:
-    """About 700 lines a module and 400 a class (docs/design.md); the
-    margin is for a docstring, not for a second thing."""
+    """At most 700 lines a module and 400 a class (docs/design.md): past
+    that, a file holds two things, and is split where they part."""
     source = MODULES[name].read_text(encoding="utf-8")
-    assert source.count("\n") <= 750, f"{name}: {source.count(chr(10))} lines"
+    assert source.count("\n") <= 700, f"{name}: {source.count(chr(10))} lines"
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ClassDef):
             size = (node.end_lineno or node.lineno) - node.lineno + 1
-            assert size <= 430, f"{name}.{node.name}: {size} lines"
+            assert size <= 400, f"{name}.{node.name}: {size} lines"
 
 
 #: What only a wire format's own code writes: OpenAI's reply fields and its

@@ -202,10 +202,12 @@ class Generation:
     queued); :meth:`follow` reads its updates to the end; :meth:`run` is
     both. ``on_text`` (set by the door) is called synchronously with each
     piece of released text, so the door decides how (and whether yet) to
-    send it. When the task following a generation is cancelled (a stop, a
-    disconnect, a shutdown), call :meth:`interrupt` from outside the cancelled
-    scope: it frees the job and settles the outcome. :meth:`close` (in a
-    ``finally``) releases the job and the client's count; it is idempotent.
+    send it. Whatever happens, :meth:`end` finishes it: it interrupts a
+    generation whose task was cancelled (a stop, a disconnect, a shutdown),
+    which frees the job and settles the outcome with nothing generated lost,
+    and closes it, which releases the job and the client's count. A door
+    runs a generation inside ``with generation:``, which ends it on the way
+    out, or calls :meth:`end` in a ``finally``.
     """
 
     request: GenerationRequest
@@ -507,6 +509,25 @@ class Generation:
             self._release(self.held)
             self.held = ""
         self._settle("interrupted")
+
+    def end(self) -> bool:
+        """The lifecycle's last step, however the generation got here: one
+        with no outcome yet is being abandoned (its task was cancelled, its
+        client left) and is interrupted (:meth:`interrupt`), then it is
+        closed (:meth:`close`). Synchronous and idempotent, so that it runs
+        on cancellation; ``with generation:`` calls it on the way out, which
+        is how a door cannot forget it. True when it was abandoned."""
+        abandoned = self.outcome is None
+        if abandoned:
+            self.interrupt()
+        self.close()
+        return abandoned
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.end()
 
     def close(self) -> None:
         """Free the engine job (if it still runs) and the client's count:

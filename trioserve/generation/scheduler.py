@@ -29,10 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import threading
-import time
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
 
 import attrs
 import trio
@@ -43,6 +40,7 @@ from trioserve.vocabulary.results import Failed, Finished, TextUpdate, Update
 
 from .engine_thread import EngineThread, open_engine_thread
 from .fairness import FairQueue
+from .step_loop import StepLoop, StepRecord, StepResult
 
 __all__ = ["Job", "QueueFull", "Scheduler", "SchedulerClosed", "SchedulerStatistics", "StepRecord"]
 
@@ -119,32 +117,6 @@ class SchedulerStatistics:
     step_seconds: float = 0.0
 
 
-@attrs.frozen
-class StepRecord:
-    """What one engine step did, for observers (metrics)."""
-
-    #: Seconds inside ``Engine.step``.
-    duration: float
-    #: Jobs in the engine during the step.
-    batch: int
-    #: Updates the step produced.
-    updates: int
-    failed: bool
-    #: The engine's ``statistics()`` right after the step, read on the engine
-    #: thread (None for an engine without one, when it failed, or when no
-    #: ``on_step`` observer is set).
-    engine_statistics: Any = None
-
-
-@attrs.define(eq=False)
-class _StepResult:
-    updates: list[Update]
-    #: Jobs failed because the step raised (the engine drops them next step).
-    failed_ids: list[int]
-    error: Exception | None
-    record: StepRecord
-
-
 class Scheduler:
     """Owns an engine and runs its generation task (:meth:`run`).
 
@@ -190,13 +162,8 @@ class Scheduler:
         # Trio side: jobs admitted to the engine (in the inbox or stepping),
         # and jobs waiting, per owner in arrival order.
         self._running: dict[int, Job] = {}
-        # The inbox, shared with the engine thread under the lock.
-        self._lock = threading.Lock()
-        self._inbox_submit: list[Job] = []
-        self._inbox_cancel: list[int] = []
-        self._stopping = False
-        #: Whether the step loop is running on the engine thread (under the lock).
-        self._loop_active = False
+        # The engine thread's half: its inbox, its loop.
+        self._loop = StepLoop(engine, self._post, lambda: self.on_step is not None)
         #: Set (on the trio side) when the step loop must be started.
         self._work_ready = trio.Event()
         # Routing's error, if it ever fails (a bug): it ends the generation task.
@@ -336,12 +303,7 @@ class Scheduler:
 
     def _post_to_loop(self, *, submit: Sequence[Job] = (), cancel: int | None = None) -> None:
         """Put work in the step loop's inbox; start the loop if it is idle."""
-        with self._lock:
-            self._inbox_submit.extend(submit)
-            if cancel is not None:
-                self._inbox_cancel.append(cancel)
-            start = not self._loop_active
-        if start:
+        if self._loop.add([job.spec for job in submit], cancel):
             self._work_ready.set()
 
     # -- the generation task ------------------------------------------------------
@@ -385,8 +347,7 @@ class Scheduler:
             try:
                 await trio.sleep_forever()
             finally:
-                with self._lock:
-                    self._stopping = True
+                self._loop.stop()
                 self._work_ready.set()
 
     async def _drive_step_loop(self, cancel_scope: trio.CancelScope) -> None:
@@ -395,28 +356,26 @@ class Scheduler:
         assert thread is not None
         try:
             while True:
-                # Not cancellable: run() stops the loop through _stopping, and
+                # Not cancellable: run() stops the loop through StepLoop.stop, and
                 # the loop must have dropped its jobs before the task ends.
                 with trio.CancelScope(shield=True):
                     await self._work_ready.wait()
                 self._work_ready = trio.Event()
-                with self._lock:
-                    if self._stopping and not self._loop_active:
-                        # Nothing runs in the engine while the loop is idle.
-                        return
-                    self._loop_active = True
-                await thread.run_sync(self._step_loop)
+                if not self._loop.claim():
+                    # Stopping, and nothing runs in the engine while the loop is idle.
+                    return
+                await thread.run_sync(self._loop.run)
         finally:
             # The loop ended (stopped, or broken): no job can be served now.
             # Its results were routed before this: run_sync_soon keeps order.
             cancel_scope.cancel()
 
-    def _post(self, result: _StepResult) -> None:
+    def _post(self, result: StepResult) -> None:
         """Hand a step's result to trio (called on the engine thread)."""
         assert self._token is not None
         self._token.run_sync_soon(self._deliver, result)
 
-    def _deliver(self, result: _StepResult) -> None:
+    def _deliver(self, result: StepResult) -> None:
         """Route a step's result: on the trio thread, outside any task, in
         the order the engine thread posted them. Routing here rather than in
         a task of its own saves a task switch per step (for one stream, 458
@@ -433,78 +392,7 @@ class Scheduler:
             if self._run_scope is not None:
                 self._run_scope.cancel()
 
-    def _step_loop(self) -> None:
-        """The engine thread's loop: inbox -> step -> results, until there is
-        nothing to do (it returns; the next job starts it again) or it is
-        told to stop (it drops every job the engine holds, then returns)."""
-        live: set[int] = set()
-        drop: list[int] = []
-        engine = self.engine
-        statistics = getattr(engine, "statistics", None)
-        while True:
-            with self._lock:
-                submits, self._inbox_submit = self._inbox_submit, []
-                cancels, self._inbox_cancel = self._inbox_cancel, []
-                stopping = self._stopping
-                if not (submits or cancels or live or drop or stopping):
-                    self._loop_active = False
-                    return
-            cancels += drop
-            drop = []
-            if stopping:
-                # Free the engine's slots, so that an engine that outlives this
-                # scheduler starts clean. With every job cancelled, the step
-                # has no model work to do and returns at once.
-                everything = [*live, *cancels, *(job.job_id for job in submits)]
-                if everything:
-                    try:
-                        engine.step([], everything)
-                    except Exception:
-                        log.exception("the engine failed to drop %d jobs", len(everything))
-                with self._lock:
-                    self._loop_active = False
-                return
-            if cancels and submits:
-                # Cancelled before the engine saw it: it never runs.
-                cancelled = set(cancels)
-                submits = [job for job in submits if job.job_id not in cancelled]
-            live.difference_update(cancels)
-            live.update(job.job_id for job in submits)
-            batch = len(live)
-            started = time.perf_counter()
-            error: Exception | None = None
-            try:
-                updates = engine.step([job.spec for job in submits], cancels)
-            except Exception as exc:
-                error = exc
-                updates = []
-            duration = time.perf_counter() - started
-            failed_ids: list[int] = []
-            if error is not None:
-                failed_ids = sorted(live)
-                # Let the engine drop whatever it still holds of these jobs.
-                drop = failed_ids
-                live.clear()
-            else:
-                for update in updates:
-                    if not isinstance(update, TextUpdate):
-                        live.discard(update.job_id)
-            engine_statistics = None
-            if callable(statistics) and self.on_step is not None:
-                try:
-                    engine_statistics = statistics()
-                except Exception:
-                    log.debug("the engine's statistics failed", exc_info=True)
-            record = StepRecord(
-                duration=duration,
-                batch=batch,
-                updates=len(updates),
-                failed=error is not None,
-                engine_statistics=engine_statistics,
-            )
-            self._post(_StepResult(updates, failed_ids, error, record))
-
-    def _route(self, result: _StepResult) -> None:
+    def _route(self, result: StepResult) -> None:
         self._steps += 1
         self._step_seconds += result.record.duration
         if result.error is not None:
@@ -533,7 +421,7 @@ class Scheduler:
                 log.exception("a step observer failed")
 
     @staticmethod
-    def _updates_of(result: _StepResult) -> Sequence[Update]:
+    def _updates_of(result: StepResult) -> Sequence[Update]:
         if result.error is None:
             return result.updates
         message = f"the engine failed: {result.error}"

@@ -52,7 +52,7 @@ from cattrs.errors import (
 from cattrs.gen import make_dict_structure_fn, override
 
 from trioserve.vocabulary.constraint import Constraint
-from trioserve.vocabulary.rules import MAX_TOKEN_ID, BadValue, Rule, as_int
+from trioserve.vocabulary.rules import MAX_TOKEN_ID, BadValue, Rule, StopStrings, TokenIds, as_int
 from trioserve.vocabulary.sampling import Range, SamplingSettings
 from trioserve.vocabulary.strict_json import STRICT_DECODER
 from trioserve.vocabulary.tools import ToolUse
@@ -222,58 +222,6 @@ def _model_hook(value: Any, _: Any) -> str | None:
     return str(value)
 
 
-def _stop_rule(limits: OpenAILimits) -> _Hook:
-    def hook(value: Any, _: Any) -> tuple[str, ...]:
-        if value is None:
-            return ()
-        items = [value] if isinstance(value, str) else value
-        if not isinstance(items, list):
-            raise _BadParam(
-                "stop", f"stop must be a string or a list of strings, got {_show(value)}"
-            )
-        if len(items) > limits.max_stop_strings:
-            raise _BadParam(
-                "stop",
-                f"stop may hold at most {limits.max_stop_strings} strings, got {len(items)}",
-            )
-        out: list[str] = []
-        for index, item in enumerate(items):
-            param = "stop" if isinstance(value, str) else f"stop[{index}]"
-            if not _text(item) or not item:
-                raise _BadParam(param, f"{param} must be a non-empty string, got {_show(item)}")
-            if len(item) > limits.max_stop_string_chars:
-                raise _BadParam(
-                    param,
-                    f"{param} must be at most {limits.max_stop_string_chars} characters, "
-                    f"got {len(item)}",
-                )
-            out.append(item)
-        return tuple(out)
-
-    return hook
-
-
-def _ids_rule(name: str, cap: int) -> _Hook:
-    def hook(value: Any, _: Any) -> tuple[int, ...]:
-        if value is None:
-            return ()
-        items = value if isinstance(value, list) else [value]
-        if len(items) > cap:
-            raise _BadParam(name, f"{name} may hold at most {cap} token ids, got {len(items)}")
-        out: list[int] = []
-        for index, item in enumerate(items):
-            number = as_int(item)
-            if number is None or number < 0 or number > MAX_TOKEN_ID:
-                param = f"{name}[{index}]" if isinstance(value, list) else name
-                raise _BadParam(
-                    param, f"{param} must be a token id (an integer >= 0), got {_show(item)}"
-                )
-            out.append(number)
-        return tuple(out)
-
-    return hook
-
-
 def _count_rule(name: str, cap: int, *, default: int | None) -> _Hook:
     def hook(value: Any, _: Any) -> int | None:
         if value is None:
@@ -409,6 +357,15 @@ def _sampler_hook(value: Any, _: Any) -> dict[str, Any]:
     return out
 
 
+def _rule_hook(param: str, rule: Rule) -> _Hook:
+    """A list field read by a rule of the vocabulary's kit (absent or null: empty)."""
+
+    def hook(value: Any, _: Any) -> Any:
+        return () if value is None else _declared_rule(param, rule, value)
+
+    return hook
+
+
 def _declared_hook(param: str, name: str, *, default: Any) -> _Hook:
     def hook(value: Any, _: Any) -> Any:
         if value is None:
@@ -424,15 +381,23 @@ def _common_hooks(limits: OpenAILimits) -> dict[str, Any]:
         "max_tokens": override(
             struct_hook=_declared_hook("max_tokens", "max_new_tokens", default=None)
         ),
-        "stop": override(struct_hook=_stop_rule(limits)),
+        "stop": override(
+            struct_hook=_rule_hook(
+                "stop", StopStrings(limits.max_stop_strings, limits.max_stop_string_chars)
+            )
+        ),
         "stream": override(struct_hook=_bool_rule("stream")),
         "include_usage": override(struct_hook=_bool_rule("stream_options.include_usage")),
         "token_healing": override(
             struct_hook=_declared_hook("token_healing", "token_healing", default=False)
         ),
-        "bann_bann": override(struct_hook=_ids_rule("bann_bann", limits.max_banned_ids)),
+        "bann_bann": override(
+            struct_hook=_rule_hook("bann_bann", TokenIds(limits.max_banned_ids, "max_banned_ids"))
+        ),
         "stop_token_ids": override(
-            struct_hook=_ids_rule("stop_token_ids", limits.max_stop_token_ids)
+            struct_hook=_rule_hook(
+                "stop_token_ids", TokenIds(limits.max_stop_token_ids, "max_stop_token_ids")
+            )
         ),
         "sampler": override(struct_hook=_sampler_hook),
         "n": override(struct_hook=_count_rule("n", limits.max_n, default=1)),

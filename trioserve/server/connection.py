@@ -34,17 +34,17 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from trioserve import protocol as p
-from trioserve.generation import Generation, Generations, InvalidGeneration, Overloaded
+from trioserve.generation import Generations, InvalidGeneration, Overloaded
 from trioserve.metrics import Metrics
 
 from . import access
-from .doors import from_infer, infer_error, infer_final
+from .doors import from_infer, infer_error
+from .infer import InferEntry
 
 __all__ = [
     "Connection",
     "ConnectionServices",
     "ConnectionSettings",
-    "InferEntry",
     "Outbox",
     "OutboxOverflow",
 ]
@@ -75,26 +75,6 @@ def short_repr(value: Any, limit: int = 80) -> str:
 
 class OutboxOverflow(Exception):
     """The client's unsent output passed the connection's byte limit."""
-
-
-@attrs.define(eq=False)
-class InferEntry:
-    """An ``infer`` in flight on one connection."""
-
-    request: p.InferRequest
-    generation: Generation
-    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
-    #: Set once the terminal frame is queued for the writer.
-    done: trio.Event = attrs.Factory(trio.Event)
-    #: A chunk marker for this request is in the outbox, not yet written.
-    chunk_pending: bool = False
-    #: Length of the response already sent in chunk frames.
-    sent: int = 0
-    #: Log-probability entries already sent in chunk frames.
-    logprobs_sent: int = 0
-    #: Why the request was interrupted, for metrics: ``stop``, ``shutdown``,
-    #: or (when nobody says) ``disconnect``.
-    cancel_cause: str | None = None
 
 
 class Outbox:
@@ -323,7 +303,7 @@ class Connection:
                     item = await self.outbox.get()
                 except trio.EndOfChannel:
                     return
-                frame = self._chunk_frame(item) if isinstance(item, InferEntry) else item
+                frame = item.chunk_frame() if isinstance(item, InferEntry) else item
                 if frame is None:
                     continue
                 self._sending_since = trio.current_time()
@@ -333,26 +313,6 @@ class Connection:
             self._cancel()
         finally:
             self._writer_done.set()
-
-    def _chunk_frame(self, entry: InferEntry) -> str | None:
-        """The chunk frame of everything ``entry`` released since its last one."""
-        entry.chunk_pending = False
-        generation = entry.generation
-        chunk = generation.response[entry.sent :]
-        if not chunk:
-            return None
-        entry.sent = len(generation.response)
-        entries = generation.logprobs[entry.logprobs_sent :]
-        entry.logprobs_sent += len(entries)
-        return p.encode_reply(
-            p.infer_chunk(
-                entry.request,
-                chunk=chunk,
-                util_text=generation.util_text,
-                response=generation.response,
-                logprobs=entries,
-            )
-        )
 
     async def _send_watchdog(self) -> None:
         """Wind down a client that accepts no byte of a frame for ``send_timeout``."""
@@ -552,28 +512,15 @@ class Connection:
         """Queue the terminal frame (synchronous: it runs on cancellation too)."""
         generation = entry.generation
         try:
-            if reply is None:
-                if generation.outcome is None:
-                    generation.interrupt()
-                if generation.outcome == "failed":
-                    reply = p.ProtocolError(
-                        "internal",
-                        generation.failure or "the engine failed",
-                        action="infer",
-                        echoed=entry.request.echoed,
-                    ).reply()
-                else:
-                    reply = infer_final(entry.request, generation)
-            if (
-                entry.request.stream
-                and not entry.chunk_pending
-                and len(generation.response) > entry.sent
-            ):
-                entry.chunk_pending = True
-                self._put(entry)
-            self._put(p.encode_reply(reply))
-            self.access.infer(entry.request, generation, reply, entry.cancel_cause)
+            with generation:
+                if reply is None:
+                    generation.end()
+                    reply = entry.terminal_reply()
+                if entry.unsent_chunk():
+                    entry.chunk_pending = True
+                    self._put(entry)
+                self._put(p.encode_reply(reply))
+                self.access.infer(entry.request, generation, reply, entry.cancel_cause)
         finally:
-            generation.close()
             entry.done.set()
             self.requests.discard(entry)

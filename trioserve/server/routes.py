@@ -360,11 +360,6 @@ class _Exchange:
     def _release(self) -> None:
         """The jobs' end, in a ``finally``: a choice that has no outcome yet
         is being abandoned by its client."""
-        abandoned = False
-        for generation in self.choices:
-            if generation.outcome is None:
-                abandoned = True
-                generation.interrupt()
-            generation.close()
-        if abandoned and not self.done:
+        abandoned = [generation.end() for generation in self.choices]
+        if any(abandoned) and not self.done:
             self._end("interrupted")

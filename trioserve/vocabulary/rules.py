@@ -277,6 +277,28 @@ class StopConditions(Rule):
         return _elements(value, self, self.item, self.max_count)
 
 
+class StopStrings(Rule):
+    """Stop strings only (OpenAI's ``stop``, Anthropic's ``stop_sequences``),
+    a list or a single one."""
+
+    def __init__(self, max_count: int, max_chars: int) -> None:
+        self.max_count = max_count
+        self.max_chars = max_chars
+        self.item_allowed = f"a stop string of 1 to {max_chars} characters"
+        self.allowed = f"{self.item_allowed}, or a list of at most {max_count} of them"
+        self.limits = {"max_stop_strings": max_count, "max_stop_string_chars": max_chars}
+
+    def item(self, value: Any) -> str:
+        if not isinstance(value, str) or not value:
+            raise BadValue(f"must be {self.item_allowed}, got {show(value)}")
+        if len(value) > self.max_chars:
+            raise BadValue(f"must be {self.item_allowed}, got {len(value)} characters")
+        return value
+
+    def read(self, value: Any) -> tuple[str, ...]:
+        return _elements(value, self, self.item, self.max_count)
+
+
 class TokenIds(Rule):
     """Token ids, a list or a single one."""
 
