@@ -18,6 +18,7 @@ from ..vocabulary.sampling import SamplingSettings
 from .base import (
     CPU_KERNELS,
     KV_CACHE_DTYPES,
+    PROJECTIONS,
     WEIGHT_MODES,
     Engine,
     EngineInfo,
@@ -49,9 +50,8 @@ log = logging.getLogger("trioserve.engine")
 EngineName = Literal["auto", "cpu", "exllamav2"]
 ENGINE_NAMES: tuple[EngineName, ...] = ("auto", "cpu", "exllamav2")
 CACHE_TYPES = ("fp16", "q4", "q6", "q8")
-#: What the CPU engine's vocabulary projection may run on (as
-#: trioserve.engine.cpu.llama.PROJECTIONS, without importing torch here).
-VOCAB_PROJECTIONS = ("auto", "bfloat16", "int8")
+#: What the CPU engine's vocabulary projection may run on.
+VOCAB_PROJECTIONS = PROJECTIONS
 
 
 @attrs.frozen(kw_only=True)

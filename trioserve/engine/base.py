@@ -38,7 +38,9 @@ if TYPE_CHECKING:
     from trioserve.engine.grammars import CompiledGrammar, Grammars
 
 __all__ = [
+    "CPU_KERNELS",
     "KV_CACHE_DTYPES",
+    "PROJECTIONS",
     "WEIGHT_MODES",
     "ConstrainedEngine",
     "Engine",
@@ -61,6 +63,14 @@ KV_CACHE_DTYPES: Final = ("auto", "int8")
 #: torch's; ``"native"`` trioserve's only; ``"torch"`` torch's
 #: ``_weight_int4pack_mm_for_cpu`` only.
 CPU_KERNELS: Final = ("auto", "native", "torch")
+#: What the CPU engine's vocabulary projection (hidden states to logits) may
+#: run on (``EngineOptions.vocab_projection``): ``"bfloat16"`` the bfloat16
+#: lm_head; ``"int8"`` an 8-bit copy with one scale per vocabulary row (half
+#: the bytes to read per step); ``"auto"`` int8 when the linear layers are
+#: quantized, else bfloat16. Either way the candidates near each row's
+#: maximum are recomputed in float32 from the bfloat16 lm_head
+#: (trioserve.engine.cpu.llama.logits).
+PROJECTIONS: Final = ("auto", "bfloat16", "int8")
 
 
 @attrs.frozen

@@ -23,13 +23,14 @@ import contextlib
 import json
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from trioserve.engine.base import PROJECTIONS as _PROJECTIONS
 from trioserve.engine.base import WEIGHT_MODES as _WEIGHT_MODES
 from trioserve.engine.cpu import native
 from trioserve.engine.cpu.attention import (
@@ -55,6 +56,7 @@ from trioserve.engine.cpu.quant import (
     use_native,
     weight_kind,
 )
+from trioserve.engine.cpu.weights_plan import plan_weights
 from trioserve.errors import ModelError
 
 __all__ = [
@@ -304,34 +306,24 @@ class LlamaWeights:
         """
         from safetensors import safe_open
 
-        if weights not in WEIGHT_MODES:
-            raise ModelError(f"weights must be one of {list(WEIGHT_MODES)!r}, got {weights!r}")
-        if projection not in PROJECTIONS:
-            raise ModelError(f"projection must be one of {list(PROJECTIONS)!r}, got {projection!r}")
         path = Path(path)
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ModelError(f"no *.safetensors file in {str(path)!r}")
-        can_quantize = device.type == "cpu" and dtype == torch.bfloat16
-        if weights in ("q4", "int8") and not can_quantize:
-            raise ModelError(
-                f"weights {weights!r} run on the CPU in bfloat16 only,"
-                f" got device {str(device)!r} and dtype {str(dtype).removeprefix('torch.')!r}"
-            )
         q4_file = path / Q4_FILE
-        if cpu_kernels == "native" and not can_quantize:
-            raise ModelError("trioserve's native kernels run on the CPU in bfloat16 only")
-        native_kernels = can_quantize and use_native(cpu_kernels)
-        q4_ok = native_kernels or q4_available()
-        use_file = q4_file.is_file() and (
-            weights == "q4" or (weights == "auto" and can_quantize and q4_ok)
+        plan = plan_weights(
+            weights=weights,
+            projection=projection,
+            cpu_kernels=cpu_kernels,
+            device=str(device),
+            dtype=str(dtype).removeprefix("torch."),
+            has_q4_file=q4_file.is_file(),
+            native_kernels=use_native,
+            torch_q4=q4_available,
+            torch_int8=int8_available,
         )
-        mode = "q4" if use_file else weights if weights in ("q4", "int8") else "float"
-        if mode == "q4" and not q4_ok:
-            raise ModelError("no working 4-bit CPU kernel here (neither torch's nor trioserve's)")
-        if mode == "int8" and not (native_kernels or int8_available()):
-            raise ModelError("this torch build has no working int8 CPU kernel")
-        kernel: Literal["native", "torch"] = "native" if native_kernels else "torch"
+        mode, use_file, kernel = plan.mode, plan.q4_file, plan.kernel
+        native_kernels = plan.kernel == "native"
         # Tensors are read one at a time and cast at once, so that loading
         # never holds the file's dtype and the run dtype of the whole model;
         # the float linear weights are not read at all when the 4-bit file
@@ -392,9 +384,7 @@ class LlamaWeights:
                 )
             untied = "lm_head.weight" in where and not config.tie_word_embeddings
             lm_head = take("lm_head.weight") if untied else embed
-            int8 = projection == "int8" or (projection == "auto" and mode != "float")
-            if int8 and not can_quantize:
-                raise ModelError("an 8-bit vocabulary projection runs on the CPU in bfloat16 only")
+            int8 = plan.int8_projection
             proj = (
                 int8_weight(lm_head, pack, native_kernel=native_kernels) if int8 else pack(lm_head)
             )
@@ -420,14 +410,8 @@ class LlamaWeights:
             )
 
 
-#: What the vocabulary projection (hidden states to logits) may run on:
-#: ``"bfloat16"`` the bfloat16 lm_head (oneDNN-packed where that is exact);
-#: ``"int8"`` an 8-bit copy with one scale per vocabulary row
-#: (``_weight_int8pack_mm``: half the bytes to read per step); ``"auto"``
-#: int8 when the linear layers are quantized, else bfloat16. Either way the
-#: candidates near each row's maximum are recomputed in float32 from the
-#: bfloat16 lm_head (see :func:`logits`).
-PROJECTIONS = ("auto", "bfloat16", "int8")
+#: What the vocabulary projection may run on (:data:`trioserve.engine.base.PROJECTIONS`).
+PROJECTIONS = _PROJECTIONS
 
 
 def projection_error(w: QuantizedWeight) -> float:
