@@ -1,4 +1,5 @@
-"""What to generate, whichever door asked: :class:`GenerationRequest`, the
+"""What to generate, whichever door asked (:class:`GenerationRequest`,
+declared in the vocabulary, :mod:`trioserve.vocabulary.request`), the
 errors a request can get before it runs (:class:`InvalidGeneration`,
 :class:`Overloaded`), and the pure steps from a request to an engine job:
 :func:`check_request` (the checks that need no tokenizer), :func:`fit_prompt`
@@ -9,16 +10,14 @@ tested on their own.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
 from trioserve.engine.base import EngineInfo, GenerationSpec
 from trioserve.errors import TrioserveError
-from trioserve.vocabulary.constraint import Constraint
-from trioserve.vocabulary.sampling import SamplingSettings
-from trioserve.vocabulary.tools import ToolUse
+from trioserve.vocabulary.request import Fit, GenerationRequest
 
 if TYPE_CHECKING:  # llguidance and torch load with the engine, not with this module
     from trioserve.engine.grammars import CompiledGrammar
@@ -74,56 +73,6 @@ class Overloaded(TrioserveError):
         super().__init__(message)
         self.message = message
         self.draining = draining
-
-
-#: What to do with a prompt that leaves less room than ``max_new_tokens``:
-#: ``trim`` keeps its end (the WebSocket ``infer``, protocol.md 3.4), ``refuse``
-#: answers ``context_length_exceeded`` (OpenAI: a chat must not be answered
-#: as if cut short).
-Fit: TypeAlias = Literal["trim", "refuse"]
-
-
-@attrs.frozen(kw_only=True)
-class GenerationRequest:
-    """What to generate, whatever door asked for it. The prompt is one of
-    ``text`` (with ``custom_bos`` before it), ``messages`` (rendered with the
-    model's chat template) or ``prompt_ids``."""
-
-    text: str = ""
-    custom_bos: str = ""
-    #: A chat as the template reads it (``{"role", "content", ...}`` each).
-    messages: tuple[Mapping[str, Any], ...] | None = None
-    prompt_ids: tuple[int, ...] | None = None
-    #: None: as many as the context leaves, up to the server's cap (and up
-    #: to ``default_max_new_tokens`` when that is set).
-    max_new_tokens: int | None
-    #: The door's default for an absent ``max_new_tokens`` (16 for an OpenAI
-    #: completion): an upper bound, never an error, whatever room is left.
-    default_max_new_tokens: int | None = None
-    fit: Fit = "trim"
-    sampling: SamplingSettings = attrs.field(factory=SamplingSettings)
-    stop_strings: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    banned_ids: tuple[int, ...] = ()
-    token_healing: bool = False
-    #: The output must match this (at most one constraint per request).
-    constraint: Constraint | None = None
-    #: The tools the model may call (chat only).
-    tools: ToolUse | None = None
-    #: Each generated token's log probability with this many alternatives.
-    logprobs: int | None = None
-    #: Each prompt token's, with this many; ``max_new_tokens`` may then be 0.
-    prompt_logprobs: int | None = None
-
-    @property
-    def prompt_field(self) -> str:
-        return "messages" if self.messages is not None else "prompt"
-
-    def describe_prompt(self) -> str:
-        """The prompt as text, for logs (before it is rendered or tokenized)."""
-        if self.messages is not None:
-            return "\n".join(str(m.get("content", "")) for m in self.messages)
-        return self.custom_bos + self.text
 
 
 # --------------------------------------------------------------------------

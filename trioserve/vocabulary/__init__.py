@@ -5,6 +5,7 @@ Both wire formats (:mod:`trioserve.protocol`, the WebSocket protocol, and
 :mod:`trioserve.openai`, the OpenAI API) derive their codecs from it, and the
 engines read the same declarations:
 
+- :mod:`.request`: the generation request both doors map onto;
 - :mod:`.sampling`: the sampler settings and their bounds;
 - :mod:`.constraint`: a constraint on the output (JSON schema, regex,
   choice, grammar) and its limits;
