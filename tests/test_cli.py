@@ -171,7 +171,7 @@ def test_environment_sets_every_option_and_the_command_line_wins() -> None:
         "dtype": ("float32", "float32"),
         "device": ("cuda:1", "cuda:1"),
         "threads": ("3", 3),
-        "weights": ("int8", "int8"),
+        "weights": ("float", "float"),  # int8 would need bfloat16 on the CPU
         "tool_call_format": ("mistral", "mistral"),
         "vocab_projection": ("bfloat16", "bfloat16"),
         "cpu_kernels": ("torch", "torch"),
@@ -247,7 +247,7 @@ def test_environment_sets_every_option_and_the_command_line_wins() -> None:
     ("args", "env", "says"),
     [
         (["--port", "70000"], {}, "--port"),
-        (["--max-batch", "0"], {}, "argument --max-batch: max batch must be >= 1, got 0"),
+        (["--max-batch", "0"], {}, "argument --max-batch: max_batch must be >= 1, got 0"),
         (["--gpu-split", "x"], {}, "--gpu-split"),
         # Passes argparse, fails EngineOptions' check: still a usage error.
         (["--cache-size", "100"], {}, "cache size must be a positive multiple of 256, got 100"),
@@ -258,7 +258,7 @@ def test_environment_sets_every_option_and_the_command_line_wins() -> None:
         (["--allowed-origin", "app.example"], {}, "argument --allowed-origin: allowed origins"),
         (["--trusted-proxy", "10.0.0.0/33"], {}, "argument --trusted-proxy: trusted proxies"),
         ([], {"TRIOSERVE_TRUSTED_PROXY": "a.b.c.d"}, "TRIOSERVE_TRUSTED_PROXY: trusted proxies"),
-        ([], {"TRIOSERVE_MAX_BATCH": "0"}, "TRIOSERVE_MAX_BATCH: max batch must be >= 1, got 0"),
+        ([], {"TRIOSERVE_MAX_BATCH": "0"}, "TRIOSERVE_MAX_BATCH: max_batch must be >= 1, got 0"),
         ([], {"TRIOSERVE_PORT": "http"}, "TRIOSERVE_PORT: expected a port number, got 'http'"),
         ([], {"TRIOSERVE_OFFLINE": "maybe"}, "TRIOSERVE_OFFLINE: expected one of 1, true"),
         ([], {"TRIOSERVE_ENGINE": "tpu"}, "TRIOSERVE_ENGINE: invalid choice: 'tpu'"),

@@ -21,7 +21,8 @@ import torch
 from tests.direct import CPU, greedy_ids, perplexity_ratio, token_nlls
 from trioserve.engine.base import Engine, GenerationSpec
 from trioserve.engine.cpu import llama, native
-from trioserve.engine.cpu.engine import DEFAULT_PREFIX_CACHE_BYTES, CpuEngine
+from trioserve.engine.cpu.engine import CpuEngine
+from trioserve.engine.cpu.options import CpuOptions
 from trioserve.errors import ConfigError, ModelError
 from trioserve.vocabulary.results import Failed, Finished, TextUpdate, Update
 from trioserve.vocabulary.sampling import SamplingSettings
@@ -103,7 +104,7 @@ def greedy_ids_direct(model_dir: Path, prompt: Sequence[int], n: int) -> list[in
     """Greedy ids from the model functions alone (no engine, no sampler), to
     check what the engine streams against the ids it must have generated."""
     config = llama.LlamaConfig.from_dir(model_dir)
-    weights = llama.LlamaWeights.load(model_dir, config, dtype=torch.bfloat16, device=CPU)
+    weights = llama.LlamaWeights.load(model_dir, config, CpuOptions())
     return greedy_ids(model_dir, weights, prompt, n)
 
 
@@ -535,7 +536,7 @@ def test_a_chats_next_turn_reuses_the_answer_and_matches_a_cold_run(
     second = make_spec(cpu_engine, second_prompt + "<|im_start|>assistant\n", 12)
     warm = run_one(cpu_engine, second)
     assert warm.finished.cached_tokens > len(first.prompt_ids)
-    cold_engine = CpuEngine.load(model_dir, max_batch=2, prefix_cache_bytes=0)
+    cold_engine = CpuEngine.load(model_dir, max_batch=2, prefix_cache_mib=0)
     try:
         cold = run_one(cold_engine, attrs.evolve(second, job_id=next(_ids)))
         assert cold.finished.cached_tokens == 0
@@ -563,7 +564,7 @@ def test_statistics_report_jobs_and_memory(cpu_engine: CpuEngine) -> None:
     stats = cpu_engine.statistics()
     assert (stats.running_jobs, stats.waiting_jobs, stats.kv_cache_bytes) == (0, 0, 0)
     assert stats.weight_bytes > 0
-    assert stats.prefix_cache.capacity_bytes == DEFAULT_PREFIX_CACHE_BYTES
+    assert stats.prefix_cache.capacity_bytes == CpuOptions().prefix_cache_bytes
     spec = make_spec(cpu_engine, chat("Name a color."), 4)
     cpu_engine.step([spec], [])
     running = cpu_engine.statistics()
@@ -600,9 +601,7 @@ def _q4_and_bfloat16_nlls(model_dir: Path, ids: Sequence[int]) -> list[torch.Ten
     config = llama.LlamaConfig.from_dir(model_dir)
     nlls = []
     for mode in ("auto", "float"):
-        weights = llama.LlamaWeights.load(
-            model_dir, config, dtype=torch.bfloat16, device=torch.device("cpu"), weights=mode
-        )
+        weights = llama.LlamaWeights.load(model_dir, config, CpuOptions(weights=mode))
         nlls.append(token_nlls(model_dir, weights, ids, logits=_float32_logits))
         del weights
     return nlls
@@ -763,9 +762,7 @@ def test_dry_stops_a_greedy_loop(cpu_engine: CpuEngine) -> None:
 @pytest.fixture(scope="module")
 def model(model_dir: Path) -> tuple[llama.LlamaConfig, llama.LlamaWeights]:
     config = llama.LlamaConfig.from_dir(model_dir)
-    weights = llama.LlamaWeights.load(
-        model_dir, config, dtype=torch.bfloat16, device=torch.device("cpu")
-    )
+    weights = llama.LlamaWeights.load(model_dir, config, CpuOptions())
     return config, weights
 
 

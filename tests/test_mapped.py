@@ -13,6 +13,7 @@ import torch
 
 from trioserve.engine.cpu import llama, quant
 from trioserve.engine.cpu.mapped import file_backed
+from trioserve.engine.cpu.options import CpuOptions
 
 
 def _resident_mib() -> float:
@@ -68,9 +69,7 @@ def test_the_default_weights_map_their_embedding(model_dir: Path) -> None:
     """On every kernel path: the 8-bit projection replaces the bfloat16 one,
     and the table is read a few rows at a time."""
     config = llama.LlamaConfig.from_dir(model_dir)
-    weights = llama.LlamaWeights.load(
-        model_dir, config, dtype=torch.bfloat16, device=torch.device("cpu")
-    )
+    weights = llama.LlamaWeights.load(model_dir, config, CpuOptions())
     path = model_dir / llama.EMBED_FILE
     assert path.is_file()
     assert weights.lm_head is weights.embed

@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 
 from tests.direct import mean_nll
 from trioserve.engine.cpu import llama, native
+from trioserve.engine.cpu.options import CpuOptions
 from trioserve.engine.cpu.quant import QuantizedWeight, dequantize, linear, q4_weight, quantize_q4
-from trioserve.errors import ModelError
+from trioserve.errors import ConfigError
 
 needs_native = pytest.mark.skipif(
     native.kernel() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"
@@ -305,16 +306,11 @@ def test_a_broken_compiler_is_a_reason_not_a_crash(tmp_path: Path) -> None:
     assert "out of coffee" in result.stdout
 
 
-def test_native_kernels_asked_for_where_they_cannot_run_is_a_model_error(model_dir: Path) -> None:
-    config = llama.LlamaConfig.from_dir(model_dir)
-    with pytest.raises(ModelError, match="bfloat16 only"):
-        llama.LlamaWeights.load(
-            model_dir,
-            config,
-            dtype=torch.float32,
-            device=torch.device("cpu"),
-            cpu_kernels="native",
-        )
+def test_native_kernels_asked_for_off_the_cpus_bfloat16_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="cpu_kernels 'native' need dtype 'bfloat16' on the CPU"):
+        CpuOptions(dtype="float32", cpu_kernels="native")
+    with pytest.raises(ConfigError, match="got dtype 'bfloat16' on device 'cuda'"):
+        CpuOptions(device="cuda", cpu_kernels="native")
 
 
 # --- the real model on them -------------------------------------------------------
@@ -334,12 +330,9 @@ def test_perplexity_on_the_native_kernels_is_within_one_percent_of_torchs(
     tokenizer = Tokenizer.from_dir(model_dir)
     text = PERPLEXITY_TEXT + " " + (ROOT / "README.md").read_text()[:2500]
     ids = [1, *tokenizer.encode(text)][:700]
-    cpu = torch.device("cpu")
     results = {}
     for kernels in ("native", "torch"):
-        weights = llama.LlamaWeights.load(
-            model_dir, config, dtype=torch.bfloat16, device=cpu, cpu_kernels=kernels
-        )
+        weights = llama.LlamaWeights.load(model_dir, config, CpuOptions(cpu_kernels=kernels))
         assert weights.native_norm == (kernels == "native")
         results[kernels] = math.exp(mean_nll(model_dir, weights, ids))
     assert 1.0 < results["torch"] < 200.0
@@ -469,9 +462,7 @@ def test_the_layer_stack_in_one_call_is_the_per_operator_path_bit_for_bit(
     from trioserve.engine.tokenizer import Tokenizer
 
     config = llama.LlamaConfig.from_dir(model_dir)
-    stack = llama.LlamaWeights.load(
-        model_dir, config, dtype=torch.bfloat16, device=torch.device("cpu")
-    )
+    stack = llama.LlamaWeights.load(model_dir, config, CpuOptions())
     assert stack.layer_table is not None and stack.layer_table.shape == (config.n_layers, 14)
     per_op = attrs.evolve(stack, layer_table=None)
     ids = Tokenizer.from_dir(model_dir).encode(

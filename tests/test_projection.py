@@ -20,8 +20,9 @@ from tests.direct import greedy_ids, mean_nll
 from tests.test_cpu_engine import PERPLEXITY_TEXT, chat
 from trioserve.engine.cpu import llama, quant
 from trioserve.engine.cpu.engine import CpuEngine
+from trioserve.engine.cpu.options import PROJECTIONS, CpuOptions
 from trioserve.engine.tokenizer import Tokenizer
-from trioserve.errors import ConfigError, ModelError
+from trioserve.errors import ConfigError
 
 CPU = torch.device("cpu")
 
@@ -75,7 +76,7 @@ def test_a_row_of_8bit_logits_does_not_depend_on_the_other_rows() -> None:
 def _load(model_dir: Path, projection: str, weights: str = "auto") -> llama.LlamaWeights:
     config = llama.LlamaConfig.from_dir(model_dir)
     return llama.LlamaWeights.load(
-        model_dir, config, dtype=torch.bfloat16, device=CPU, weights=weights, projection=projection
+        model_dir, config, CpuOptions(weights=weights, vocab_projection=projection)
     )
 
 
@@ -139,22 +140,20 @@ def test_float_weights_keep_a_bfloat16_projection_unless_asked(model_dir: Path) 
     assert isinstance(asked.projection, quant.QuantizedWeight)
 
 
-def test_a_bad_projection_is_a_clear_error(model_dir: Path) -> None:
-    with pytest.raises(ModelError, match="projection must be one of"):
-        _load(model_dir, "int4")
-    with pytest.raises(ConfigError, match="projection must be one of"):
-        CpuEngine.load(model_dir, projection="int4")
-    config = llama.LlamaConfig.from_dir(model_dir)
-    with pytest.raises(ModelError, match="8-bit vocabulary projection"):
-        llama.LlamaWeights.load(
-            model_dir, config, dtype=torch.float32, device=CPU, weights="float", projection="int8"
-        )
+def test_a_bad_projection_is_a_clear_error_before_any_file_is_read(tmp_path: Path) -> None:
+    # tmp_path holds no model: the options are refused before it is looked at.
+    with pytest.raises(ConfigError, match=r"vocab_projection must be one of .* got 'int4'"):
+        CpuEngine.load(tmp_path, vocab_projection="int4")
+    with pytest.raises(ConfigError, match="vocab_projection 'int8' needs dtype 'bfloat16'"):
+        CpuEngine.load(tmp_path, dtype="float32", weights="float", vocab_projection="int8")
 
 
 def test_the_command_line_offers_the_engines_projections() -> None:
-    from trioserve.engine import VOCAB_PROJECTIONS, EngineOptions
+    from trioserve.cli.options import OPTIONS
+    from trioserve.engine import EngineOptions
 
-    assert VOCAB_PROJECTIONS == llama.PROJECTIONS
-    assert EngineOptions(vocab_projection="int8").vocab_projection == "int8"
-    with pytest.raises(ConfigError, match="vocab projection must be one of"):
+    (option,) = [o for o in OPTIONS if o.name == "vocab_projection"]
+    assert tuple(option.choices or ()) == PROJECTIONS
+    assert EngineOptions(vocab_projection="int8").cpu().vocab_projection == "int8"
+    with pytest.raises(ConfigError, match="vocab_projection must be one of"):
         EngineOptions(vocab_projection="int4")

@@ -1,8 +1,9 @@
-"""The CPU engine's weights plan (trioserve/engine/cpu/weights_plan.py):
-every combination of the options, the device and dtype, the directory's
-4-bit file and the kernels this machine has, against the rules written out
-here once more; the kernels' probes are called only where the decision needs
-them."""
+"""The CPU engine's options and weights plan (trioserve/engine/cpu/options.py,
+weights_plan.py): every combination of the options, the device and dtype, the
+directory's 4-bit file and the kernels this machine has, against the rules
+written out here once more. What can run nowhere is refused by the options;
+what this machine cannot run, by the plan; the kernels' probes are called
+only where the decision needs them."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from trioserve.engine.base import CPU_KERNELS, PROJECTIONS, WEIGHT_MODES
+from trioserve.engine.cpu.options import CPU_KERNELS, PROJECTIONS, WEIGHT_MODES, CpuOptions
 from trioserve.engine.cpu.weights_plan import WeightsPlan, plan_weights
-from trioserve.errors import ModelError
+from trioserve.errors import ConfigError, ModelError
 
 pytestmark = pytest.mark.unit
 
@@ -42,18 +43,13 @@ class Probes:
         return self.has["int8"]
 
 
-def plan(probes: Probes, **options: Any) -> WeightsPlan:
-    values: dict[str, Any] = {
-        "weights": "auto",
-        "projection": "auto",
-        "cpu_kernels": "auto",
-        "device": "cpu",
-        "dtype": "bfloat16",
-        "has_q4_file": True,
-        **options,
-    }
+def plan(probes: Probes, has_q4_file: bool = True, **options: Any) -> WeightsPlan:
     return plan_weights(
-        **values, native_kernels=probes.native, torch_q4=probes.q4, torch_int8=probes.int8
+        CpuOptions(**options),
+        has_q4_file=has_q4_file,
+        native_kernels=probes.native,
+        torch_q4=probes.q4,
+        torch_int8=probes.int8,
     )
 
 
@@ -62,7 +58,9 @@ def expected(
 ) -> WeightsPlan | str:
     """The rules, from docs/performance.md's and the options' own words."""
     if not cpu_bf16 and (weights in ("q4", "int8") or kernels == "native"):
-        return "bfloat16 only"
+        return "need dtype 'bfloat16' on the CPU"
+    if not cpu_bf16 and projection == "int8":
+        return "needs dtype 'bfloat16' on the CPU"
     if kernels == "native" and not has["native"]:
         return "cannot run here"
     native = cpu_bf16 and kernels != "torch" and has["native"]
@@ -74,8 +72,7 @@ def expected(
     if mode == "int8" and not (native or has["int8"]):
         return "no working int8"
     int8_projection = projection == "int8" or (projection == "auto" and mode != "float")
-    if int8_projection and not cpu_bf16:
-        return "8-bit vocabulary projection"
+    assert not (int8_projection and not cpu_bf16)
     kernel = "native" if native else "torch"
     return WeightsPlan(mode, from_file, kernel, int8_projection)  # type: ignore[arg-type]
 
@@ -107,9 +104,10 @@ def test_every_combination_follows_the_rules() -> None:
             file,
             dict(zip(("native", "q4", "int8"), has, strict=True)),
         )
-        options = {"weights": weights, "projection": projection, "cpu_kernels": kernels}
+        options = {"weights": weights, "vocab_projection": projection, "cpu_kernels": kernels}
         if isinstance(want, str):
-            with pytest.raises(ModelError, match=want):
+            refused = ConfigError if "bfloat16" in want else ModelError
+            with pytest.raises(refused, match=want):
                 plan(probes, **options, device=device, dtype=dtype, has_q4_file=file)
             continue
         got = plan(probes, **options, device=device, dtype=dtype, has_q4_file=file)
@@ -136,8 +134,33 @@ def test_the_embedded_model_on_an_avx512_and_an_avx2_machine() -> None:
 
 
 @pytest.mark.parametrize(
-    ("option", "value"), [("weights", "q8"), ("projection", "fp8"), ("cpu_kernels", "cuda")]
+    ("option", "value", "says"),
+    [
+        ("weights", "q8", "weights must be one of"),
+        ("vocab_projection", "fp8", "vocab_projection must be one of"),
+        ("cpu_kernels", "cuda", "cpu_kernels must be one of"),
+        ("dtype", "int4", "dtype must be one of"),
+        ("max_batch", 0, "max_batch must be >= 1"),
+        ("context_length", 1, "context_length must be >= 2"),
+        ("threads", 0, "threads must be >= 1"),
+        ("prefix_cache_mib", -1, "prefix_cache_mib must be >= 0"),
+        ("prefill_share", 0.0, "prefill_share must be > 0 and <= 1"),
+        ("prefill_share", float("nan"), "prefill_share must be > 0 and <= 1"),
+        ("speculative", "eagle", "speculative must be one of"),
+        ("draft_tokens", 0, "draft_tokens must be >= 1"),
+        ("kv_cache_dtype", "fp8", "kv_cache_dtype must be one of"),
+    ],
 )
-def test_unknown_options_are_named(option: str, value: str) -> None:
-    with pytest.raises(ModelError, match=f"must be one of .* got {value!r}"):
-        plan(Probes(True, True, True), **{option: value})
+def test_each_bad_option_is_named_with_its_value(option: str, value: Any, says: str) -> None:
+    with pytest.raises(ConfigError, match=f"{says}.*got {value!r}"):
+        CpuOptions(**{option: value})
+
+
+def test_the_command_lines_options_carry_the_cpu_engines_whole() -> None:
+    # Every CPU option is an EngineOptions field of the same name and default
+    # (max_batch: None there, the CPU engine's default here).
+    from trioserve.engine import EngineOptions
+
+    assert EngineOptions().cpu() == CpuOptions()
+    changed: dict[str, Any] = {"weights": "int8", "vocab_projection": "bfloat16"}
+    assert EngineOptions(max_batch=3, **changed).cpu() == CpuOptions(max_batch=3, **changed)

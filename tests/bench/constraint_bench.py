@@ -102,7 +102,7 @@ def _percentile(values: Sequence[float], q: float) -> float:
 
 
 def run(results: list[dict[str, Any]], *, say: Callable[[str], None] = print) -> None:
-    engine = CpuEngine.load(max_batch=max(STREAMS), prefix_cache_bytes=0)
+    engine = CpuEngine.load(max_batch=max(STREAMS), prefix_cache_mib=0)
     grammars = engine.grammars
     assert grammars is not None, "the embedded model's engine has grammars"
     compiled = grammars.compile(Constraint.json_schema(CITIES))
@@ -209,7 +209,7 @@ def _interleaved(
     """Plain step time / constrained step time, per pair of steps taken one
     after the other (the order alternating), over the steps where every job
     of both engines decodes: the median and the quartiles."""
-    plain = CpuEngine.load(max_batch=max(STREAMS), prefix_cache_bytes=0)
+    plain = CpuEngine.load(max_batch=max(STREAMS), prefix_cache_mib=0)
     eos = frozenset(constrained.info.eos_token_ids)
     new = steps + 8
     a_specs = [

@@ -339,7 +339,7 @@ def run(results: list[dict[str, Any]], *, say: Any = print, rounds: int = ROUNDS
     """
     default_model_dir()  # obtain/convert before any timing
     engine = CpuEngine.load(max_batch=max(CONCURRENCY))
-    cold = CpuEngine.load(max_batch=1, prefix_cache_bytes=0)
+    cold = CpuEngine.load(max_batch=1, prefix_cache_mib=0)
     ids = _Ids()
     ref: LlamaCpp | None = None
     tmp = tempfile.TemporaryDirectory()

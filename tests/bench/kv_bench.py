@@ -94,8 +94,8 @@ def speed(
     rounds: int,
     cases: Sequence[tuple[int, int, int]] = CASES,
 ) -> None:
-    a = CpuEngine.load(max_batch=8, prefix_cache_bytes=0, **kwargs_a)
-    b = CpuEngine.load(max_batch=8, prefix_cache_bytes=0, **kwargs_b)
+    a = CpuEngine.load(max_batch=8, prefix_cache_mib=0, **kwargs_a)
+    b = CpuEngine.load(max_batch=8, prefix_cache_mib=0, **kwargs_b)
     print(f"A = {kwargs_a}, B = {kwargs_b}; load average {os.getloadavg()[0]:.1f}")
     for streams, prompt, steps in cases:
         ta: list[float] = []

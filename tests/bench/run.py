@@ -43,7 +43,8 @@ from tests.bench import (  # noqa: E402
     server_bench,
     server_vs_llama,
 )
-from trioserve.engine.cpu.engine import DTYPES, CpuEngine  # noqa: E402
+from trioserve.engine.cpu.engine import CpuEngine  # noqa: E402
+from trioserve.engine.cpu.options import DTYPE_NAMES  # noqa: E402
 from trioserve.engine.models import default_model_dir  # noqa: E402
 from trioserve.generation.engine_thread import open_engine_thread  # noqa: E402
 
@@ -108,7 +109,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--no-memory", action="store_true", help="skip the 1,000 idle connections measurement"
     )
     parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="bfloat16", help="the server bench's dtype"
+        "--dtype", choices=DTYPE_NAMES, default="bfloat16", help="the server bench's dtype"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument(

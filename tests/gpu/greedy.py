@@ -23,6 +23,7 @@ import attrs
 import torch
 
 from trioserve.engine.cpu import llama
+from trioserve.engine.cpu.options import CpuOptions
 
 __all__ = ["NEAR_TIE", "Divergence", "GreedyReference", "check_greedy", "divergences"]
 
@@ -60,9 +61,8 @@ class GreedyReference:
         # "float": the safetensors' own values (float16, exactly what
         # ExLlamaV2 loads), not the directory's 4-bit copy the CPU engine
         # prefers by default.
-        weights = llama.LlamaWeights.load(
-            model_dir, config, dtype=dtype, device=torch.device("cpu"), weights="float"
-        )
+        options = CpuOptions(dtype=str(dtype).removeprefix("torch."), weights="float")
+        weights = llama.LlamaWeights.load(model_dir, config, options)
         return cls(config, weights)
 
     def _cache(self, length: int) -> tuple[llama.KVCache, tuple[torch.Tensor, torch.Tensor]]:

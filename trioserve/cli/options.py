@@ -17,7 +17,7 @@ from typing import Any, Final, Literal
 import attrs
 
 from ..engine import SPECULATIVE_MODES, VOCAB_PROJECTIONS, EngineOptions
-from ..engine.base import CPU_KERNELS, KV_CACHE_DTYPES, WEIGHT_MODES
+from ..engine.cpu.options import CPU_KERNELS, DTYPE_NAMES, KV_CACHE_DTYPES, WEIGHT_MODES
 from ..logs import LOG_FORMATS, LOG_LEVELS
 from ..server import ServerConfig
 
@@ -314,7 +314,7 @@ OPTIONS: Final[tuple[Option, ...]] = (
         MODEL,
         "cpu engine: dtype of weights and activations",
         E,
-        choices=("bfloat16", "float16", "float32"),
+        choices=DTYPE_NAMES,
     ),
     Option("device", MODEL, "cpu engine: torch device, cpu or cuda[:N]", E, metavar="DEVICE"),
     Option(

@@ -27,7 +27,7 @@ its client. Its slot and cache pages are freed before the step's model work.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Final, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import attrs
 
@@ -38,39 +38,12 @@ if TYPE_CHECKING:
     from trioserve.engine.grammars import CompiledGrammar, Grammars
 
 __all__ = [
-    "CPU_KERNELS",
-    "KV_CACHE_DTYPES",
-    "PROJECTIONS",
-    "WEIGHT_MODES",
     "ConstrainedEngine",
     "Engine",
     "EngineInfo",
     "GenerationSpec",
     "grammars_of",
 ]
-
-
-#: What the CPU engine's linear layers may run on (``EngineOptions.weights``):
-#: ``auto`` (the model's own 4-bit weights where a probe finds the kernel
-#: exact enough, else the dtype), ``float`` (the dtype), ``q4`` or ``int8``.
-WEIGHT_MODES: Final = ("auto", "float", "q4", "int8")
-#: What the CPU engine's KV cache may store: ``"auto"`` the model's dtype,
-#: ``"int8"`` 8 bits per value with one bfloat16 scale per head and position
-#: (see :mod:`trioserve.engine.cpu.kvcache`).
-KV_CACHE_DTYPES: Final = ("auto", "int8")
-#: Which kernel the CPU engine's 4-bit layers run on: ``"auto"`` trioserve's
-#: own (trioserve.engine.cpu.native) where it builds and passes its probe, else
-#: torch's; ``"native"`` trioserve's only; ``"torch"`` torch's
-#: ``_weight_int4pack_mm_for_cpu`` only.
-CPU_KERNELS: Final = ("auto", "native", "torch")
-#: What the CPU engine's vocabulary projection (hidden states to logits) may
-#: run on (``EngineOptions.vocab_projection``): ``"bfloat16"`` the bfloat16
-#: lm_head; ``"int8"`` an 8-bit copy with one scale per vocabulary row (half
-#: the bytes to read per step); ``"auto"`` int8 when the linear layers are
-#: quantized, else bfloat16. Either way the candidates near each row's
-#: maximum are recomputed in float32 from the bfloat16 lm_head
-#: (trioserve.engine.cpu.llama.logits).
-PROJECTIONS: Final = ("auto", "bfloat16", "int8")
 
 
 @attrs.frozen

@@ -32,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -47,11 +48,11 @@ from trioserve.engine.cpu.jobs import (
     spec_problem,
     start_job,
 )
-from trioserve.engine.cpu.loading import DTYPES, load_parts
+from trioserve.engine.cpu.loading import load_parts
 from trioserve.engine.cpu.logprobs import TokenTexts
+from trioserve.engine.cpu.options import CpuOptions
 from trioserve.engine.cpu.plan import Chunk, PrefillRules, plan_step
 from trioserve.engine.cpu.prefix import PrefixCache, PrefixCacheStatistics
-from trioserve.engine.cpu.speculative import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES
 from trioserve.engine.cpu.step import StepSampler
 from trioserve.engine.grammars import Grammars
 from trioserve.engine.tokenizer import Tokenizer
@@ -59,24 +60,12 @@ from trioserve.errors import EngineError
 from trioserve.vocabulary.results import Failed, Update
 
 __all__ = [
-    "DEFAULT_PREFIX_CACHE_BYTES",
-    "DTYPES",
-    "SPECULATIVE_MODES",
-    "WEIGHT_MODES",
     "CpuEngine",
     "CpuEngineStatistics",
     "PrefixCacheStatistics",
 ]
 
 log = logging.getLogger("trioserve.engine")
-
-#: What ``CpuEngine.load(weights=...)`` accepts (see there).
-WEIGHT_MODES = llama.WEIGHT_MODES
-
-#: The prefix cache's default bound: 128 MiB holds about 5,800 positions of
-#: the embedded model (23 KiB each; about 11,000 with an 8-bit KV cache), a few
-#: long conversations.
-DEFAULT_PREFIX_CACHE_BYTES = 128 * 2**20
 
 
 @attrs.frozen
@@ -144,82 +133,22 @@ class CpuEngine:
 
     @classmethod
     def load(
-        cls,
-        model_dir: Path | None = None,
-        *,
-        dtype: str = "bfloat16",
-        device: str = "cpu",
-        context_length: int | None = None,
-        max_batch: int = 8,
-        offline: bool = False,
-        threads: int | None = None,
-        weights: str = "auto",
-        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
-        prefill_share: float = 0.5,
-        projection: str = "auto",
-        speculative: str = "off",
-        draft_tokens: int = DEFAULT_DRAFT_TOKENS,
-        kv_cache_dtype: str = "auto",
-        cpu_kernels: str = "auto",
+        cls, model_dir: Path | None = None, options: CpuOptions | None = None, **changes: Any
     ) -> CpuEngine:
         """Load a Llama-family Hugging Face directory (the embedded SmolLM2 when
-        ``model_dir`` is None, obtained with :func:`default_model_dir`).
-
-        ``context_length`` lowers the model's context; ``threads`` sets torch's
-        (process-wide) thread count when given. ``weights`` (one of
-        :data:`WEIGHT_MODES`) chooses what the linear layers run on: ``"auto"``
-        (the default) the directory's own 4-bit weights where it has them (the
-        embedded model does) and ``dtype`` is bfloat16 on a CPU, else the float
-        weights; ``"float"`` the float weights in ``dtype``; ``"q4"`` 4-bit
-        groups (the directory's, or quantized at load); ``"int8"`` 8 bits per
-        weight, quantized at load. Layers whose shape the quantized kernel
-        cannot run stay bfloat16.
-
-        ``prefix_cache_bytes`` bounds the prefix cache (the keys and values of
-        finished jobs, reused by later prompts that start with the same tokens;
-        see :mod:`trioserve.engine.cpu.prefix`); 0 turns it off.
-
-        ``projection`` (one of :data:`~trioserve.engine.cpu.llama.PROJECTIONS`)
-        chooses what the vocabulary projection runs on: ``"auto"`` an 8-bit
-        copy of it when the linear layers are quantized, else bfloat16.
-
-        ``kv_cache_dtype`` ``"int8"`` stores keys and values in 8 bits, about
-        half the memory of ``"auto"`` (``dtype``; see :mod:`~trioserve.engine.cpu.kvcache`).
-
-        ``cpu_kernels`` (one of :data:`~trioserve.engine.cpu.quant.CPU_KERNELS`) says
-        which kernel 4-bit layers run on: ``"auto"`` trioserve's own
-        (:mod:`~trioserve.engine.cpu.native`: 8-bit activations, integer dot
-        products, as llama.cpp) where it builds and passes its probe, else
-        torch's.
-
-        ``prefill_share`` (0 < share <= 1) bounds the share of time that
-        prompts' prefill takes while other jobs are decoding (see
-        :attr:`prefill_share`). ``speculative`` ``"ngram"`` feeds decoding
-        jobs up to ``draft_tokens`` drafts a step (:attr:`draft_tokens`; off
-        by default, here and in the server).
+        ``model_dir`` is None, obtained with :func:`default_model_dir`) as
+        ``options`` say (:class:`~trioserve.engine.cpu.options.CpuOptions`,
+        which documents each; its defaults when None), with ``changes`` to
+        its fields: ``CpuEngine.load(path, max_batch=4)``.
 
         Raises:
-            ConfigError: a bad dtype, device, context length, batch or thread count.
+            ConfigError: an option is invalid, alone or with the others (a
+                context length beyond the model's, too).
             ModelError: the model cannot be found, obtained or loaded.
             EngineError: the device is not available.
         """
-        parts = load_parts(
-            model_dir,
-            dtype=dtype,
-            device=device,
-            context_length=context_length,
-            max_batch=max_batch,
-            offline=offline,
-            threads=threads,
-            weights=weights,
-            prefix_cache_bytes=prefix_cache_bytes,
-            projection=projection,
-            speculative=speculative,
-            draft_tokens=draft_tokens,
-            prefill_share=prefill_share,
-            kv_cache_dtype=kv_cache_dtype,
-            cpu_kernels=cpu_kernels,
-        )
+        options = attrs.evolve(options or CpuOptions(), **changes)
+        parts = load_parts(model_dir, options)
         return cls(
             tokenizer=parts.tokenizer,
             config=parts.config,
@@ -231,8 +160,8 @@ class CpuEngine:
             rope=parts.rope,
             info=parts.info,
             device=parts.device,
-            prefill_share=prefill_share,
-            draft_tokens=draft_tokens if speculative == "ngram" else 0,
+            prefill_share=options.prefill_share,
+            draft_tokens=options.drafts,
             weight_bytes=parts.weights.nbytes,
             grammars=parts.grammars,
         )

@@ -21,7 +21,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from trioserve.engine.base import KV_CACHE_DTYPES
+from trioserve.engine.cpu.options import KV_CACHE_DTYPES
 
 __all__ = ["KV_CACHE_DTYPES", "KVCache", "dequantize", "quantize"]
 

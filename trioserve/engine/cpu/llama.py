@@ -30,8 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trioserve.engine.base import PROJECTIONS as _PROJECTIONS
-from trioserve.engine.base import WEIGHT_MODES as _WEIGHT_MODES
 from trioserve.engine.cpu import native
 from trioserve.engine.cpu.attention import (
     attention,
@@ -41,6 +39,7 @@ from trioserve.engine.cpu.attention import (
 )
 from trioserve.engine.cpu.kvcache import KVCache
 from trioserve.engine.cpu.mapped import file_backed
+from trioserve.engine.cpu.options import DTYPE_NAMES, CpuOptions
 from trioserve.engine.cpu.quant import (
     Q4_FILE,
     Linear,
@@ -60,8 +59,7 @@ from trioserve.engine.cpu.weights_plan import plan_weights
 from trioserve.errors import ModelError
 
 __all__ = [
-    "PROJECTIONS",
-    "WEIGHT_MODES",
+    "DTYPES",
     # Re-exported: the CPU engine allocates the model's cache as llama.KVCache.
     "KVCache",
     "LayerWeights",
@@ -200,13 +198,8 @@ def rope_tables(config: LlamaConfig, length: int, device: torch.device) -> tuple
 #: file of its directory (written on first load; trioserve.engine.cpu.mapped).
 EMBED_FILE = "trioserve/embed_tokens.bf16"
 
-#: What :meth:`LlamaWeights.load` may be asked for: ``"auto"`` takes the
-#: directory's own 4-bit weights when it has them (and the kernel works here),
-#: else the float weights in the run dtype; ``"float"`` always the float
-#: weights; ``"q4"`` the directory's 4-bit weights, or the float weights
-#: quantized to 4-bit groups at load; ``"int8"`` the float weights quantized
-#: to 8 bits per output row at load.
-WEIGHT_MODES = _WEIGHT_MODES
+#: The torch dtype of each of :data:`~trioserve.engine.cpu.options.DTYPE_NAMES`.
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @attrs.define(eq=False)
@@ -226,7 +219,8 @@ class LlamaWeights:
     norm: Tensor  # [D] float32
     lm_head: Tensor  # [V, D]; the same tensor as embed when tied
     #: lm_head in the form the vocabulary projection runs on, when not plain:
-    #: oneDNN-packed bfloat16, or 8 bits per row (see :data:`PROJECTIONS`).
+    #: oneDNN-packed bfloat16, or 8 bits per row (see
+    #: :data:`~trioserve.engine.cpu.options.PROJECTIONS`).
     #: The plain one stays for the embedding and the float32 refinement.
     projection: Linear | None = None
     #: For an 8-bit projection: a bound on its logits' error from rounding
@@ -281,42 +275,27 @@ class LlamaWeights:
         return total
 
     @classmethod
-    def load(
-        cls,
-        path: Path,
-        config: LlamaConfig,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        weights: str = "auto",
-        projection: str = "auto",
-        cpu_kernels: str = "auto",
-    ) -> LlamaWeights:
+    def load(cls, path: Path, config: LlamaConfig, options: CpuOptions) -> LlamaWeights:
         """Read the model directory ``path``: every ``*.safetensors`` file, cast to
-        ``dtype`` on ``device``, and for ``weights`` other than ``"float"`` the
-        linear layers quantized (see :data:`WEIGHT_MODES`); ``projection`` says
-        what the vocabulary projection runs on (see :data:`PROJECTIONS`);
-        ``cpu_kernels`` whether quantized layers and norms run on trioserve's
-        own kernels (see :data:`~trioserve.engine.base.CPU_KERNELS`).
+        ``options.dtype`` on ``options.device``, in the form the weights plan
+        (:func:`~trioserve.engine.cpu.weights_plan.plan_weights`) chooses for
+        ``options.weights``, ``options.vocab_projection`` and
+        ``options.cpu_kernels`` here.
 
         Raises:
-            ModelError: no safetensors file, a tensor is missing, or quantized
-                weights were asked for where they cannot run (not a CPU, not
-                bfloat16, or no working kernel in this torch).
+            ModelError: no safetensors file, a tensor is missing, or no
+                working kernel for the quantized weights asked for.
         """
         from safetensors import safe_open
 
         path = Path(path)
+        dtype, device = DTYPES[options.dtype], torch.device(options.device)
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ModelError(f"no *.safetensors file in {str(path)!r}")
         q4_file = path / Q4_FILE
         plan = plan_weights(
-            weights=weights,
-            projection=projection,
-            cpu_kernels=cpu_kernels,
-            device=str(device),
-            dtype=str(dtype).removeprefix("torch."),
+            options,
             has_q4_file=q4_file.is_file(),
             native_kernels=use_native,
             torch_q4=q4_available,
@@ -408,10 +387,6 @@ class LlamaWeights:
                 native_norm=native_kernels and config.hidden_size % 16 == 0,
                 layer_table=native.layer_table(layers) if native_kernels else None,
             )
-
-
-#: What the vocabulary projection may run on (:data:`trioserve.engine.base.PROJECTIONS`).
-PROJECTIONS = _PROJECTIONS
 
 
 def projection_error(w: QuantizedWeight) -> float:

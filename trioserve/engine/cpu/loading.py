@@ -1,4 +1,4 @@
-"""Loading the CPU engine: its options checked, the model found and read
+"""Loading the CPU engine: the model found and read
 (tokenizer and weights, in the form the options and the CPU allow: see
 :meth:`~trioserve.engine.cpu.llama.LlamaWeights.load`), the KV cache, the
 sampler's tables and the engine's facts made, and the load logged.
@@ -18,11 +18,10 @@ from torch import Tensor
 
 from trioserve.engine.base import EngineInfo
 from trioserve.engine.cpu import contention, llama
-from trioserve.engine.cpu.kvcache import KV_CACHE_DTYPES
 from trioserve.engine.cpu.logprobs import TokenTexts
+from trioserve.engine.cpu.options import CpuOptions
 from trioserve.engine.cpu.prefix import PrefixCache
-from trioserve.engine.cpu.quant import CPU_KERNELS, weight_kind
-from trioserve.engine.cpu.speculative import SPECULATIVE_MODES
+from trioserve.engine.cpu.quant import weight_kind
 from trioserve.engine.cpu.step import StepSampler, XtcProtected
 from trioserve.engine.grammars import Grammars, MaskRows
 from trioserve.engine.models import DEFAULT_MODEL_NAME, default_model_dir
@@ -30,7 +29,7 @@ from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError
 from trioserve.vocabulary.constraint import CONSTRAINT_KINDS
 
-__all__ = ["DTYPES", "PREFIX_BLOCK_TOKENS", "ROPE_START", "LoadedParts", "load_parts"]
+__all__ = ["PREFIX_BLOCK_TOKENS", "ROPE_START", "LoadedParts", "load_parts"]
 
 log = logging.getLogger("trioserve.engine")
 
@@ -38,12 +37,6 @@ log = logging.getLogger("trioserve.engine")
 ROPE_START = 512
 #: Tokens per prefix-cache block: a reused prefix is a multiple of this.
 PREFIX_BLOCK_TOKENS = 64
-
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
 
 
 @attrs.frozen
@@ -63,64 +56,29 @@ class LoadedParts:
     grammars: Grammars
 
 
-def load_parts(
-    model_dir: Path | None,
-    *,
-    dtype: str,
-    device: str,
-    context_length: int | None,
-    max_batch: int,
-    offline: bool,
-    threads: int | None,
-    weights: str,
-    prefix_cache_bytes: int,
-    prefill_share: float,
-    projection: str,
-    speculative: str,
-    draft_tokens: int,
-    kv_cache_dtype: str,
-    cpu_kernels: str,
-) -> LoadedParts:
-    """Check the options and load what :meth:`CpuEngine.load
+def load_parts(model_dir: Path | None, options: CpuOptions) -> LoadedParts:
+    """Load what :meth:`CpuEngine.load
     <trioserve.engine.cpu.engine.CpuEngine.load>` documents (the same
     arguments and errors)."""
-    torch_device = _checked_device(
-        dtype=dtype,
-        device=device,
-        max_batch=max_batch,
-        threads=threads,
-        weights=weights,
-        prefix_cache_bytes=prefix_cache_bytes,
-        prefill_share=prefill_share,
-        speculative=speculative,
-        draft_tokens=draft_tokens,
-        kv_cache_dtype=kv_cache_dtype,
-    )
+    torch_device = _device(options)
     name = DEFAULT_MODEL_NAME
     if model_dir is None:
-        model_dir = default_model_dir(offline=offline)
+        model_dir = default_model_dir(offline=options.offline)
     else:
         model_dir = Path(model_dir)
         name = model_dir.name
     config = llama.LlamaConfig.from_dir(model_dir)
     limit = config.max_position_embeddings
-    if context_length is not None and not 2 <= context_length <= limit:
+    context_length, max_batch = options.context_length, options.max_batch
+    if context_length is not None and context_length > limit:
         raise ConfigError(
             f"context_length must be in [2, {limit}] for this model, got {context_length!r}"
         )
     context = limit if context_length is None else context_length
     with contention.measure() as loading:
-        tokenizer, model = _load_model(
-            model_dir,
-            config,
-            torch_dtype=DTYPES[dtype],
-            device=torch_device,
-            weights=weights,
-            projection=projection,
-            cpu_kernels=cpu_kernels,
-        )
-    torch_dtype = DTYPES[dtype]
-    cache = _kv_cache(config, torch_dtype, torch_device, kv_cache_dtype)
+        tokenizer = Tokenizer.from_dir(model_dir)
+        model = llama.LlamaWeights.load(model_dir, config, options)
+    cache = _kv_cache(config, llama.DTYPES[options.dtype], torch_device, options.kv_cache_dtype)
     info = EngineInfo(
         engine="cpu",
         model_name=name,
@@ -135,7 +93,7 @@ def load_parts(
         constraints=CONSTRAINT_KINDS,
         logprobs=True,
     )
-    _log_loaded(name, dtype, torch_device, model, cache, context, max_batch)
+    _log_loaded(name, options.dtype, torch_device, model, cache, context, max_batch)
     for measured in loading if torch_device.type == "cpu" else []:
         hint = contention.advice(measured, torch.get_num_threads())
         if hint is not None:
@@ -147,7 +105,7 @@ def load_parts(
         config=config,
         weights=model,
         cache=cache,
-        prefix_cache=PrefixCache(prefix_cache_bytes, PREFIX_BLOCK_TOKENS),
+        prefix_cache=PrefixCache(options.prefix_cache_bytes, PREFIX_BLOCK_TOKENS),
         texts=texts,
         sampler=StepSampler(
             config.vocab_size,
@@ -219,84 +177,15 @@ def _give_back_freed_memory() -> None:
         pass
 
 
-def _load_model(
-    model_dir: Path,
-    config: llama.LlamaConfig,
-    *,
-    torch_dtype: torch.dtype,
-    device: torch.device,
-    weights: str,
-    projection: str,
-    cpu_kernels: str,
-) -> tuple[Tokenizer, llama.LlamaWeights]:
-    """:func:`load_parts`'s reading of the tokenizer and the weights."""
-    if projection not in llama.PROJECTIONS:
-        raise ConfigError(
-            f"projection must be one of {list(llama.PROJECTIONS)!r}, got {projection!r}"
-        )
-    if cpu_kernels not in CPU_KERNELS:
-        raise ConfigError(f"cpu_kernels must be one of {list(CPU_KERNELS)!r}, got {cpu_kernels!r}")
-    tokenizer = Tokenizer.from_dir(model_dir)
-    model = llama.LlamaWeights.load(
-        model_dir,
-        config,
-        dtype=torch_dtype,
-        device=device,
-        weights=weights,
-        projection=projection,
-        cpu_kernels=cpu_kernels,
-    )
-    return tokenizer, model
-
-
-def _checked_device(
-    *,
-    dtype: str,
-    device: str,
-    max_batch: int,
-    threads: int | None,
-    weights: str,
-    prefix_cache_bytes: int,
-    prefill_share: float,
-    speculative: str,
-    draft_tokens: int,
-    kv_cache_dtype: str,
-) -> torch.device:
-    """:func:`load_parts`'s checks of its arguments; the torch device.
-    Sets torch's thread count when ``threads`` is given."""
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype must be one of {sorted(DTYPES)!r}, got {dtype!r}")
-    if weights not in llama.WEIGHT_MODES:
-        raise ConfigError(f"weights must be one of {list(llama.WEIGHT_MODES)!r}, got {weights!r}")
-    if weights in ("q4", "int8") and (dtype != "bfloat16" or device != "cpu"):
-        raise ConfigError(
-            f"weights {weights!r} need dtype 'bfloat16' on device 'cpu',"
-            f" got dtype {dtype!r} on device {device!r}"
-        )
+def _device(options: CpuOptions) -> torch.device:
+    """The torch device of ``options.device``, where this machine has it; sets
+    torch's thread count when ``options.threads`` is given."""
     try:
-        torch_device = torch.device(device)
+        device = torch.device(options.device)
     except RuntimeError as exc:
-        raise ConfigError(f"device {device!r} is not a torch device: {exc}") from exc
-    if torch_device.type == "cuda" and not torch.cuda.is_available():
-        raise EngineError(f"device {device!r} was asked for but torch has no CUDA here")
-    if max_batch < 1:
-        raise ConfigError(f"max_batch must be >= 1, got {max_batch!r}")
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ConfigError(
-            f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)!r}, got {kv_cache_dtype!r}"
-        )
-    if not 0.0 < prefill_share <= 1.0:
-        raise ConfigError(f"prefill_share must be > 0 and <= 1, got {prefill_share!r}")
-    if speculative not in SPECULATIVE_MODES:
-        raise ConfigError(
-            f"speculative must be one of {list(SPECULATIVE_MODES)!r}, got {speculative!r}"
-        )
-    if draft_tokens < 1:
-        raise ConfigError(f"draft_tokens must be >= 1, got {draft_tokens!r}")
-    if prefix_cache_bytes < 0:
-        raise ConfigError(f"prefix_cache_bytes must be >= 0, got {prefix_cache_bytes!r}")
-    if threads is not None:
-        if threads < 1:
-            raise ConfigError(f"threads must be >= 1, got {threads!r}")
-        torch.set_num_threads(threads)
-    return torch_device
+        raise ConfigError(f"device {options.device!r} is not a torch device: {exc}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EngineError(f"device {options.device!r} was asked for but torch has no CUDA here")
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+    return device

@@ -23,12 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trioserve.engine.base import CPU_KERNELS
 from trioserve.engine.cpu import native
 from trioserve.errors import ModelError
 
 __all__ = [
-    "CPU_KERNELS",
     "Q4_FILE",
     "Q4_GROUP",
     "Linear",
@@ -161,11 +159,10 @@ def quantize_q4(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def use_native(choice: str) -> bool:
     """Whether trioserve's kernels (:mod:`trioserve.engine.cpu.native`) run for
-    ``choice``, one of :data:`CPU_KERNELS`: ``"auto"`` where they build and
-    pass their probe here; raises :class:`ModelError` where ``"native"`` is
-    asked for and they cannot run, with the reason."""
-    if choice not in CPU_KERNELS:
-        raise ModelError(f"cpu kernels must be one of {list(CPU_KERNELS)!r}, got {choice!r}")
+    ``choice``, one of :data:`~trioserve.engine.cpu.options.CPU_KERNELS`:
+    ``"auto"`` where they build and pass their probe here; raises
+    :class:`ModelError` where ``"native"`` is asked for and they cannot run,
+    with the reason."""
     if choice == "torch":
         return False
     if native.kernel() is not None:

@@ -1,6 +1,7 @@
 """What the CPU engine loads, in which form, with which kernels: decided
-before any tensor is read, from the options, the device and dtype, whether
-the model directory has 4-bit weights, and which kernels work here.
+before any tensor is read, from the options (their device and dtype among
+them), whether the model directory has 4-bit weights, and which kernels work
+here.
 
 :func:`plan_weights` is that decision and nothing else (no torch, no
 files): :meth:`LlamaWeights.load <trioserve.engine.cpu.llama.LlamaWeights.load>`
@@ -16,7 +17,7 @@ from typing import Literal
 
 import attrs
 
-from trioserve.engine.base import CPU_KERNELS, PROJECTIONS, WEIGHT_MODES
+from trioserve.engine.cpu.options import CpuOptions
 from trioserve.errors import ModelError
 
 __all__ = ["WeightsPlan", "plan_weights"]
@@ -41,48 +42,31 @@ class WeightsPlan:
 
 
 def plan_weights(
+    options: CpuOptions,
     *,
-    weights: str,
-    projection: str,
-    cpu_kernels: str,
-    device: str,
-    dtype: str,
     has_q4_file: bool,
     native_kernels: Callable[[str], bool],
     torch_q4: Callable[[], bool],
     torch_int8: Callable[[], bool],
 ) -> WeightsPlan:
-    """The plan for ``weights`` (:data:`~trioserve.engine.base.WEIGHT_MODES`),
-    ``projection`` (:data:`~trioserve.engine.base.PROJECTIONS`) and
-    ``cpu_kernels`` (:data:`~trioserve.engine.base.CPU_KERNELS`) on ``device``
-    in ``dtype`` (torch's names: ``"cpu"``, ``"bfloat16"``).
+    """The plan for ``options.weights``, ``options.vocab_projection`` and
+    ``options.cpu_kernels`` in ``options.dtype`` on ``options.device``
+    (:class:`~trioserve.engine.cpu.options.CpuOptions`, which has already
+    refused what can run nowhere: quantized weights off the CPU's bfloat16).
 
-    Quantized weights run on the CPU in bfloat16 only. ``auto`` takes the
-    directory's 4-bit weights where it has them and a 4-bit kernel works
-    here, else the float weights. trioserve's kernels run where
-    ``native_kernels(cpu_kernels)`` says so (it raises, with the reason,
-    where ``native`` is asked for and they cannot run); torch's 4-bit and
-    8-bit kernels where ``torch_q4()`` / ``torch_int8()`` find them working.
+    ``auto`` takes the directory's 4-bit weights where it has them and a
+    4-bit kernel works here, else the float weights. trioserve's kernels run
+    where ``native_kernels(cpu_kernels)`` says so (it raises, with the
+    reason, where ``native`` is asked for and they cannot run); torch's
+    4-bit and 8-bit kernels where ``torch_q4()`` / ``torch_int8()`` find them
+    working.
 
     Raises:
-        ModelError: an unknown option, or quantized weights (or kernels)
-            asked for where they cannot run.
+        ModelError: quantized weights asked for where no kernel here runs them.
     """
-    if weights not in WEIGHT_MODES:
-        raise ModelError(f"weights must be one of {list(WEIGHT_MODES)!r}, got {weights!r}")
-    if projection not in PROJECTIONS:
-        raise ModelError(f"projection must be one of {list(PROJECTIONS)!r}, got {projection!r}")
-    if cpu_kernels not in CPU_KERNELS:
-        raise ModelError(f"cpu kernels must be one of {list(CPU_KERNELS)!r}, got {cpu_kernels!r}")
-    can_quantize = device.partition(":")[0] == "cpu" and dtype == "bfloat16"
-    if weights in ("q4", "int8") and not can_quantize:
-        raise ModelError(
-            f"weights {weights!r} run on the CPU in bfloat16 only,"
-            f" got device {device!r} and dtype {dtype!r}"
-        )
-    if cpu_kernels == "native" and not can_quantize:
-        raise ModelError("trioserve's native kernels run on the CPU in bfloat16 only")
-    native = can_quantize and native_kernels(cpu_kernels)
+    can_quantize = options.quantizable
+    native = can_quantize and native_kernels(options.cpu_kernels)
+    weights = options.weights
 
     known: list[bool] = []
 
@@ -101,12 +85,10 @@ def plan_weights(
         raise ModelError("no working 4-bit CPU kernel here (neither torch's nor trioserve's)")
     if mode == "int8" and not (native or torch_int8()):
         raise ModelError("this torch build has no working int8 CPU kernel")
-    int8_projection = projection == "int8" or (projection == "auto" and mode != "float")
-    if int8_projection and not can_quantize:
-        raise ModelError("an 8-bit vocabulary projection runs on the CPU in bfloat16 only")
+    projection = options.vocab_projection
     return WeightsPlan(
         mode=mode,
         q4_file=q4_file,
         kernel="native" if native else "torch",
-        int8_projection=int8_projection,
+        int8_projection=projection == "int8" or (projection == "auto" and mode != "float"),
     )
