@@ -1,5 +1,11 @@
-"""The two doors' requests as one :class:`GenerationRequest`, and the one
+"""The doors' requests as one :class:`GenerationRequest`, and the one
 pipeline's errors in each door's terms.
+
+Each door is a table (:class:`Door`): for each field of the
+:class:`GenerationRequest`, the wire request's attribute it is read from (by
+name: the same name then names the field in that door's errors) or, where it
+is not one attribute, how it is computed. A field added to the request is a
+row in each door's table.
 
 A WebSocket ``infer`` trims a prompt that does not fit (protocol.md 3.4); an
 OpenAI request refuses it (``context_length_exceeded``). Everything else is
@@ -11,8 +17,8 @@ client sent it.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import Final
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, Final
 
 import attrs
 
@@ -23,7 +29,11 @@ from trioserve.generation import Generation, GenerationRequest, InvalidGeneratio
 from .http_types import Network, RequestHead, client_address
 
 __all__ = [
+    "CHAT",
+    "COMPLETION",
+    "INFER",
     "ClientIdentity",
+    "Door",
     "from_infer",
     "from_openai",
     "infer_error",
@@ -33,67 +43,117 @@ __all__ = [
     "websocket_path",
 ]
 
+#: How a field is read from a wire request: its attribute's name, or a function.
+Read = str | Callable[[Any], object]
+
+
+@attrs.frozen
+class Door:
+    """One door's wire request as the pipeline's :class:`GenerationRequest`."""
+
+    #: GenerationRequest field -> how the door's request gives it. A field
+    #: not in the table keeps GenerationRequest's default.
+    reads: Mapping[str, Read]
+    #: The door's names for what the pipeline's errors name but no field of
+    #: the table reads by name (the neutral ``prompt``).
+    also_named: Mapping[str, str] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        fields = attrs.fields_dict(GenerationRequest)
+        unknown = sorted(set(self.reads) - set(fields))
+        required = {n for n, a in fields.items() if a.default is attrs.NOTHING}
+        missing = sorted(required - set(self.reads))
+        if unknown or missing:
+            raise TypeError(
+                f"a door's table: not GenerationRequest fields {unknown},"
+                f" GenerationRequest's required fields not read {missing}"
+            )
+
+    def request(self, wire: object) -> GenerationRequest:
+        """The generation ``wire`` asks for. (The values' types are checked
+        by tests/test_door_tables.py against GenerationRequest's annotations: the
+        table is beyond mypy's reach.)"""
+        values: dict[str, Any] = {
+            field: getattr(wire, how) if isinstance(how, str) else how(wire)
+            for field, how in self.reads.items()
+        }
+        return GenerationRequest(**values)
+
+    def name(self, field: str) -> str:
+        """The door's name for the pipeline's ``field``."""
+        how = self.reads.get(field)
+        if isinstance(how, str):
+            return how
+        return self.also_named.get(field, field)
+
+
+def _fixed(value: object) -> Callable[[Any], object]:
+    return lambda _: value
+
+
+def _chat_of(request: p.InferRequest) -> tuple[dict[str, str], ...] | None:
+    if request.messages is None:
+        return None
+    return tuple({"role": m.role, "content": m.content} for m in request.messages)
+
+
+#: The WebSocket ``infer``.
+INFER: Final = Door(
+    reads={
+        "text": lambda r: r.text or "",
+        "custom_bos": lambda r: r.custom_bos if r.messages is None else "",
+        "messages": _chat_of,
+        "max_new_tokens": "max_new_tokens",
+        "fit": _fixed("trim"),
+        "sampling": lambda r: r.sampling_settings(),
+        "stop_strings": "stop_strings",
+        # The ids are the int entries of stop_conditions (websocket_path
+        # names the entry).
+        "stop_token_ids": lambda r: tuple(c for c in r.stop_conditions if isinstance(c, int)),
+        "banned_ids": "bann_bann",
+        "token_healing": "token_healing",
+        "constraint": lambda r: r.constraint(),
+        "logprobs": "logprobs",
+    },
+    also_named={"prompt": "text"},
+)
+
+_OPENAI: Final[Mapping[str, Read]] = {
+    "max_new_tokens": "max_tokens",
+    "fit": _fixed("refuse"),
+    "sampling": lambda r: r.sampling_settings(),
+    "stop_strings": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "banned_ids": "bann_bann",
+    "token_healing": "token_healing",
+    "constraint": "constraint",
+    "logprobs": lambda r: r.logprobs.top,
+}
+#: OpenAI's ``/v1/chat/completions``.
+CHAT: Final = Door(
+    reads={**_OPENAI, "messages": lambda r: tuple(r.template_messages()), "tools": "tools"}
+)
+#: OpenAI's ``/v1/completions``: a prompt of text or of token ids, 16 new
+#: tokens by default, and with ``echo`` the prompt's tokens scored.
+COMPLETION: Final = Door(
+    reads={
+        **_OPENAI,
+        "text": lambda r: r.prompt if isinstance(r.prompt, str) else "",
+        "prompt_ids": lambda r: None if isinstance(r.prompt, str) else tuple(r.prompt),
+        "default_max_new_tokens": _fixed(oa.COMPLETIONS_MAX_TOKENS),
+        "prompt_logprobs": lambda r: r.logprobs.top if r.echo else None,
+    }
+)
+
 
 def from_infer(request: p.InferRequest) -> GenerationRequest:
     """The generation of a WebSocket ``infer``."""
-    messages = None
-    if request.messages is not None:
-        messages = tuple({"role": m.role, "content": m.content} for m in request.messages)
-    return GenerationRequest(
-        text=request.text or "",
-        custom_bos=request.custom_bos if messages is None else "",
-        messages=messages,
-        max_new_tokens=request.max_new_tokens,
-        fit="trim",
-        sampling=request.sampling_settings(),
-        stop_strings=request.stop_strings,
-        stop_token_ids=tuple(c for c in request.stop_conditions if isinstance(c, int)),
-        banned_ids=tuple(request.bann_bann),
-        token_healing=request.token_healing,
-        constraint=request.constraint(),
-        logprobs=request.logprobs,
-    )
+    return INFER.request(request)
 
 
 def from_openai(request: oa.CompletionRequest | oa.ChatCompletionRequest) -> GenerationRequest:
     """The generation of an OpenAI completion or chat completion."""
-    text = ""
-    prompt_ids = messages = tools = None
-    default = scored = None
-    if isinstance(request, oa.ChatCompletionRequest):
-        messages = tuple(request.template_messages())
-        tools = request.tools
-    else:
-        default = oa.COMPLETIONS_MAX_TOKENS
-        # echo with logprobs: the prompt's tokens come with theirs.
-        scored = request.logprobs.top if request.echo else None
-        if isinstance(request.prompt, str):
-            text = request.prompt
-        else:
-            prompt_ids = tuple(request.prompt)
-    return GenerationRequest(
-        text=text,
-        messages=messages,
-        prompt_ids=prompt_ids,
-        max_new_tokens=request.max_tokens,
-        default_max_new_tokens=default,
-        fit="refuse",
-        sampling=request.sampling_settings(),
-        stop_strings=request.stop,
-        stop_token_ids=request.stop_token_ids,
-        banned_ids=request.bann_bann,
-        token_healing=request.token_healing,
-        constraint=request.constraint,
-        tools=tools,
-        logprobs=request.logprobs.top,
-        prompt_logprobs=scored,
-    )
-
-
-_WEBSOCKET_NAMES: Final = {
-    "prompt": "text",
-    "banned_ids": "bann_bann",
-}
+    return (CHAT if isinstance(request, oa.ChatCompletionRequest) else COMPLETION).request(request)
 
 
 def websocket_path(error: InvalidGeneration, request: p.InferRequest) -> str:
@@ -109,7 +169,7 @@ def websocket_path(error: InvalidGeneration, request: p.InferRequest) -> str:
     if error.field == "logit_bias" and error.index is not None:
         token = request.logit_bias[error.index][0]
         return f'$.logit_bias["{token}"]'
-    name = _WEBSOCKET_NAMES.get(error.field, error.field)
+    name = INFER.name(error.field)
     if error.index is not None:
         return f"$.{name}[{error.index}]"
     return f"$.{name}"
@@ -147,17 +207,12 @@ def infer_final(request: p.InferRequest, generation: Generation) -> p.InferFinal
     )
 
 
-_OPENAI_NAMES: Final = {
-    "max_new_tokens": "max_tokens",
-    "banned_ids": "bann_bann",
-}
-
-
 def openai_param(error: InvalidGeneration) -> str:
-    """OpenAI's ``param`` for the field ``error`` is about."""
+    """OpenAI's ``param`` for the field ``error`` is about (chat and
+    completion name the fields they share alike)."""
     if error.wire_name:
         return error.wire_name
-    name = _OPENAI_NAMES.get(error.field, error.field)
+    name = COMPLETION.name(error.field)
     if error.index is not None and error.field not in ("prompt", "logit_bias"):
         return f"{name}[{error.index}]"
     return name
@@ -167,7 +222,7 @@ def openai_error(error: InvalidGeneration) -> oa.OpenAIError:
     """``error`` as the OpenAI door answers it: 400, the field as ``param``."""
     message = error.message
     if error.field == "max_new_tokens":
-        message = message.replace("max_new_tokens", "max_tokens")
+        message = message.replace("max_new_tokens", COMPLETION.name("max_new_tokens"))
     return oa.OpenAIError(400, message, param=openai_param(error), code=error.code)
 
 
