@@ -197,7 +197,7 @@ def test_kv_cache_dtype_int8_is_exllamav2s_q8_cache() -> None:
     }
     # A quantized cache type is ExLlamaV2's own choice: it stays.
     assert EngineOptions(kv_cache_dtype="int8", cache_type="q4").exllamav2_cache_type == "q4"
-    with pytest.raises(ConfigError, match=r"kv cache dtype .*'q8'"):
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype .*'q8'"):
         EngineOptions(kv_cache_dtype="q8")
 
 
