@@ -464,6 +464,12 @@ def test_the_layer_stack_in_one_call_is_the_per_operator_path_bit_for_bit(
     config = llama.LlamaConfig.from_dir(model_dir)
     stack = llama.LlamaWeights.load(model_dir, config, CpuOptions())
     assert stack.layer_table is not None and stack.layer_table.shape == (config.n_layers, 14)
+    # Its columns are in the order kernels.h declares them, by name.
+    fields = list(native._module().layer_fields())
+    last = stack.layers[-1]
+    assert int(stack.layer_table[-1, fields.index("mlp_norm")]) == last.mlp_norm.data_ptr()
+    assert int(stack.layer_table[-1, fields.index("down_m")]) == last.w_down.scales[1].data_ptr()
+    assert int(stack.layer_table[-1, fields.index("qkv")]) == last.wqkv.data.data_ptr()
     per_op = attrs.evolve(stack, layer_table=None)
     ids = Tokenizer.from_dir(model_dir).encode(
         "Three slots, two prompts of twelve tokens each, and then one decode step for both: "
@@ -496,3 +502,117 @@ def test_the_layer_stack_in_one_call_is_the_per_operator_path_bit_for_bit(
     assert len(calls) == 2  # the stack ran both passes of the first, none of the second
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+# --- the instruction-set paths -------------------------------------------------
+
+
+def _every_kernel(module: Any, seed: int) -> list[torch.Tensor]:
+    """Every kernel's outputs on shapes that take each of its branches (wide
+    and narrow 4-bit blocks, a short last block, ragged row counts, grouped and
+    ungrouped heads, silu at its extremes), from one seed."""
+    g = torch.Generator().manual_seed(seed)
+    outs: list[torch.Tensor] = []
+    for n, k in ((80, 576), (16, 96), (33, 608), (7, 4256)):
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        d = torch.rand(n, k // 32, generator=g) * 0.02 + 0.001
+        data, scales = native.pack(q, d, -8 * d + torch.randn(n, k // 32, generator=g) * 0.01)
+        for rows in (1, 5, 13):
+            x = (torch.randn(rows, k, generator=g) * 3).bfloat16()
+            outs.append(native._call(module, x, data, scales, n))
+    q8 = torch.randint(-127, 128, (100, 576), generator=g, dtype=torch.int8)
+    scale = (torch.rand(100, generator=g) * 0.01).bfloat16()
+    outs.append(native._int8(module, torch.randn(7, 576, generator=g).bfloat16(), q8, scale))
+    x = torch.randn(19, 576, generator=g) * 5
+    y = torch.randn(19, 576, generator=g).bfloat16()
+    w = torch.rand(576, generator=g)
+    outs += [native._norm(module, x, y, w, 1e-5), x, native._norm(module, x.clone(), None, w, 1e-5)]
+    gate_up = (torch.randn(9, 2 * 1536, generator=g) * 6).bfloat16()
+    gate_up[0, :6] = torch.tensor([100.0, -100.0, 88.0, -88.0, 1e30, float("nan")])
+    outs.append(native._silu(module, gate_up))
+    for heads, kv_heads, e in ((9, 3, 64), (8, 1, 128), (4, 4, 96)):
+        # Magnitudes spread over a few octaves, so that the order of a sum's
+        # terms changes its rounding (equal magnitudes often sum exactly).
+        def spread(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=g) * torch.exp(torch.randn(*shape, generator=g))
+
+        rope = (torch.randn(300, e, generator=g), torch.randn(300, e, generator=g))
+        cache = spread(3, 2 * kv_heads, 300, e).bfloat16()
+        qkv = spread(6, (heads + 2 * kv_heads) * e).bfloat16()
+        slots, positions = torch.tensor([0, 0, 1, 1, 2, 2]), torch.tensor([0, 17, 5, 290, 63, 64])
+        outs += [native._attend(module, qkv, rope, cache, slots, positions, heads, kv_heads), cache]
+    return [t.view(torch.int16) if t.dtype == torch.bfloat16 else t for t in outs]
+
+
+@needs_native
+def test_every_path_this_cpu_runs_gives_the_same_bits() -> None:
+    """The AVX2 path computes the AVX-512 path's operations in the same order,
+    lane for lane (kernels_vec_avx2.h): on a CPU that runs both, every kernel's
+    output is the same bits on each (NaN included), and each passes the probe."""
+    module = native.kernel()
+    assert module is not None
+    paths = module.isas()
+    if len(paths) < 2:
+        pytest.skip(f"this CPU runs one path ({paths[0]}): nothing to compare it with")
+    chosen = module.isa()
+    try:
+        module.use(paths[0])
+        want = _every_kernel(module, 41)
+        for other in paths[1:]:
+            module.use(other)
+            assert native._probe(module) is None, other
+            got = _every_kernel(module, 41)
+            pairs = enumerate(zip(want, got, strict=True))
+            differ = [i for i, (a, b) in pairs if not torch.equal(a, b)]
+            assert not differ, f"{other} differs from {paths[0]} at outputs {differ}"
+    finally:
+        module.use(chosen)
+
+
+@needs_native
+def test_the_module_runs_the_best_path_and_says_which() -> None:
+    module = native.kernel()
+    assert module is not None
+    assert native.path() == module.isa() == module.isas()[0]
+    assert native.max_group_heads() == module.max_group_heads() >= 8
+    with pytest.raises(ValueError, match="no kernel path named 'sse2'"):
+        module.use("sse2")
+    assert native.path() == module.isas()[0]  # a refused switch changes nothing
+
+
+_PATH_REPORT = _REPORT + "print('PATH', native.path())\n"
+
+
+@needs_native
+def test_trioserve_native_names_a_path_or_is_refused_with_what_runs(tmp_path: Path) -> None:
+    module = native.kernel()
+    assert module is not None
+    env = {"TRIOSERVE_CACHE": str(tmp_path)}
+    for name in module.isas():
+        result = _python(_PATH_REPORT, {**env, "TRIOSERVE_NATIVE": name})
+        assert f"PATH {name}" in result.stdout, result.stdout + result.stderr
+        assert f"native CPU kernels: the {name} path" in result.stdout
+    result = _python(_PATH_REPORT, {**env, "TRIOSERVE_NATIVE": "avx9000"})
+    assert "PATH None" in result.stdout, result.stdout + result.stderr
+    assert "TRIOSERVE_NATIVE=avx9000: no kernel path named 'avx9000'" in result.stdout
+    assert f"(this CPU runs: {', '.join(module.isas())})" in result.stdout
+
+
+def test_a_model_over_the_kernels_group_limit_says_so_and_runs_torchs_attention(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from types import SimpleNamespace
+
+    from trioserve.engine.cpu import attention
+
+    limit = native.max_group_heads()
+    if limit == 0:
+        pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
+    weights = SimpleNamespace(native_norm=True)
+    cache = SimpleNamespace(quantized=False, dtype=torch.bfloat16)
+    within = SimpleNamespace(head_dim=64, n_heads=limit, n_kv_heads=1)
+    over = SimpleNamespace(head_dim=64, n_heads=2 * limit, n_kv_heads=1)
+    assert attention.native_attention_for(weights, within, cache)  # type: ignore[arg-type]
+    with caplog.at_level("WARNING", logger="trioserve.engine.cpu.attention"):
+        assert not attention.native_attention_for(weights, over, cache)  # type: ignore[arg-type]
+    assert f"{2 * limit} query heads per KV head, the kernel at most {limit}" in caplog.text

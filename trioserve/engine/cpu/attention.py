@@ -7,6 +7,8 @@ own positions)."""
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections import Counter
 from typing import Protocol
 
@@ -18,6 +20,8 @@ from torch import Tensor
 from trioserve.engine.cpu import native
 from trioserve.engine.cpu.kvcache import KVCache
 from trioserve.engine.cpu.quant import Linear, linear
+
+logger = logging.getLogger(__name__)
 
 
 # What this module reads of trioserve.engine.cpu.llama's classes (which import it).
@@ -316,14 +320,30 @@ def attention(
 def native_attention_for(weights: LlamaWeights, config: LlamaConfig, cache: KVCache) -> bool:
     """Whether :func:`forward` runs attention on trioserve's kernel: with the
     native kernels, a bfloat16 (not 8-bit) cache, heads of a multiple of 32
-    and at most 8 query heads per KV head."""
-    return (
+    and at most :func:`trioserve.engine.cpu.native.max_group_heads` query
+    heads per KV head (a model with more says so in the log, once)."""
+    if not (
         weights.native_norm
         and not cache.quantized
         and cache.dtype == torch.bfloat16
         and config.head_dim % 32 == 0
         and config.n_heads % config.n_kv_heads == 0
-        and config.n_heads // config.n_kv_heads <= 8
+    ):
+        return False
+    group, limit = config.n_heads // config.n_kv_heads, native.max_group_heads()
+    if group > limit:
+        _say_over_the_group_limit(group, limit)
+        return False
+    return True
+
+
+@functools.cache
+def _say_over_the_group_limit(group: int, limit: int) -> None:
+    logger.warning(
+        "attention runs on torch, not trioserve's kernel: this model has %d query heads per "
+        "KV head, the kernel at most %d",
+        group,
+        limit,
     )
 
 

@@ -64,7 +64,9 @@ __all__ = [
     "int8_mm",
     "kernel",
     "layer_table",
+    "max_group_heads",
     "pack",
+    "path",
     "q4_mm",
     "quantize_rows",
     "reference",
@@ -98,7 +100,24 @@ def kernel() -> ModuleType | None:
         _reason = str(exc)
         logger.info("native CPU kernels not used: %s", _reason)
         return None
+    logger.info(
+        "native CPU kernels: the %s path (this CPU runs %s)", module.isa(), ", ".join(module.isas())
+    )
     return module
+
+
+def path() -> str | None:
+    """The instruction-set path the kernels run (``"avx512"``, ``"avx2"``), or
+    ``None`` where they do not (:func:`unavailable_reason` says why)."""
+    module = kernel()
+    return None if module is None else str(module.isa())
+
+
+def max_group_heads() -> int:
+    """The most query heads per KV head the attention kernel takes (kernels.h's
+    ``MAX_GROUP_HEADS``); 0 where the kernels do not run."""
+    module = kernel()
+    return 0 if module is None else int(module.max_group_heads())
 
 
 def q4_mm(rows: Tensor, data: Tensor, scales: Tensor, out_features: int) -> Tensor:
@@ -159,21 +178,26 @@ def layer_table(layers: Sequence[Any]) -> Tensor | None:
     ``None`` unless every layer's matmuls are 4-bit on this module's kernel
     and its norms float32. The table does not own what it points to: the
     layers must outlive it (the engine keeps both in its weights)."""
+    fields = _module().layer_fields()
     rows = []
     for layer in layers:
-        row = []
-        for norm, weights in (
-            (layer.attn_norm, (layer.wqkv, layer.wo)),
-            (layer.mlp_norm, (layer.w_gate_up, layer.w_down)),
+        row: dict[str, int] = {}
+        for norm, prefix, weights in (
+            (layer.attn_norm, "attn_", (("qkv", layer.wqkv), ("o", layer.wo))),
+            (layer.mlp_norm, "mlp_", (("gate_up", layer.w_gate_up), ("down", layer.w_down))),
         ):
             if norm.dtype != torch.float32 or not norm.is_contiguous():
                 return None
-            row.append(norm.data_ptr())
-            for w in weights:
+            row[prefix + "norm"] = norm.data_ptr()
+            for name, w in weights:
                 if getattr(w, "kind", None) != "q4" or not getattr(w, "native", False):
                     return None
-                row += [w.data.data_ptr(), w.scales[0].data_ptr(), w.scales[1].data_ptr()]
-        rows.append(row)
+                row[name] = w.data.data_ptr()
+                row[name + "_d"] = w.scales[0].data_ptr()
+                row[name + "_m"] = w.scales[1].data_ptr()
+        if set(row) != set(fields):  # kernels.h's LAYER_FIELDS and this disagree
+            raise RuntimeError(f"layer table: kernels.c reads {fields}, this builds {sorted(row)}")
+        rows.append([row[f] for f in fields])
     return torch.tensor(rows, dtype=torch.int64) if rows else None
 
 
@@ -199,9 +223,10 @@ def forward_layers(
     ``cache_shape`` (S, T); ``slots``, ``positions`` [R] int64, each row's."""
     _need(x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous(), "x: [R, D] float32")
     rows, width = x.shape
+    columns = len(_module().layer_fields())
     _need(
-        table.dtype == torch.int64 and table.dim() == 2 and table.shape[1] == 14,
-        "table: [L, 14] int64 (layer_table)",
+        table.dtype == torch.int64 and table.dim() == 2 and table.shape[1] == columns,
+        f"table: [L, {columns}] int64 (layer_table)",
     )
     table, caches = table.contiguous(), caches.contiguous()
     _need(caches.dtype == torch.int64 and caches.shape == (table.shape[0],), "caches: [L] int64")

@@ -1,13 +1,15 @@
-"""Finding, building and loading trioserve's native CPU kernels (kernels.c):
-the checks before anything is built (``TRIOSERVE_NATIVE``, x86-64 Linux, the
-CPU's flags), the build, its cache, and the checks after loading (cpuid, one
-OpenMP runtime). :mod:`trioserve.engine.cpu.native` probes what this loads
-and calls it.
+"""Finding, building and loading trioserve's native CPU kernels (kernels.c
+and the files beside it): the checks before anything is built
+(``TRIOSERVE_NATIVE``, x86-64 Linux, the CPU's flags), the build, its cache,
+and the checks after loading (cpuid, one OpenMP runtime).
+:mod:`trioserve.engine.cpu.native` probes what this loads and calls it.
 
-The build: one C file, the machine's compiler (``$CC``, else ``cc``), about
-a second. The library lands in trioserve's cache (``$TRIOSERVE_CACHE``, else
+The build: the C files (:data:`SOURCES`; each instruction-set path is one
+file, compiled for its instructions by target pragmas, so the flags name
+none), the machine's compiler (``$CC``, else ``cc``), about three seconds.
+The library lands in trioserve's cache (``$TRIOSERVE_CACHE``, else
 ``$XDG_CACHE_HOME/trioserve``, else ``~/.cache/trioserve``) under
-``native/<digest>/``, the digest naming the source, the flags and the Python
+``native/<digest>/``, the digest naming the sources, the flags and the Python
 ABI (not the compiler: a restart loads it without one). It links the
 OpenMP runtime torch has already loaded (the same ``libgomp.so.1``), so its
 threads are torch's threads: the kernels run with torch's thread count and
@@ -29,11 +31,24 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["SOURCE", "Unavailable", "cache_dir", "load"]
+__all__ = ["SOURCE", "SOURCES", "Unavailable", "cache_dir", "load"]
 
 logger = logging.getLogger("trioserve.engine.cpu.native")
 
 SOURCE = Path(__file__).with_name("kernels.c")
+#: What the library is built from: the module (kernels.c) and each
+#: instruction-set path (kernels_<isa>.c), then the headers they include.
+SOURCES = (
+    SOURCE,
+    SOURCE.with_name("kernels_avx512.c"),
+    SOURCE.with_name("kernels_avx2.c"),
+)
+HEADERS = (
+    SOURCE.with_name("kernels.h"),
+    SOURCE.with_name("kernels_arith.h"),
+    SOURCE.with_name("kernels_vec_avx512.h"),
+    SOURCE.with_name("kernels_vec_avx2.h"),
+)
 _MODULE = "_trioserve_cpu"
 _FLAGS = (
     "-O3",
@@ -43,16 +58,10 @@ _FLAGS = (
     # The arithmetic as written: no multiply and add fused behind our back,
     # so that the numbers do not depend on the compiler's choices.
     "-ffp-contract=off",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512vnni",
-    "-mavx512bf16",
-    "-mf16c",
-    "-mfma",
 )
-#: CPU flags (as /proc/cpuinfo spells them) the kernel's instructions need.
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "f16c", "fma")
+#: CPU flags (as /proc/cpuinfo spells them) the least of the paths needs
+#: (AVX2's); the module picks the best path this CPU runs by cpuid.
+_CPU_FLAGS = ("avx2", "fma", "f16c")
 _BUILD_TIMEOUT_S = 120.0
 
 
@@ -69,10 +78,18 @@ class Unavailable(Exception):
     """Why the kernels cannot be used here."""
 
 
+#: What ``TRIOSERVE_NATIVE`` may say besides a path's name: off, or the best
+#: path this CPU runs.
+_OFF = ("0", "off", "false", "no")
+_AUTO = ("", "1", "on", "true", "yes", "auto")
+
+
 def load() -> ModuleType:
-    """The kernels' module, built (or found in the cache) and loaded; raises
-    :class:`Unavailable` where it cannot be."""
-    if os.environ.get("TRIOSERVE_NATIVE", "1").strip().lower() in ("0", "off", "false", "no"):
+    """The kernels' module, built (or found in the cache) and loaded, running
+    the path ``TRIOSERVE_NATIVE`` names (``avx512``, ``avx2``) or else the best
+    this CPU runs; raises :class:`Unavailable` where it cannot be."""
+    wanted = os.environ.get("TRIOSERVE_NATIVE", "auto").strip().lower()
+    if wanted in _OFF:
         raise Unavailable("TRIOSERVE_NATIVE is off")
     if sys.platform != "linux" or _machine() not in ("x86_64", "amd64"):
         raise Unavailable(f"built for x86-64 Linux only (this is {sys.platform}/{_machine()})")
@@ -90,8 +107,14 @@ def load() -> ModuleType:
         spec.loader.exec_module(module)
     except ImportError as exc:
         raise Unavailable(f"cannot load {str(path)!r}: {exc}") from exc
-    if not module.supported():
-        raise Unavailable("this CPU lacks AVX-512 VNNI or BF16 (cpuid)")
+    if module.isa() is None:
+        raise Unavailable("this CPU runs none of the kernels' paths (cpuid: AVX2, FMA and F16C)")
+    if wanted not in _AUTO:
+        try:
+            module.use(wanted)
+        except ValueError as exc:
+            runs = ", ".join(module.isas())
+            raise Unavailable(f"TRIOSERVE_NATIVE={wanted}: {exc} (this CPU runs: {runs})") from exc
     runtimes = _openmp_runtimes()
     if len(runtimes) > 1:
         raise Unavailable(f"two OpenMP runtimes loaded ({', '.join(runtimes)}): not torch's pool")
@@ -135,7 +158,13 @@ def _built() -> Path:
     include = sysconfig.get_paths()["include"]
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     digest = hashlib.sha256(
-        b"\0".join([SOURCE.read_bytes(), " ".join(_FLAGS).encode(), suffix.encode()])
+        b"\0".join(
+            [
+                *(p.read_bytes() for p in (*SOURCES, *HEADERS)),
+                " ".join(_FLAGS).encode(),
+                suffix.encode(),
+            ]
+        )
     ).hexdigest()[:16]
     where = cache_dir() / digest
     target = where / (_MODULE + suffix)
@@ -148,7 +177,7 @@ def _built() -> Path:
         where.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=where) as tmp:
             built = Path(tmp) / target.name
-            command = [cc, *_FLAGS, f"-I{include}", str(SOURCE), "-o", str(built)]
+            command = [cc, *_FLAGS, f"-I{include}", *map(str, SOURCES), "-o", str(built)]
             result = subprocess.run(
                 command, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S, check=False
             )

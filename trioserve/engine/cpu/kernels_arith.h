@@ -1,0 +1,465 @@
+/* The arithmetic of trioserve's native CPU kernels, written once against the
+   16-lane vector interface (vf, vi, vb: kernels_vec_*.h) and compiled once
+   per instruction-set path (kernels_avx512.c, kernels_avx2.c), which define
+   KERNEL_PATH (the exported table's name) and KERNEL_PATH_NAME first. Every
+   function here is static: each path has its own copy.
+
+   The 4-bit matmul.
+
+   out[M, N] (bfloat16) = x[M, K] (bfloat16) @ W[N, K].T, where W is held in
+   GGUF's Q4_1 form: groups of 32 consecutive inputs of one output, each a
+   4-bit q in [0, 15] with a scale d and a minimum m (float16), w = d * q + m.
+
+   Each row of x is first written as integers per group of 32 (one float
+   scale dx per group: its largest magnitude / 127): v = x / dx, x8 =
+   round(v) and r8 = round((v - x8) * 128), both in 8 bits, so that x ~ dx *
+   (x8 + r8 / 128) to within dx / 256 (15 bits against the group's largest
+   value; bfloat16 itself keeps 8 per value). A group's dot product is then
+   integer work: sum(q * (128 * x8 + r8)) = 128 * sum(q * x8) + sum(q * r8),
+   unsigned 4-bit weights times signed 8-bit inputs summed four at a time
+   (vpdpbusd on AVX-512, maddubs and madd on AVX2), exact in int32 and in the
+   float32 it is converted to (below 2^24); what is rounded is in float32, in
+   an order that depends on nothing but K:
+       sum(w * x) ~ d * (dx / 128) * that + m * (dx / 128) * sum(128 * x8 + r8).
+   llama.cpp keeps x8 alone (8 bits); on SmolLM2 that moves near-ties ("What
+   is the capital of France?" is then answered "L'Etoile ...", by llama-server
+   too): the residual keeps the answers of torch's bfloat16 path there.
+
+   Batch invariance. A row's result is computed by the same instructions,
+   in the same order, whatever M is, whichever other rows share its block of
+   six and whichever thread computes it: rows are quantized alone, threads
+   split the outputs (never K), and a block of fewer rows runs the same
+   per-row sequence. So a job's logits do not depend on its companions, nor
+   on whether its positions were computed in a prefill chunk or a decode step
+   (trioserve.engine.cpu.llama relies on it; tests/test_native.py checks it). */
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void quantize_row(const uint16_t *x, const shape *sh, int8_t *q, float *dx, float *sx) {
+    memset(q, 0, sh->qbytes);
+    memset(dx, 0, sh->dfloats * sizeof(float));
+    memset(sx, 0, sh->sfloats * sizeof(float));
+    int8_t *tail_q = q + sh->wide * 4 * WIDE_BYTES;
+    float *tail_dx = dx + sh->wide * 16, *tail_sx = sx + sh->wide * 16;
+    for (int64_t g = 0; g < sh->groups; g++) {
+        const uint16_t *src = x + g * GROUP;
+        vf a = vf_bf16(src), b = vf_bf16(src + 16);
+        float amax = vf_reduce_max(vf_max(vf_abs(a), vf_abs(b)));
+        float d = amax / 127.0f;
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        vf va = vf_mul(a, vf_set1(id)), vb_ = vf_mul(b, vf_set1(id));
+        vi qa = vi_round(va), qb = vi_round(vb_);
+        vf k128 = vf_set1(128.0f);
+        vi ra = vi_round(vf_mul(vf_sub(va, vf_from_vi(qa)), k128));
+        vi rb = vi_round(vf_mul(vf_sub(vb_, vf_from_vi(qb)), k128));
+        int32_t total = vi_reduce_add(vi_add(vi_add(vi_shl7(qa), ra), vi_add(vi_shl7(qb), rb)));
+        d = d / 128.0f;
+        int8_t v[GROUP], rv[GROUP];
+        vi_store_i8(v, qa);
+        vi_store_i8(v + 16, qb);
+        vi_store_i8(rv, ra);
+        vi_store_i8(rv + 16, rb);
+        if (g < sh->wide * WIDE) {
+            int64_t block = g / WIDE, lane = g % WIDE;
+            int8_t *dst = q + block * 4 * WIDE_BYTES + lane * 4;
+            for (int t = 0; t < 4; t++) {
+                memcpy(dst + t * 128, v + 4 * t, 4);
+                memcpy(dst + t * 128 + 64, v + 16 + 4 * t, 4);
+                memcpy(dst + 512 + t * 128, rv + 4 * t, 4);
+                memcpy(dst + 512 + t * 128 + 64, rv + 16 + 4 * t, 4);
+            }
+            dx[block * 16 + lane] = d;
+            sx[block * 16 + lane] = d * (float)total;
+        } else {
+            int64_t t = g - sh->wide * WIDE, block = t / NARROW, slot = t % NARROW;
+            int8_t *dst = tail_q + block * 4 * NARROW_BYTES + slot * 16;
+            memcpy(dst, v, 16);
+            memcpy(dst + NARROW_BYTES, v + 16, 16);
+            memcpy(dst + 128, rv, 16);
+            memcpy(dst + 128 + NARROW_BYTES, rv + 16, 16);
+            for (int l = 0; l < 4; l++) tail_dx[block * 16 + slot * 4 + l] = d;
+            tail_sx[block * 4 + slot] = d * (float)total;
+        }
+    }
+}
+
+/* res[r] = row r of x (quantized) . one output's weights, for nr rows; nr is
+   a constant at each call site (the loops over it unroll), and row r's
+   arithmetic is the same for every nr. */
+static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, const uint16_t *d,
+                                                           const uint16_t *m, const shape *sh,
+                                                           const qrow *rows, const int nr,
+                                                           float *res) {
+    vf acc[ROWS];
+    for (int r = 0; r < nr; r++) acc[r] = vf_zero();
+    for (int64_t b = 0; b < sh->wide; b++) {
+        const uint8_t *wb = w + b * WIDE_BYTES;
+        for (int t = 0; t < 4; t++) __builtin_prefetch(wb + PREFETCH + t * 64, 0, 3);
+        vb ws[8];
+        for (int t = 0; t < 4; t++) {
+            vb v = vb_load(wb + t * 64);
+            ws[2 * t] = vb_low(v);
+            ws[2 * t + 1] = vb_high(v);
+        }
+        vf d16 = vf_f16(d + b * WIDE), m16 = vf_f16(m + b * WIDE);
+        for (int r = 0; r < nr; r++) {
+            const int8_t *xq = rows[r].q + b * 4 * WIDE_BYTES;
+            const int8_t *x8[8], *r8[8];
+            for (int t = 0; t < 4; t++) {
+                x8[2 * t] = xq + t * 128;
+                x8[2 * t + 1] = xq + t * 128 + 64;
+                r8[2 * t] = xq + 512 + t * 128;
+                r8[2 * t + 1] = xq + 512 + t * 128 + 64;
+            }
+            vi s = vi_add(vi_shl7(vi_dot(ws, x8, 8)), vi_dot(ws, r8, 8));
+            vf scale = vf_mul(d16, vf_load(rows[r].dx + b * 16));
+            acc[r] = vf_fmadd(vf_from_vi(s), scale, acc[r]);
+            acc[r] = vf_fmadd(m16, vf_load(rows[r].sx + b * 16), acc[r]);
+        }
+    }
+    const uint8_t *tw = w + sh->wide * WIDE_BYTES;
+    const uint16_t *td = d + sh->wide * WIDE, *tm = m + sh->wide * WIDE;
+    int64_t left = sh->groups - sh->wide * WIDE;
+    for (int64_t b = 0; b < sh->narrow; b++, left -= NARROW) {
+        int present = left >= NARROW ? NARROW : (int)left;
+        vb wb = vb_load_first(tw + b * NARROW_BYTES, present * 16);
+        vb ws[2] = {vb_low(wb), vb_high(wb)};
+        /* lane l: group l / 4's d; m in lanes 0-3 (one a group), zero above */
+        vf d16 = vf_f16_spread4(td + b * NARROW, present), m16 = vf_f16_first4(tm + b * NARROW, present);
+        for (int r = 0; r < nr; r++) {
+            const int8_t *xq = rows[r].q + sh->wide * 4 * WIDE_BYTES + b * 4 * NARROW_BYTES;
+            const float *dx = rows[r].dx + sh->wide * 16 + b * 16;
+            const float *sx = rows[r].sx + sh->wide * 16 + b * 4;
+            const int8_t *x8[2] = {xq, xq + NARROW_BYTES}, *r8[2] = {xq + 128, xq + 128 + NARROW_BYTES};
+            vi s = vi_add(vi_shl7(vi_dot(ws, x8, 2)), vi_dot(ws, r8, 2));
+            vf scale = vf_mul(d16, vf_load(dx));
+            acc[r] = vf_fmadd(vf_from_vi(s), scale, acc[r]);
+            acc[r] = vf_fmadd(m16, vf_load_first4(sx), acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) res[r] = vf_reduce_add(acc[r]);
+}
+
+static int q4_matmul(const uint16_t *x, const uint8_t *w, const uint16_t *d, const uint16_t *m,
+                     uint16_t *out, int64_t M, int64_t N, int64_t K, int threads) {
+    shape sh = shape_of(K);
+    size_t per_row = (sh.qbytes + (sh.dfloats + sh.sfloats) * sizeof(float) + 63) / 64 * 64;
+    unsigned char *work = aligned_alloc(64, (size_t)M * per_row);
+    qrow *rows = malloc((size_t)M * sizeof(qrow));
+    if (!work || !rows) {
+        free(work);
+        free(rows);
+        return -1;
+    }
+    for (int64_t r = 0; r < M; r++) {
+        unsigned char *base = work + (size_t)r * per_row;
+        rows[r].q = (const int8_t *)base;
+        rows[r].dx = (const float *)(base + sh.qbytes);
+        rows[r].sx = rows[r].dx + sh.dfloats;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (M >= 8)
+    for (int64_t r = 0; r < M; r++) {
+        quantize_row(x + r * K, &sh, (int8_t *)rows[r].q, (float *)rows[r].dx,
+                     (float *)rows[r].sx);
+    }
+    int64_t units = (N + OUTS - 1) / OUTS;
+    int64_t wrow = K / 2;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t u = 0; u < units; u++) {
+        int64_t n0 = u * OUTS, n1 = n0 + OUTS < N ? n0 + OUTS : N;
+        for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
+            int64_t nr = M - r0 < ROWS ? M - r0 : ROWS;
+            for (int64_t n = n0; n < n1; n++) {
+                float res[ROWS] = {0};
+                const uint8_t *wn = w + n * wrow;
+                const uint16_t *dn = d + n * sh.groups, *mn = m + n * sh.groups;
+                switch (nr) {
+                case 6: dot_rows(wn, dn, mn, &sh, rows + r0, 6, res); break;
+                case 5: dot_rows(wn, dn, mn, &sh, rows + r0, 5, res); break;
+                case 4: dot_rows(wn, dn, mn, &sh, rows + r0, 4, res); break;
+                case 3: dot_rows(wn, dn, mn, &sh, rows + r0, 3, res); break;
+                case 2: dot_rows(wn, dn, mn, &sh, rows + r0, 2, res); break;
+                default: dot_rows(wn, dn, mn, &sh, rows + r0, 1, res); break;
+                }
+                for (int64_t r = 0; r < nr; r++) out[(r0 + r) * N + n] = float_to_bf16(res[r]);
+            }
+        }
+    }
+    free(rows);
+    free(work);
+    return 0;
+}
+
+/* --- the 8-bit vocabulary projection ------------------------------------- */
+
+/* out[M, N] (bfloat16) = x[M, K] (bfloat16) @ (q[N, K] int8 * scale[N]).T, in
+   float32 from the bfloat16 activations as they are (no 8-bit activations:
+   trioserve.engine.cpu.llama.logits bounds this projection's error by its
+   weights' rounding alone). K is a multiple of 16. A row's sums run in the
+   same order whatever M is. */
+static int int8_matmul(const uint16_t *x, const int8_t *q, const uint16_t *scale, uint16_t *out,
+                       int64_t M, int64_t N, int64_t K, int threads) {
+    float *xf = aligned_alloc(64, (size_t)(M * K) * sizeof(float) + 64);
+    if (!xf) return -1;
+    for (int64_t i = 0; i < M * K; i += 16) vf_store(xf + i, vf_bf16(x + i));
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t u = 0; u < (N + OUTS - 1) / OUTS; u++) {
+        int64_t n0 = u * OUTS, n1 = n0 + OUTS < N ? n0 + OUTS : N;
+        for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
+            int64_t nr = M - r0 < ROWS ? M - r0 : ROWS;
+            for (int64_t n = n0; n < n1; n++) {
+                const int8_t *qn = q + n * K;
+                vf acc[ROWS];
+                for (int64_t r = 0; r < nr; r++) acc[r] = vf_zero();
+                for (int64_t k = 0; k < K; k += 16) {
+                    if ((k & 63) == 0) __builtin_prefetch(qn + k + PREFETCH, 0, 3);
+                    vf w = vf_i8(qn + k);
+                    for (int64_t r = 0; r < nr; r++)
+                        acc[r] = vf_fmadd(w, vf_load(xf + (r0 + r) * K + k), acc[r]);
+                }
+                uint32_t su = (uint32_t)scale[n] << 16;
+                float sf;
+                memcpy(&sf, &su, 4);
+                for (int64_t r = 0; r < nr; r++)
+                    out[(r0 + r) * N + n] = float_to_bf16(vf_reduce_add(acc[r]) * sf);
+            }
+        }
+    }
+    free(xf);
+    return 0;
+}
+
+/* --- the residual add and RMS norm ----------------------------------------- */
+
+/* For each of M rows: x += y (y bfloat16, when given; x float32, in place),
+   then out = bfloat16((x * (1 / sqrt(mean(x^2) + eps))) * w), w float32.
+   D is a multiple of 16. One row's arithmetic depends on that row alone. */
+static void add_norm(float *x, const uint16_t *y, const float *w, uint16_t *out, int64_t M,
+                     int64_t D, float eps, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (M >= 16)
+    for (int64_t r = 0; r < M; r++) {
+        float *xr = x + r * D;
+        vf ss = vf_zero();
+        for (int64_t i = 0; i < D; i += 16) {
+            vf v = vf_load(xr + i);
+            if (y) {
+                v = vf_add(v, vf_bf16(y + r * D + i));
+                vf_store(xr + i, v);
+            }
+            ss = vf_fmadd(v, v, ss);
+        }
+        float inv = 1.0f / sqrtf(vf_reduce_add(ss) / (float)D + eps);
+        vf vinv = vf_set1(inv);
+        for (int64_t i = 0; i < D; i += 16)
+            vf_store_bf16(out + r * D + i, vf_mul(vf_mul(vf_load(xr + i), vinv), vf_load(w + i)));
+    }
+}
+
+/* --- rope, the KV cache write and attention ------------------------------- */
+
+/* exp of 16 floats (Cephes' expf: range reduction by ln 2 in two parts, a
+   degree-5 polynomial, scaling by 2^n), to about 2 ulp; inputs below -87
+   give 0. The same instructions whatever calls it. */
+static inline vf exp16(vf x) {
+    x = vf_max(x, vf_set1(-87.3f));
+    vf n = vf_floor(vf_fmadd(x, vf_set1(1.44269504088896341f), vf_set1(0.5f)));
+    x = vf_fnmadd(n, vf_set1(0.693359375f), x);
+    x = vf_fnmadd(n, vf_set1(-2.12194440e-4f), x);
+    vf y = vf_set1(1.9875691500e-4f);
+    y = vf_fmadd(y, x, vf_set1(1.3981999507e-3f));
+    y = vf_fmadd(y, x, vf_set1(8.3334519073e-3f));
+    y = vf_fmadd(y, x, vf_set1(4.1665795894e-2f));
+    y = vf_fmadd(y, x, vf_set1(1.6666665459e-1f));
+    y = vf_fmadd(y, x, vf_set1(5.0000001201e-1f));
+    y = vf_fmadd(y, vf_mul(x, x), vf_add(x, vf_set1(1.0f)));
+    return vf_scalef(y, n);
+}
+
+/* Row r: rope on its query and key heads (float32: x * cos + swapped * sin,
+   then bfloat16), keys and values written at its slot and position. */
+static void rope_write(const attn_args *a, int64_t r) {
+    int64_t H = a->H, K = a->K, E = a->E, half = E / 2;
+    const uint16_t *row = a->qkv + r * (H + 2 * K) * E;
+    const float *c = a->cos + a->pos[r] * E, *sn = a->sin + a->pos[r] * E;
+    uint16_t *base = a->cache + a->slots[r] * 2 * K * a->T * E + a->pos[r] * E;
+    for (int64_t h = 0; h < H + K; h++) {
+        const uint16_t *x = row + h * E;
+        uint16_t *dst = h < H ? a->q + (r * H + h) * E : base + (h - H) * a->T * E;
+        for (int64_t i = 0; i < E; i += 16) {
+            int64_t j = i < half ? i + half : i - half; /* swapped halves */
+            vf v = vf_add(vf_mul(vf_bf16(x + i), vf_load(c + i)), vf_mul(vf_bf16(x + j), vf_load(sn + i)));
+            vf_store_bf16(dst + i, v);
+        }
+    }
+    for (int64_t h = 0; h < K; h++)
+        memcpy(base + (K + h) * a->T * E, row + (H + K + h) * E, (size_t)E * sizeof(uint16_t));
+}
+
+/* Row r, KV head g: its G query heads attend to the slot's positions 0 ..
+   pos[r]; `scores` holds G * (pos + 16) floats. */
+static void attend(const attn_args *a, int64_t r, int64_t g, float *scores) {
+    int64_t H = a->H, K = a->K, E = a->E, G = H / K, p = a->pos[r];
+    int64_t n = p + 1, padded = (n + 15) / 16 * 16;
+    const uint16_t *keys = a->cache + (a->slots[r] * 2 * K + g) * a->T * E;
+    const uint16_t *values = keys + K * a->T * E;
+    float totals[MAX_GROUP_HEADS];
+    for (int64_t h = 0; h < G; h++) {
+        const uint16_t *q = a->q + (r * H + g * G + h) * E;
+        float *sc = scores + h * padded;
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            vf part[16];
+            for (int jj = 0; jj < 16; jj++) {
+                part[jj] = vf_zero();
+                if (j0 + jj >= n) continue;
+                const uint16_t *k = keys + (j0 + jj) * E;
+                for (int64_t i = 0; i < E; i += 32) part[jj] = vf_dpbf16(part[jj], k + i, q + i);
+            }
+            vf_store(sc + j0, vf_mul(vf_hsum16(part), vf_set1(a->scale)));
+        }
+        for (int64_t j = n; j < padded; j++) sc[j] = -INFINITY;
+        vf mx = vf_set1(-INFINITY);
+        for (int64_t j = 0; j < padded; j += 16) mx = vf_max(mx, vf_load(sc + j));
+        vf top = vf_set1(vf_reduce_max(mx)), total = vf_zero();
+        for (int64_t j = 0; j < padded; j += 16) {
+            vf x = vf_load(sc + j);
+            /* positions past pos[r] (-inf) weigh exactly 0 */
+            vf e = vf_zero_where_neginf(x, exp16(vf_sub(x, top)));
+            vf_store(sc + j, e);
+            total = vf_add(total, e);
+        }
+        totals[h] = vf_reduce_add(total);
+    }
+    /* out = sum_j e_j v_j / sum_j e_j, E / 16 float32 vectors a head, v shared
+       by the G heads. */
+    for (int64_t i0 = 0; i0 < E; i0 += 64) {
+        int64_t width = E - i0 < 64 ? (E - i0) / 16 : 4;
+        vf acc[MAX_GROUP_HEADS][4];
+        for (int64_t h = 0; h < G; h++)
+            for (int w = 0; w < width; w++) acc[h][w] = vf_zero();
+        for (int64_t j = 0; j < n; j++) {
+            vf v[4];
+            for (int w = 0; w < width; w++) v[w] = vf_bf16(values + j * E + i0 + 16 * w);
+            for (int64_t h = 0; h < G; h++) {
+                vf e = vf_set1(scores[h * padded + j]);
+                for (int w = 0; w < width; w++) acc[h][w] = vf_fmadd(e, v[w], acc[h][w]);
+            }
+        }
+        for (int64_t h = 0; h < G; h++) {
+            vf inv = vf_set1(1.0f / totals[h]);
+            uint16_t *o = a->out + r * H * E + (g * G + h) * E + i0;
+            for (int w = 0; w < width; w++) vf_store_bf16(o + 16 * w, vf_mul(acc[h][w], inv));
+        }
+    }
+}
+
+static int attention_all(attn_args *a, int threads) {
+    int64_t R = a->R, K = a->K, G = a->H / a->K;
+    int64_t longest = 0;
+    for (int64_t r = 0; r < R; r++) longest = a->pos[r] > longest ? a->pos[r] : longest;
+    uint16_t *q = malloc((size_t)(R * a->H * a->E) * sizeof(uint16_t));
+    if (!q) return -1;
+    a->q = q;
+#pragma omp parallel for schedule(static) num_threads(threads) if (R >= 8)
+    for (int64_t r = 0; r < R; r++) rope_write(a, r);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (R * K > 1)
+    {
+        float *scores = aligned_alloc(64, (size_t)(G * ((longest + 16) / 16 * 16 + 16) + 16) * sizeof(float));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < R * K; t++)
+            if (scores) attend(a, t / K, t % K, scores);
+        free(scores);
+    }
+    free(q);
+    return failed ? -1 : 0;
+}
+
+/* --- the MLP's gate ---------------------------------------------------------- */
+
+/* out[R, F] = bfloat16(bfloat16(silu(gate)) * up) for gate_up [R, 2F]
+   (gate first), silu(x) = x / (1 + exp(-x)) in float32; F a multiple of 16. */
+static void silu_mul_rows(const uint16_t *gu, uint16_t *out, int64_t R, int64_t F, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (R >= 8)
+    for (int64_t r = 0; r < R; r++) {
+        const uint16_t *g = gu + r * 2 * F, *u = g + F;
+        for (int64_t i = 0; i < F; i += 16) {
+            vf x = vf_bf16(g + i);
+            vf sig = vf_div(vf_set1(1.0f), vf_add(vf_set1(1.0f), exp16(vf_sub(vf_zero(), x))));
+            uint16_t tmp[16];
+            vf_store_bf16(tmp, vf_mul(x, sig));
+            vf_store_bf16(out + r * F + i, vf_mul(vf_bf16(tmp), vf_bf16(u + i)));
+        }
+    }
+}
+
+/* --- the layer stack ------------------------------------------------------ */
+
+/* Every layer of one forward pass, on x [R, D] float32 (the residual stream,
+   in place), exactly as the per-operator path of trioserve.engine.cpu.llama.forward
+   calls these same kernels one by one (so the same bits): for each layer,
+   h = norm(x); x += o(attention(qkv(h))); h = norm(x); x += down(silu(gate) * up).
+   `table` holds L_FIELDS addresses a layer (kernels.h). */
+static int layers(float *x, int64_t R, int64_t D, int64_t H, int64_t K, int64_t E, int64_t F,
+                  int64_t n_layers, const int64_t *table, const int64_t *caches, int64_t T,
+                  const float *cos, const float *sin, const int64_t *slots, const int64_t *pos,
+                  float eps, float scale, int threads) {
+    int64_t QKV = (H + 2 * K) * E;
+    size_t words = (size_t)R * (size_t)(D + QKV + H * E + D + 2 * F + F + D);
+    uint16_t *buf = malloc(words * sizeof(uint16_t));
+    if (!buf) return -1;
+    uint16_t *h = buf, *qkv = h + R * D, *att = qkv + R * QKV, *o = att + R * H * E;
+    uint16_t *gu = o + R * D, *act = gu + R * 2 * F, *down = act + R * F;
+    int status = 0;
+    const uint16_t *pending = NULL; /* the last layer output not yet added to x */
+    /* Stop at the first failure (an allocation), before anything more is
+       written to the KV cache or to x. */
+#define STEP(call)                  \
+    do {                            \
+        if ((status = (call)) != 0) \
+            goto done;              \
+    } while (0)
+#define AT(type, field) ((type)t[L_##field])
+    for (int64_t l = 0; l < n_layers; l++) {
+        const int64_t *t = table + l * L_FIELDS;
+        add_norm(x, pending, AT(const float *, attn_norm), h, R, D, eps, threads);
+        STEP(q4_matmul(h, AT(const uint8_t *, qkv), AT(const uint16_t *, qkv_d),
+                       AT(const uint16_t *, qkv_m), qkv, R, QKV, D, threads));
+        attn_args a = {.qkv = qkv, .cos = cos, .sin = sin, .cache = (uint16_t *)caches[l],
+                       .slots = slots, .pos = pos, .out = att, .R = R, .H = H, .K = K,
+                       .E = E, .T = T, .scale = scale};
+        STEP(attention_all(&a, threads));
+        STEP(q4_matmul(att, AT(const uint8_t *, o), AT(const uint16_t *, o_d),
+                       AT(const uint16_t *, o_m), o, R, D, H * E, threads));
+        add_norm(x, o, AT(const float *, mlp_norm), h, R, D, eps, threads);
+        STEP(q4_matmul(h, AT(const uint8_t *, gate_up), AT(const uint16_t *, gate_up_d),
+                       AT(const uint16_t *, gate_up_m), gu, R, 2 * F, D, threads));
+        silu_mul_rows(gu, act, R, F, threads);
+        STEP(q4_matmul(act, AT(const uint8_t *, down), AT(const uint16_t *, down_d),
+                       AT(const uint16_t *, down_m), down, R, D, F, threads));
+        pending = down;
+    }
+#undef AT
+#undef STEP
+    if (pending) {
+        for (int64_t i = 0; i < R * D; i += 16) vf_store(x + i, vf_add(vf_load(x + i), vf_bf16(pending + i)));
+    }
+done:
+    free(buf);
+    return status;
+}
+
+const kernel_path KERNEL_PATH = {
+    .name = KERNEL_PATH_NAME,
+    .q4_matmul = q4_matmul,
+    .int8_matmul = int8_matmul,
+    .add_norm = add_norm,
+    .attention = attention_all,
+    .silu_mul = silu_mul_rows,
+    .layers = layers,
+};
