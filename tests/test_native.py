@@ -262,7 +262,7 @@ def test_the_build_is_cached_and_a_restart_does_not_compile(tmp_path: Path) -> N
     first = _python(_REPORT, env)
     assert "LOADED True None" in first.stdout, first.stdout + first.stderr
     assert "built the native CPU kernels" in first.stdout
-    (library,) = tmp_path.glob("native/*/_trioserve_cpu*")
+    (library,) = tmp_path.glob("native/*/_trioserve_cpu*.so")
     stamp = library.stat().st_mtime_ns
     # No compiler on the second run: it must load the cached library.
     second = _python(_REPORT, {**env, "CC": "/nonexistent/cc", "PATH": "/nonexistent"})
