@@ -44,19 +44,26 @@ def _native_build() -> ModuleType:
 
 
 def _warn(reason: str, native: ModuleType) -> None:
-    """Say, loudly, that the kernels were not built, what is lost and how
-    to get them. (pip shows a build's output only with ``-v``, so trioserve
-    says it again in its startup log.)"""
+    """Say, loudly, that the kernels were not built, what is lost and how to
+    get them: on the build's stderr, and on the terminal where there is one.
+    pip shows a successful build's output only with ``-v`` (a build backend
+    has no other channel to the user), so the terminal is where an
+    interactive ``pip install`` shows it; trioserve's startup log says it
+    again either way."""
     rule = "=" * 78
-    print(
+    text = (
         f"\n{rule}\n"
         f"WARNING: trioserve's native CPU kernels were not built: {reason}.\n"
         f"trioserve installs and runs without them, but {native.LOST}.\n"
         f"To get them: {native.TO_GET_THEM}.\n"
-        f"{rule}\n",
-        file=sys.stderr,
-        flush=True,
+        f"{rule}\n"
     )
+    print(text, file=sys.stderr, flush=True)
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write(text)
+    except OSError:
+        pass  # no terminal (CI, a container build): the build log has it
 
 
 class BuildKernels(build_ext):
