@@ -418,7 +418,11 @@ def _remember(index: Path, entry: dict[str, str]) -> None:
     try:
         _write_json(index, entry)
     except OSError as exc:
-        logger.info("cannot write %s (a restart without a compiler will not find this build): %s", index, exc)
+        logger.info(
+            "cannot write %s (a restart without a compiler will not find this build): %s",
+            index,
+            exc,
+        )
 
 
 def _indexed(root: Path, index: Path, base: dict[str, Any]) -> Path | None:
