@@ -78,8 +78,13 @@ class BuildKernels(build_ext):
             )
             return
         native = _native_build()
+        target = Path(self.get_ext_fullpath(ext.name))
+        # What an earlier build left in the build directory (which pip keeps
+        # in the source tree) must not ship as this build's.
+        target.unlink(missing_ok=True)
+        Path(f"{target}.json").unlink(missing_ok=True)
         try:
-            record = native.build_installed(Path(self.get_ext_fullpath(ext.name)))
+            record = native.build_installed(target)
         except native.Unavailable as exc:
             _warn(str(exc), native)
         except Exception as exc:  # a failed build must not fail the install
