@@ -8,8 +8,11 @@ kernels wherever they load, as the default chooses them)."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.machinery
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.direct import mean_nll
-from trioserve.engine.cpu import llama, native
+from trioserve.engine.cpu import llama, native, native_build
 from trioserve.engine.cpu.options import CpuOptions
 from trioserve.engine.cpu.quant import QuantizedWeight, dequantize, linear, q4_weight, quantize_q4
 from trioserve.errors import ConfigError
@@ -249,9 +252,15 @@ def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     )
 
 
+#: Loads the kernels in a fresh process and says whether they loaded, and
+#: why not. What an install built beside the source (an editable install's
+#: extension) is not looked at unless ``INSTALLED`` names it: these tests are
+#: about the cache.
 _REPORT = (
-    "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
-    "from trioserve.engine.cpu import native\n"
+    "import logging, os, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+    "from pathlib import Path\n"
+    "from trioserve.engine.cpu import native, native_build\n"
+    "native_build.INSTALLED = Path(os.environ.get('INSTALLED', '/nonexistent/none.so'))\n"
     "print('LOADED', native.kernel() is not None, native.unavailable_reason())\n"
 )
 
@@ -262,13 +271,46 @@ def test_the_build_is_cached_and_a_restart_does_not_compile(tmp_path: Path) -> N
     first = _python(_REPORT, env)
     assert "LOADED True None" in first.stdout, first.stdout + first.stderr
     assert "built the native CPU kernels" in first.stdout
-    (library,) = tmp_path.glob("native/*/_trioserve_cpu*")
+    (library,) = tmp_path.glob("native/*/_trioserve_cpu*.so")
     stamp = library.stat().st_mtime_ns
     # No compiler on the second run: it must load the cached library.
     second = _python(_REPORT, {**env, "CC": "/nonexistent/cc", "PATH": "/nonexistent"})
     assert "LOADED True None" in second.stdout, second.stdout + second.stderr
     assert "built the native" not in second.stdout
     assert library.stat().st_mtime_ns == stamp
+
+
+@needs_native
+def test_a_library_in_the_cache_that_is_not_the_one_built_is_not_loaded(tmp_path: Path) -> None:
+    env = {"TRIOSERVE_CACHE": str(tmp_path)}
+    assert "LOADED True None" in _python(_REPORT, env).stdout
+    (library,) = tmp_path.glob("native/*/_trioserve_cpu*.so")
+    # Another library in its place: a real extension module, just not this one
+    # (or, where this Python has _json built in, another file).
+    other = Path(getattr(importlib.import_module("_json"), "__file__", None) or os.__file__)
+    library.write_bytes(other.read_bytes())
+    result = _python(_REPORT, env)
+    assert "LOADED False refused" in result.stdout, result.stdout + result.stderr
+    assert "recorded when it was built: it changed since" in result.stdout
+    # A warning with the way back (and no rebuild over it).
+    assert "WARNING:trioserve.engine.cpu.native:native CPU kernels not used: refused" in (
+        result.stdout
+    )
+    assert f"To get them: remove {str(library.parent)!r} to have it rebuilt" in result.stdout
+    assert library.read_bytes() == other.read_bytes()
+    shutil.rmtree(library.parent)
+    assert "LOADED True None" in _python(_REPORT, env).stdout
+
+
+@needs_native
+def test_the_installed_extension_is_loaded_when_built_from_these_sources(tmp_path: Path) -> None:
+    installed = tmp_path / "site" / f"_trioserve_cpu{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    native_build.build_installed(installed)
+    env = {"TRIOSERVE_CACHE": str(tmp_path / "cache"), "INSTALLED": str(installed)}
+    result = _python(_REPORT, env)
+    assert "LOADED True None" in result.stdout, result.stdout + result.stderr
+    assert f"native CPU kernels: the installed extension {installed}" in result.stdout
+    assert not (tmp_path / "cache" / "native").exists()
 
 
 def test_without_a_compiler_the_engine_falls_back_to_torch_and_says_why(tmp_path: Path) -> None:
@@ -285,8 +327,12 @@ def test_without_a_compiler_the_engine_falls_back_to_torch_and_says_why(tmp_path
     assert "LOADED False" in result.stdout, result.stdout + result.stderr
     assert "AUTO False" in result.stdout
     assert "NATIVE ModelError trioserve's native kernels cannot run here:" in result.stdout
-    # Why, in the log and the error: no compiler (or, elsewhere, no AVX-512 VNNI).
+    # Why, in the log and the error: no compiler (or, elsewhere, no AVX2).
     assert "no C compiler" in result.stdout or "lacks" in result.stdout
+    if "no C compiler" in result.stdout:
+        # A warning, with what is lost and how to get them.
+        assert "WARNING:trioserve.engine.cpu.native:native CPU kernels not used" in result.stdout
+        assert "1.5-2x slower. To get them: install a C compiler" in result.stdout
     assert not list(tmp_path.glob("native/*/_trioserve_cpu*"))
 
 
@@ -301,7 +347,7 @@ def test_a_broken_compiler_is_a_reason_not_a_crash(tmp_path: Path) -> None:
     fake.chmod(0o755)
     result = _python(_REPORT, {"TRIOSERVE_CACHE": str(tmp_path / "cache"), "CC": str(fake)})
     if "lacks" in result.stdout:
-        pytest.skip("this CPU lacks AVX-512 VNNI: the compiler is never run")
+        pytest.skip("this CPU lacks AVX2, FMA or F16C: the compiler is never run")
     assert "LOADED False" in result.stdout, result.stdout + result.stderr
     assert "out of coffee" in result.stdout
 
@@ -467,6 +513,7 @@ def test_the_layer_stack_in_one_call_is_the_per_operator_path_bit_for_bit(
     # Its columns are in the order kernels.h declares them, by name.
     fields = list(native._module().layer_fields())
     last = stack.layers[-1]
+    assert isinstance(last.w_down, QuantizedWeight) and isinstance(last.wqkv, QuantizedWeight)
     assert int(stack.layer_table[-1, fields.index("mlp_norm")]) == last.mlp_norm.data_ptr()
     assert int(stack.layer_table[-1, fields.index("down_m")]) == last.w_down.scales[1].data_ptr()
     assert int(stack.layer_table[-1, fields.index("qkv")]) == last.wqkv.data.data_ptr()

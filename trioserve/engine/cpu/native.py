@@ -1,5 +1,5 @@
-"""trioserve's native CPU kernels (kernels.c), compiled on first use and
-cached on disk: the 4-bit matmul, the 8-bit vocabulary projection, the
+"""trioserve's native CPU kernels (kernels.c), built at install time or on
+first use: the 4-bit matmul, the 8-bit vocabulary projection, the
 residual add with RMS norm, a layer's attention (rope, the KV cache write and
 causal attention), and the MLP's silu(gate) * up.
 
@@ -29,14 +29,17 @@ trioserve.engine.cpu.llama relies on; the probe and tests/test_native.py check
 it).
 
 Nothing here is needed: :func:`kernel` returns ``None``, with the reason in
-:func:`unavailable_reason`, where the CPU lacks AVX-512 VNNI or BF16, where there is
-no C compiler or no Python headers, where the build fails, or where the
-built kernels fail their probe (:func:`_probe`: each must compute what its
-formula says, and a row's result must not depend on the other rows); the
-engine then runs torch's operators, as before. ``TRIOSERVE_NATIVE=0`` turns
-them off.
+:func:`unavailable_reason`, where the CPU lacks AVX2, FMA or F16C, where there is
+no C compiler or no Python headers, where the build fails, where the cached
+library is refused (not the one recorded at its build, or a directory others
+may write), or where the built kernels fail their probe (:func:`_probe`: each
+must compute what its formula says, and a row's result must not depend on the
+other rows); the engine then runs torch's operators, as before, and the log
+says why (a warning, with what is lost and how to get them, where the user can
+fix the reason). ``TRIOSERVE_NATIVE=0`` turns them off.
 
-The build, the cache and the checks before loading are in
+Where the library comes from (the installed extension or trioserve's cache),
+the build and the checks before loading are in
 :mod:`trioserve.engine.cpu.native_build`.
 """
 
@@ -53,7 +56,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from trioserve.engine.cpu.native_build import SOURCE, Unavailable, cache_dir, load
+from trioserve.engine.cpu.native_build import LOST, SOURCE, Unavailable, cache_dir, load
 
 __all__ = [
     "SOURCE",
@@ -98,7 +101,13 @@ def kernel() -> ModuleType | None:
             raise Unavailable(f"the built kernels failed their probe: {failed}")
     except Unavailable as exc:
         _reason = str(exc)
-        logger.info("native CPU kernels not used: %s", _reason)
+        if exc.remedy is None:
+            # Off by choice, or a CPU they cannot run on: nothing to fix.
+            logger.info("native CPU kernels not used: %s", _reason)
+        else:
+            logger.warning(
+                "native CPU kernels not used: %s; %s. To get them: %s", _reason, LOST, exc.remedy
+            )
         return None
     logger.info(
         "native CPU kernels: the %s path (this CPU runs %s)", module.isa(), ", ".join(module.isas())
