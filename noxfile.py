@@ -132,15 +132,17 @@ def pytest_args(posargs: list[str]) -> list[str]:
 
 #: Instruction sets a CPU may give torch, below the machine's own, and what
 #: forces each: torch's kernels (ATEN_CPU_CAPABILITY), oneDNN's (whose
-#: bfloat16 attention fails under AVX2 torch unless it is capped too) and
-#: MKL's. trioserve's native kernels need AVX-512: off in both.
+#: bfloat16 attention fails under AVX2 torch unless it is capped too), MKL's
+#: and trioserve's (its kernels' AVX2 path, as an AVX2-only CPU runs them;
+#: ``avx2-torch`` as such a CPU without a C compiler runs: torch's alone).
+_AVX2_TORCH = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "DNNL_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
 ISA_ENVIRONMENTS = {
-    "avx2": {
-        "ATEN_CPU_CAPABILITY": "avx2",
-        "DNNL_MAX_CPU_ISA": "AVX2",
-        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-        "TRIOSERVE_NATIVE": "0",
-    },
+    "avx2": {**_AVX2_TORCH, "TRIOSERVE_NATIVE": "avx2"},
+    "avx2-torch": {**_AVX2_TORCH, "TRIOSERVE_NATIVE": "0"},
     "default": {
         "ATEN_CPU_CAPABILITY": "default",
         "DNNL_MAX_CPU_ISA": "SSE41",
@@ -163,10 +165,11 @@ ISA_DEFAULT_TESTS = [
 @nox.session
 def isa(session: nox.Session) -> None:
     """The suite as a CPU with fewer instruction sets than this machine's runs
-    it, trioserve's native kernels off: torch's dispatch forced down to AVX2
-    (the whole default suite), then to no vector instructions (the numeric
-    tests that need no real model, :data:`ISA_DEFAULT_TESTS`). So an AVX-512
-    machine checks what an AVX2-only one would see.
+    it: torch's dispatch forced down to AVX2 with trioserve's kernels on their
+    AVX2 path, then the same with trioserve's kernels off (both the whole
+    default suite), then torch's forced to no vector instructions (the
+    numeric tests that need no real model, :data:`ISA_DEFAULT_TESTS`). So an
+    AVX-512 machine checks what an AVX2-only one would see.
     ``nox -s isa -- avx2 [pytest args]`` runs one."""
     install_project(session, "test")
     args = list(session.posargs)
@@ -176,7 +179,7 @@ def isa(session: nox.Session) -> None:
         session.run(
             "python", "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())", env=env
         )
-        tests = [] if name == "avx2" else ISA_DEFAULT_TESTS
+        tests = ISA_DEFAULT_TESTS if name == "default" else []
         session.run("pytest", *pytest_args([*tests, *args]), env=env)
 
 

@@ -132,6 +132,7 @@ def _shape(line: str) -> str:
     line = re.sub(r"^\S+ \S+ ", "", line)
     line = re.sub(r"(native CPU kernels not used): .*", r"\1: REASON", line)
     line = re.sub(r"(native CPU kernels): .*", r"\1: SOURCE", line)
+    line = re.sub(r"kernels: torch \(.*\), KV cache", "kernels: torch (REASON), KV cache", line)
     line = re.sub(r"torch \S+ sees", "torch VERSION sees", line)
     line = re.sub(r"/\S*/", "PATH/", line)  # a path's folders; its last name stays
     return re.sub(r"\d+(\.\d+)?", "N", line)

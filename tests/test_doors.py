@@ -26,6 +26,7 @@ from tests.serverproc import open_server_process
 from trioserve import openai as oa
 from trioserve import protocol as p
 from trioserve.engine.base import EngineInfo
+from trioserve.engine.cpu import native
 from trioserve.generation import GenerationRequest, InvalidGeneration
 from trioserve.generation.generation import build_spec, check_request, fit_prompt, trim_prompt
 from trioserve.openai.fields import OPENAI_RANGES, SHARED_FIELDS
@@ -445,4 +446,11 @@ async def test_models_report_the_same_limits_as_info(cpu_engine: CpuEngine) -> N
         (model,) = reply.json()["data"]
         assert model["max_model_len"] == info["model"]["context_length"]
         assert model["limits"] == info["limits"]
+        # Which kernels run the model, the same words on both doors and in the log.
+        assert model["kernels"] == info["model"]["kernels"] == cpu_engine.info.kernels
+        path = native.path()
+        if path is not None:  # the fixture's weights are 4-bit: on the kernels where they run
+            assert model["kernels"] == f"native {path}"
+        else:
+            assert model["kernels"] == f"torch ({native.unavailable_reason()})"
         assert model["limits"]["max_stop_string_chars"] == oa.OpenAILimits().max_stop_string_chars

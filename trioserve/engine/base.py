@@ -79,6 +79,10 @@ class EngineInfo:
     #: Whether the engine reports log probabilities
     #: (:attr:`GenerationSpec.logprobs`, :attr:`GenerationSpec.prompt_logprobs`).
     logprobs: bool = False
+    #: Which kernels run the model, in words: the CPU engine's ``"native
+    #: avx512"``, ``"native avx2"`` or ``"torch (why)"``; ExLlamaV2's
+    #: ``"exllamav2 cuda"``. Reported by ``info`` and ``/v1/models``.
+    kernels: str | None = None
 
 
 @attrs.frozen

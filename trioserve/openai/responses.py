@@ -325,10 +325,12 @@ def model_object(
     *,
     context_length: int | None = None,
     limits: Mapping[str, int] | None = None,
+    kernels: str | None = None,
 ) -> dict[str, Any]:
     """A model object: OpenAI's fields, vLLM's ``max_model_len`` (which
-    clients read for the context), and the server's ``limits`` (the same
-    figures as the WebSocket ``info`` reply's, from the same declarations)."""
+    clients read for the context), the server's ``limits`` (the same
+    figures as the WebSocket ``info`` reply's, from the same declarations),
+    and the ``kernels`` that run the model (as ``info`` says them)."""
     obj: dict[str, Any] = {
         "id": name,
         "object": "model",
@@ -339,6 +341,8 @@ def model_object(
         obj["max_model_len"] = context_length
     if limits is not None:
         obj["limits"] = dict(limits)
+    if kernels is not None:
+        obj["kernels"] = kernels
     return obj
 
 
@@ -348,7 +352,10 @@ def models_response(
     *,
     context_length: int | None = None,
     limits: Mapping[str, int] | None = None,
+    kernels: str | None = None,
 ) -> bytes:
     """The body of ``GET /v1/models``: the one served model."""
-    model = model_object(name, created, context_length=context_length, limits=limits)
+    model = model_object(
+        name, created, context_length=context_length, limits=limits, kernels=kernels
+    )
     return _dumps({"object": "list", "data": [model]})

@@ -191,6 +191,9 @@ class ModelInfo:
     #: ``regex``, ``choice``, ``grammar``); an engine without any answers
     #: ``invalid_request`` to them.
     constraints: tuple[str, ...] = ()
+    #: Which kernels run the model (``"native avx2"``, ``"torch (why)"``,
+    #: ``"exllamav2 cuda"``), or None where the engine does not say.
+    kernels: str | None = None
 
 
 @attrs.frozen

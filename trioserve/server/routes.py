@@ -198,6 +198,7 @@ class OpenAIRoutes:
         return {
             "context_length": self.generations.info.context_length,
             "limits": self.model_limits or None,
+            "kernels": self.generations.info.kernels,
         }
 
     async def completions(self, request: HTTPRequest) -> Response | StreamingResponse:

@@ -346,6 +346,7 @@ class Server:
                 max_batch=info.max_batch,
                 batching=info.batching,
                 constraints=info.constraints,
+                kernels=info.kernels,
             ),
             p.Limits(
                 max_message_bytes=self.max_message_bytes,

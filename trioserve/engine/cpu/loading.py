@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from trioserve.engine.base import EngineInfo
-from trioserve.engine.cpu import contention, llama
+from trioserve.engine.cpu import contention, llama, native
 from trioserve.engine.cpu.logprobs import TokenTexts
 from trioserve.engine.cpu.options import CpuOptions
 from trioserve.engine.cpu.prefix import PrefixCache
@@ -92,8 +92,9 @@ def load_parts(model_dir: Path | None, options: CpuOptions) -> LoadedParts:
         model_dir=str(model_dir),
         constraints=CONSTRAINT_KINDS,
         logprobs=True,
+        kernels=kernels_in_use(model, options),
     )
-    _log_loaded(name, options.dtype, torch_device, model, cache, context, max_batch)
+    _log_loaded(name, options.dtype, torch_device, model, cache, context, max_batch, info.kernels)
     for measured in loading if torch_device.type == "cpu" else []:
         hint = contention.advice(measured, torch.get_num_threads())
         if hint is not None:
@@ -125,6 +126,21 @@ def load_parts(model_dir: Path | None, options: CpuOptions) -> LoadedParts:
     )
 
 
+def kernels_in_use(model: llama.LlamaWeights, options: CpuOptions) -> str:
+    """Which kernels the linear layers run on, for the log, ``info`` and
+    ``/v1/models``: ``"native avx512"`` or ``"native avx2"`` (trioserve's, and
+    the instruction-set path they run), else ``"torch (why)"``."""
+    if any(kind.endswith(" native") for kind in model.kinds()):
+        return f"native {native.path()}"
+    if options.device != "cpu" or options.cpu_kernels == "torch":
+        why = f"device {options.device}" if options.device != "cpu" else "cpu_kernels 'torch'"
+    elif not any(kind in ("q4", "int8") for kind in model.kinds()):
+        why = "the linear layers are not quantized"
+    else:
+        why = native.unavailable_reason() or "not chosen"
+    return f"torch ({why})"
+
+
 def _kv_cache(
     config: llama.LlamaConfig, dtype: torch.dtype, device: torch.device, kv_cache_dtype: str
 ) -> llama.KVCache:
@@ -143,10 +159,11 @@ def _log_loaded(
     cache: llama.KVCache,
     context: int,
     max_batch: int,
+    kernels: str | None,
 ) -> None:
     log.info(
         "cpu engine: %s, %s on %s (linear layers: %s; vocabulary projection: %s;"
-        " %.0f MiB of weights in memory%s), KV cache %s,"
+        " %.0f MiB of weights in memory%s), kernels: %s, KV cache %s,"
         " context %d, max batch %d, torch threads %d",
         name,
         dtype,
@@ -155,6 +172,7 @@ def _log_loaded(
         weight_kind(model.lm_head if model.projection is None else model.projection),
         model.nbytes / 2**20,
         ", the embedding table mapped from its file" if model.embed_mapped else "",
+        kernels,
         "int8" if cache.quantized else dtype,
         context,
         max_batch,

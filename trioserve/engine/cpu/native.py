@@ -109,7 +109,8 @@ def kernel() -> ModuleType | None:
                 "native CPU kernels not used: %s; %s. To get them: %s", _reason, LOST, exc.remedy
             )
         return None
-    logger.info(
+    # The engine's line says "kernels: native <path>"; this one adds the choice.
+    logger.debug(
         "native CPU kernels: the %s path (this CPU runs %s)", module.isa(), ", ".join(module.isas())
     )
     return module

@@ -300,6 +300,7 @@ def load_parts(
         max_token_chars=tokenizer.max_token_bytes,
         model_dir=str(model_dir),
         constraints=CONSTRAINT_KINDS,
+        kernels="exllamav2 cuda",
     )
     parts = LoadedParts(
         info=info,
