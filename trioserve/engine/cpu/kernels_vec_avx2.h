@@ -90,9 +90,9 @@ static inline vf vf_f16(const uint16_t *p) {
 /* kernels_vec_avx512.h's narrow-block loads. */
 static inline __m128 f16_first(const uint16_t *p, int n) {
     if (n >= 4) return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)p));
-    uint16_t t[8] = {0};
-    memcpy(t, p, (size_t)n * sizeof(uint16_t));
-    return _mm_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
+    uint64_t t = 0;
+    memcpy(&t, p, (size_t)n * sizeof(uint16_t));
+    return _mm_cvtph_ps(_mm_cvtsi64_si128((long long)t));
 }
 static inline vf vf_f16_spread4(const uint16_t *p, int n) {
     __m256 d4 = _mm256_castps128_ps256(f16_first(p, n));
@@ -197,11 +197,14 @@ static inline vb vb_load(const uint8_t *p) {
     return (vb){.lo = _mm256_loadu_si256((const __m256i *)p),
                 .hi = _mm256_loadu_si256((const __m256i *)(p + 32))};
 }
+/* n is a multiple of 4 (whole groups of 16 bytes): maskload's dwords. */
 static inline vb vb_load_first(const uint8_t *p, int n) {
     if (n >= 64) return vb_load(p);
-    uint8_t t[64] = {0};
-    memcpy(t, p, (size_t)(n < 64 ? n : 64));
-    return vb_load(t);
+    const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+    __m256i lo = _mm256_cmpgt_epi32(_mm256_set1_epi32(n / 4), lane);
+    __m256i hi = _mm256_cmpgt_epi32(_mm256_set1_epi32(n / 4 - 8), lane);
+    return (vb){.lo = _mm256_maskload_epi32((const int *)p, lo),
+                .hi = _mm256_maskload_epi32((const int *)(p + 32), hi)};
 }
 static inline vb vb_low(vb v) {
     const __m256i low = _mm256_set1_epi8(0x0f);

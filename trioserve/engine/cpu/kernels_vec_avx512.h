@@ -63,13 +63,16 @@ static inline vf vf_f16(const uint16_t *p) {
 /* For a narrow block of n <= 4 groups: each of the n float16 values at p
    as float32 in 4 lanes (lane l: p[l / 4]), or in lanes 0 .. n - 1 alone;
    and the 4 floats at p in lanes 0-3. Zero elsewhere. */
+static inline __m128 f16_first4(const uint16_t *p, int n) {
+    if (n >= 4) return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)p));
+    return _mm_cvtph_ps(_mm_maskz_loadu_epi16((__mmask8)((1u << n) - 1), (const void *)p));
+}
 static inline vf vf_f16_spread4(const uint16_t *p, int n) {
     const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    __m128 d4 = _mm_cvtph_ps(_mm_maskz_loadu_epi16((__mmask8)((1u << n) - 1), (const void *)p));
-    return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(d4));
+    return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(f16_first4(p, n)));
 }
 static inline vf vf_f16_first4(const uint16_t *p, int n) {
-    return _mm512_zextps128_ps512(_mm_cvtph_ps(_mm_maskz_loadu_epi16((__mmask8)((1u << n) - 1), (const void *)p)));
+    return _mm512_zextps128_ps512(f16_first4(p, n));
 }
 static inline vf vf_load_first4(const float *p) { return _mm512_zextps128_ps512(_mm_loadu_ps(p)); }
 static inline vf vf_i8(const int8_t *p) {
@@ -131,7 +134,8 @@ static inline void vi_store_i8(int8_t *p, vi a) {
 static inline vb vb_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
 /* The first n bytes at p, the rest zero. */
 static inline vb vb_load_first(const uint8_t *p, int n) {
-    return _mm512_maskz_loadu_epi8(n >= 64 ? ~0ULL : (1ULL << n) - 1, (const void *)p);
+    if (n >= 64) return _mm512_loadu_si512((const void *)p);
+    return _mm512_maskz_loadu_epi8((1ULL << n) - 1, (const void *)p);
 }
 static inline vb vb_low(vb v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0f)); }
 static inline vb vb_high(vb v) {
