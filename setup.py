@@ -12,7 +12,8 @@ extension was built from the sources it has.
 A machine without a compiler or without Python's headers still installs: the
 build is skipped with a warning saying what that loses and how to get it back
 (trioserve then builds the kernels on first use where a compiler turns up,
-and otherwise runs on torch's operators). Off x86-64 Linux nothing is built.
+and otherwise runs on torch's operators). Off x86-64 and ARM64 Linux nothing
+is built.
 """
 
 from __future__ import annotations
@@ -71,13 +72,13 @@ class BuildKernels(build_ext):
     flags and record as the cache's), never failing the install."""
 
     def build_extension(self, ext: Extension) -> None:
-        if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        native = _native_build()
+        if sys.platform != "linux" or platform.machine().lower() not in native.MACHINES:
             print(
-                "trioserve: the native CPU kernels are for x86-64 Linux only; none built",
+                "trioserve: the native CPU kernels are for x86-64 and ARM64 Linux only; none built",
                 file=sys.stderr,
             )
             return
-        native = _native_build()
         target = Path(self.get_ext_fullpath(ext.name))
         # What an earlier build left in the build directory (which pip keeps
         # in the source tree) must not ship as this build's.

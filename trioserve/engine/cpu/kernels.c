@@ -6,8 +6,8 @@
    batch).
 
    The arithmetic is compiled once per instruction-set path (kernels_avx512.c:
-   AVX-512 with VNNI and BF16; kernels_avx2.c: AVX2 with FMA and F16C), all in
-   one library; this file, built for the baseline of the architecture, picks
+   AVX-512 with VNNI and BF16; kernels_avx2.c: AVX2 with FMA and F16C; on
+   ARM64 kernels_neon_dotprod.c and kernels_neon.c), all in one library; this file, built for the baseline of the architecture, picks
    the best path this CPU runs when the module loads (cpuid), and use() picks
    another. Every path gives the same bits (kernels.h).
 
@@ -46,6 +46,21 @@ static int runs_avx2(void) {
 static const candidate candidates[] = {
     {&kernels_avx512, runs_avx512},
     {&kernels_avx2, runs_avx2},
+};
+#define CANDIDATES (sizeof(candidates) / sizeof(candidates[0]))
+#elif defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+
+static int runs_neon_dotprod(void) { return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0; }
+
+static int runs_neon(void) { return 1; /* every ARM64 CPU */ }
+
+static const candidate candidates[] = {
+    {&kernels_neon_dotprod, runs_neon_dotprod},
+    {&kernels_neon, runs_neon},
 };
 #define CANDIDATES (sizeof(candidates) / sizeof(candidates[0]))
 #else

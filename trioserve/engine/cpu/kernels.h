@@ -4,7 +4,8 @@
 
    The arithmetic itself is written once, in kernels_arith.h, against a
    16-lane vector interface (kernels_vec_*.h); each path's file
-   (kernels_avx512.c, kernels_avx2.c) compiles it for its instructions. Every
+   (kernels_avx512.c, kernels_avx2.c, kernels_neon_dotprod.c, kernels_neon.c)
+   compiles it for its instructions. Every
    path computes the same operations in the same order, lane for lane, so
    they give the same bits (tests/test_native.py compares them where a CPU
    runs more than one). */
@@ -87,12 +88,15 @@ static inline shape shape_of(int64_t K) {
     return s;
 }
 
-/* float32 -> bfloat16, nearest even; a NaN stays a quiet NaN of its sign.
-   The vector paths' stores (vf_store_bf16) compute exactly this. */
+/* float32 -> bfloat16, nearest even; every NaN becomes the one quiet NaN
+   0x7fc0, as torch's conversion does (x86 and ARM make NaNs of different
+   signs from the same operations: this keeps every path's bits equal). The
+   vector paths' stores (vf_store_bf16) compute exactly this. */
+#define BF16_NAN 0x7fc0u
 static inline uint16_t float_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)BF16_NAN;
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
@@ -129,6 +133,9 @@ typedef struct {
 #if defined(__x86_64__)
 extern const kernel_path kernels_avx512;
 extern const kernel_path kernels_avx2;
+#elif defined(__aarch64__)
+extern const kernel_path kernels_neon_dotprod;
+extern const kernel_path kernels_neon;
 #endif
 
 #endif

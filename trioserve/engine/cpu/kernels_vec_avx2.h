@@ -117,8 +117,7 @@ static inline __m256i bf16_round8(__m256 v) {
         _mm256_add_epi32(u, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(u, 16), one))),
         16);
     __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    return _mm256_blendv_epi8(r, quiet, nan);
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(BF16_NAN), nan);
 }
 static inline void vf_store_bf16(uint16_t *p, vf v) {
     /* packus works per 128-bit half: [lo 0-3, hi 0-3, lo 4-7, hi 4-7], then

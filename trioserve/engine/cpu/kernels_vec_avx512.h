@@ -87,7 +87,7 @@ static inline void vf_store_bf16(uint16_t *p, vf v) {
         _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))),
         16);
     __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(BF16_NAN));
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
 }
 

@@ -1,7 +1,7 @@
 """Finding, building and loading trioserve's native CPU kernels (kernels.c
 and the files beside it; each instruction-set path is one C file, compiled
 for its instructions by target pragmas, so the flags name none): the checks
-before anything is built (``TRIOSERVE_NATIVE``, x86-64 Linux, the
+before anything is built (``TRIOSERVE_NATIVE``, x86-64 or ARM64 Linux, the
 CPU's flags), where the library comes from, the checks that it is the one
 that was built, and the checks after loading (cpuid, one OpenMP runtime).
 :mod:`trioserve.engine.cpu.native` probes what this loads and calls it.
@@ -99,6 +99,9 @@ _FLAGS = (
 #: CPU flags (as /proc/cpuinfo spells them) the least of the paths needs
 #: (AVX2's); the module picks the best path this CPU runs by cpuid.
 _CPU_FLAGS = ("avx2", "fma", "f16c")
+#: What ``uname -m`` says where the kernels have paths: x86-64 (AVX-512,
+#: AVX2) and ARM64 (NEON, with and without the dot-product instructions).
+MACHINES = ("x86_64", "amd64", "aarch64", "arm64")
 _BUILD_TIMEOUT_S = 120.0
 
 #: What a machine without the kernels loses (said at install and at startup).
@@ -143,9 +146,11 @@ def load() -> ModuleType:
     wanted = os.environ.get("TRIOSERVE_NATIVE", "auto").strip().lower()
     if wanted in _OFF:
         raise Unavailable("TRIOSERVE_NATIVE is off")
-    if sys.platform != "linux" or _machine() not in ("x86_64", "amd64"):
-        raise Unavailable(f"built for x86-64 Linux only (this is {sys.platform}/{_machine()})")
-    missing = _missing_cpu_flags()
+    if sys.platform != "linux" or _machine() not in MACHINES:
+        raise Unavailable(
+            f"built for x86-64 and ARM64 Linux only (this is {sys.platform}/{_machine()})"
+        )
+    missing = _missing_cpu_flags() if _machine() in ("x86_64", "amd64") else []
     if missing:
         raise Unavailable(f"this CPU lacks {', '.join(missing)}")
     path = _installed() or _cached()
@@ -160,7 +165,7 @@ def load() -> ModuleType:
     except ImportError as exc:
         raise Unavailable(f"cannot load {str(path)!r}: {exc}") from exc
     if module.isa() is None:
-        raise Unavailable("this CPU runs none of the kernels' paths (cpuid: AVX2, FMA and F16C)")
+        raise Unavailable("this CPU runs none of the kernels' paths (x86-64: AVX2, FMA and F16C)")
     if wanted not in _AUTO:
         try:
             module.use(wanted)

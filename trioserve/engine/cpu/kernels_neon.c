@@ -1,0 +1,16 @@
+/* The kernels' ARM64 NEON path (ARMv8.0: every ARM64 CPU): kernels_arith.h
+   compiled for these instructions (kernels.c runs this one only where the
+   CPU has them). */
+
+#if defined(__aarch64__)
+
+#include <math.h>
+
+#include "kernels.h"
+#include "kernels_vec_neon.h"
+
+#define KERNEL_PATH kernels_neon
+#define KERNEL_PATH_NAME "neon"
+#include "kernels_arith.h"
+
+#endif

@@ -1,0 +1,30 @@
+/* The kernels' ARM64 NEON path with the dot-product instructions (sdot:
+   ARMv8.2 and later, where the CPU has them): kernels_arith.h compiled for
+   these instructions (kernels.c runs this one only where the CPU has them). */
+
+#if defined(__aarch64__)
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("dotprod"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("arch=armv8.2-a+dotprod")
+#endif
+
+#include <math.h>
+
+#include "kernels.h"
+#define KERNELS_DOTPROD 1
+#include "kernels_vec_neon.h"
+
+#define KERNEL_PATH kernels_neon_dotprod
+#define KERNEL_PATH_NAME "neon-dotprod"
+#include "kernels_arith.h"
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#endif
