@@ -97,23 +97,10 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
     for (int64_t b = 0; b < sh->wide; b++) {
         const uint8_t *wb = w + b * WIDE_BYTES;
         for (int t = 0; t < 4; t++) __builtin_prefetch(wb + PREFETCH + t * 64, 0, 3);
-        vb ws[8];
-        for (int t = 0; t < 4; t++) {
-            vb v = vb_load(wb + t * 64);
-            ws[2 * t] = vb_low(v);
-            ws[2 * t + 1] = vb_high(v);
-        }
+        wide_weights ws = wide_load(wb);
         vf d16 = vf_f16(d + b * WIDE), m16 = vf_f16(m + b * WIDE);
         for (int r = 0; r < nr; r++) {
-            const int8_t *xq = rows[r].q + b * 4 * WIDE_BYTES;
-            const int8_t *x8[8], *r8[8];
-            for (int t = 0; t < 4; t++) {
-                x8[2 * t] = xq + t * 128;
-                x8[2 * t + 1] = xq + t * 128 + 64;
-                r8[2 * t] = xq + 512 + t * 128;
-                r8[2 * t + 1] = xq + 512 + t * 128 + 64;
-            }
-            vi s = vi_add(vi_shl7(vi_dot(ws, x8, 8)), vi_dot(ws, r8, 8));
+            vi s = wide_dot(&ws, rows[r].q + b * 4 * WIDE_BYTES);
             vf scale = vf_mul(d16, vf_load(rows[r].dx + b * 16));
             acc[r] = vf_fmadd(vf_from_vi(s), scale, acc[r]);
             acc[r] = vf_fmadd(m16, vf_load(rows[r].sx + b * 16), acc[r]);

@@ -228,3 +228,32 @@ static inline vi vi_dot(const vb *w, const int8_t *const *x, const int n) {
     const __m256i ones = _mm256_set1_epi16(1);
     return VI2(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
 }
+
+/* A wide block's weights: where they are. AVX2 has 16 registers, too few to
+   hold a block's 16 (both nibbles of 256 bytes) beside 6 rows' sums, so each
+   row's dot product reads them again (from L1) and takes its nibbles per
+   256-bit half, summing the 8-bit and residual halves apart in int16 (each
+   below 30,480: see vi_dot), then 128 * the first + the second in int32:
+   the same integers as kernels_vec_avx512.h's. */
+typedef struct {
+    const uint8_t *p;
+} wide_weights;
+static inline wide_weights wide_load(const uint8_t *wb) { return (wide_weights){.p = wb}; }
+static inline __m256i wide_dot_half(const uint8_t *w, const int8_t *xq) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m256i x8 = _mm256_setzero_si256(), r8 = _mm256_setzero_si256();
+    for (int t = 0; t < 4; t++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(w + t * 64));
+        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        const int8_t *x = xq + t * 128;
+        x8 = _mm256_add_epi16(x8, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x)));
+        x8 = _mm256_add_epi16(x8, _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 64))));
+        r8 = _mm256_add_epi16(r8, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x + 512))));
+        r8 = _mm256_add_epi16(r8, _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 576))));
+    }
+    return _mm256_add_epi32(_mm256_madd_epi16(x8, _mm256_set1_epi16(128)),
+                            _mm256_madd_epi16(r8, _mm256_set1_epi16(1)));
+}
+static inline vi wide_dot(const wide_weights *ws, const int8_t *xq) {
+    return VI2(wide_dot_half(ws->p, xq), wide_dot_half(ws->p + 32, xq + 32));
+}
