@@ -36,9 +36,21 @@ static float uniform(void) { return (float)(next() >> 8) / 16777216.0f; } /* [0,
    spread so that the order of a sum's terms changes its rounding, small
    enough that attention's softmax does not pick one position): float adds
    and multiplies alone, so that every machine draws the same inputs (libm's
-   functions may differ in the last bit from one machine to another). */
-static float normal(void) { return (uniform() + uniform() + uniform() + uniform() - 2.0f) * 1.7f; }
-static float spread(void) { return normal() * (float)(1 << (next() % 6)) / 16.0f; }
+   functions may differ in the last bit from one machine to another).
+   Each draw is its own statement: C leaves the order of the operands of +
+   and * unspecified, and another compiler would draw other inputs. */
+static float normal(void) {
+    float a = uniform();
+    float b = uniform();
+    float c = uniform();
+    float d = uniform();
+    return (a + b + c + d - 2.0f) * 1.7f;
+}
+static float spread(void) {
+    float x = normal();
+    uint32_t k = next() % 6;
+    return x * (float)(1u << k) / 16.0f;
+}
 static uint16_t bf(float f) { return float_to_bf16(f); }
 
 static void emit(const void *p, size_t bytes) {
@@ -60,6 +72,10 @@ static void q4_case(const kernel_path *k, int64_t N, int64_t K, int64_t M) {
         m[i] = (uint16_t)(0x8000 | (0x2000 + next() % 0x400)); /* about -0.008 */
     }
     for (int64_t i = 0; i < M * K; i++) x[i] = bf(normal() * 3.0f);
+    if (M >= 5) { /* a row with a NaN and one whose groups are nearly zero (127 / max overflows) */
+        x[K + 7] = (uint16_t)BF16_NAN;
+        for (int64_t i = 0; i < K; i++) x[2 * K + i] = bf(normal() * 1e-38f);
+    }
     if (k->q4_matmul(x, w, d, m, out, M, N, K, 2)) exit(4);
     emit(out, (size_t)(M * N) * 2);
     free(w), free(d), free(m), free(x), free(out);
@@ -109,6 +125,18 @@ int main(int argc, char **argv) {
         for (int64_t i = 0; i < R * 2 * F; i++) gu[i] = bf(normal() * 6.0f);
         const float extremes[] = {100.0f, -100.0f, 88.0f, -88.0f, 1e30f, NAN, INFINITY, -INFINITY};
         for (int i = 0; i < 8; i++) gu[i] = bf(extremes[i]);
+        k->silu_mul(gu, out, R, F, 2);
+        emit(out, (size_t)(R * F) * 2);
+        free(gu), free(out);
+    }
+    { /* silu(gate) * up for every bfloat16 gate (up = 1) */
+        int64_t R = 2, F = 32768;
+        uint16_t *gu = need((size_t)(R * 2 * F) * 2), *out = need((size_t)(R * F) * 2);
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t i = 0; i < F; i++) {
+                gu[r * 2 * F + i] = (uint16_t)(r * F + i);
+                gu[r * 2 * F + F + i] = 0x3f80; /* 1.0 */
+            }
         k->silu_mul(gu, out, R, F, 2);
         emit(out, (size_t)(R * F) * 2);
         free(gu), free(out);

@@ -248,9 +248,11 @@ static void add_norm(float *x, const uint16_t *y, const float *w, uint16_t *out,
 
 /* exp of 16 floats (Cephes' expf: range reduction by ln 2 in two parts, a
    degree-5 polynomial, scaling by 2^n), to about 2 ulp; inputs below -87
-   give 0. The same instructions whatever calls it. */
+   give 0, above 88.8 inf (clamped first, so that n stays finite: the other
+   paths' scalef agrees with vscalefps for finite n only). The same
+   instructions whatever calls it. */
 static inline vf exp16(vf x) {
-    x = vf_max(x, vf_set1(-87.3f));
+    x = vf_min(vf_max(x, vf_set1(-87.3f)), vf_set1(88.8f));
     vf n = vf_floor(vf_fmadd(x, vf_set1(1.44269504088896341f), vf_set1(0.5f)));
     x = vf_fnmadd(n, vf_set1(0.693359375f), x);
     x = vf_fnmadd(n, vf_set1(-2.12194440e-4f), x);

@@ -18,6 +18,8 @@ static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
 /* a > b ? a : b (b where either is NaN), as maxps. */
 static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+/* a < b ? a : b (b where either is NaN), as minps. */
+static inline vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
 static inline vf vf_abs(vf a) { return _mm512_abs_ps(a); }
 /* a * b + c and c - a * b, each rounded once. */
 static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }

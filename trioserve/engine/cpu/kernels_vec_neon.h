@@ -65,10 +65,16 @@ static inline vf vf_div(vf a, vf b) {
 }
 /* x86's maxps: a > b ? a : b (b where either is NaN, or both are zeros). */
 static inline float32x4_t max4(float32x4_t a, float32x4_t b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
+/* x86's minps: a < b ? a : b. */
 static inline float32x4_t min4(float32x4_t a, float32x4_t b) { return vbslq_f32(vcltq_f32(a, b), a, b); }
 static inline vf vf_max(vf a, vf b) {
     vf r;
     EACH(r, max4(a.v[i], b.v[i]));
+    return r;
+}
+static inline vf vf_min(vf a, vf b) {
+    vf r;
+    EACH(r, min4(a.v[i], b.v[i]));
     return r;
 }
 static inline vf vf_abs(vf a) {
@@ -227,10 +233,14 @@ static inline vi vi_zero(void) {
     EACH(r, vdupq_n_s32(0));
     return r;
 }
-/* Nearest, ties to even, as cvtps2dq (the values here are in int32's range). */
+/* Nearest, ties to even, as cvtps2dq, whose answer for NaN and anything
+   outside int32 (an activation's NaN, or a group so small that 127 / its
+   largest magnitude overflows) is INT32_MIN, where vcvtnq gives 0 or
+   saturates. */
 static inline vi vi_round(vf a) {
     vi r;
-    EACH(r, vcvtnq_s32_f32(a.v[i]));
+    const float32x4_t limit = vdupq_n_f32(2147483648.0f);
+    EACH(r, vbslq_s32(vcaltq_f32(a.v[i], limit), vcvtnq_s32_f32(a.v[i]), vdupq_n_s32(INT32_MIN)));
     return r;
 }
 static inline vi vi_add(vi a, vi b) {
