@@ -37,6 +37,36 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if !defined(KERNELS_OWN_WIDE_DOT)
+/* A wide block's weights as its dot products read them (both nibbles of its
+   4 loads), and a row's dot product with them: 128 * (q . x8) + (q . r8) per
+   group (lane), xq the row's 1,024 bytes of the block (kernels.h's layout).
+   A vector interface with too few registers to hold them defines its own
+   (and KERNELS_OWN_WIDE_DOT). */
+typedef struct {
+    vb w[8];
+} wide_weights;
+static inline wide_weights wide_load(const uint8_t *wb) {
+    wide_weights ws;
+    for (int t = 0; t < 4; t++) {
+        vb v = vb_load(wb + t * 64);
+        ws.w[2 * t] = vb_low(v);
+        ws.w[2 * t + 1] = vb_high(v);
+    }
+    return ws;
+}
+static inline vi wide_dot(const wide_weights *ws, const int8_t *xq) {
+    const int8_t *x8[8], *r8[8];
+    for (int t = 0; t < 4; t++) {
+        x8[2 * t] = xq + t * 128;
+        x8[2 * t + 1] = xq + t * 128 + 64;
+        r8[2 * t] = xq + 512 + t * 128;
+        r8[2 * t + 1] = xq + 512 + t * 128 + 64;
+    }
+    return vi_add(vi_shl7(vi_dot(ws->w, x8, 8)), vi_dot(ws->w, r8, 8));
+}
+#endif
+
 static void quantize_row(const uint16_t *x, const shape *sh, int8_t *q, float *dx, float *sx) {
     memset(q, 0, sh->qbytes);
     memset(dx, 0, sh->dfloats * sizeof(float));

@@ -236,6 +236,7 @@ static inline vi vi_dot(const vb *w, const int8_t *const *x, const int n) {
    256-bit half, summing the 8-bit and residual halves apart in int16 (each
    below 30,480: see vi_dot), then 128 * the first + the second in int32:
    the same integers as kernels_vec_avx512.h's. */
+#define KERNELS_OWN_WIDE_DOT 1
 typedef struct {
     const uint8_t *p;
 } wide_weights;
