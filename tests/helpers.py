@@ -62,7 +62,8 @@ class ScriptedEngine:
     arrival order). ``step_delay`` makes every step sleep (a slow model);
     ``fail_when`` makes a job fail when its prompt contains the given text;
     ``crash_when`` makes the whole step raise when a running job's prompt
-    contains it.
+    contains it. ``pausing`` makes it a pausing engine (``EngineInfo.pausing``):
+    a paused job keeps its progress and resumes where it stopped.
     """
 
     def __init__(
@@ -74,6 +75,7 @@ class ScriptedEngine:
         fail_when: str = "FAIL",
         crash_when: str = "CRASH",
         model_dir: str | None = None,
+        pausing: bool = False,
     ) -> None:
         self._info = EngineInfo(
             engine="scripted",
@@ -87,12 +89,16 @@ class ScriptedEngine:
             max_token_chars=1,
             # Where the server looks for a chat template.
             model_dir=model_dir,
+            pausing=pausing,
         )
         self.step_delay = step_delay
         self.fail_when = fail_when
         self.crash_when = crash_when
         self._waiting: list[_ScriptedJob] = []
         self._running: dict[int, _ScriptedJob] = {}
+        self.paused: dict[int, _ScriptedJob] = {}
+        #: Every pause and resume, in order: ("pause" | "resume", job_id).
+        self.pause_log: list[tuple[str, int]] = []
         self.steps = 0
         self.closed = False
         self._in_step = threading.Lock()
@@ -124,18 +130,40 @@ class ScriptedEngine:
             out.extend(SPECIALS[token].encode() if token in SPECIALS else bytes([token]))
         return out.decode("utf-8", errors="replace")
 
-    def step(self, submit: Sequence[GenerationSpec], cancel: Sequence[int]) -> list[Update]:
+    def step(
+        self, submit: Sequence[GenerationSpec], cancel: Sequence[int], pause: Sequence[int] = ()
+    ) -> list[Update]:
         # The engine is not thread-safe: a second concurrent caller is a bug.
         if not self._in_step.acquire(blocking=False):
             raise AssertionError("step() called concurrently")
+        if pause and not self._info.pausing:
+            raise AssertionError("pause sent to an engine that does not pause")
         try:
-            return self._step(submit, cancel)
+            return self._step(submit, cancel, pause)
         finally:
             self._in_step.release()
 
-    def _step(self, submit: Sequence[GenerationSpec], cancel: Sequence[int]) -> list[Update]:
+    def _step(
+        self, submit: Sequence[GenerationSpec], cancel: Sequence[int], pause: Sequence[int] = ()
+    ) -> list[Update]:
         updates: list[Update] = []
+        for job_id in cancel:
+            self.paused.pop(job_id, None)
+        for job_id in pause:
+            job = self._running.pop(job_id, None)
+            if job is None:
+                job = next((j for j in self._waiting if j.spec.job_id == job_id), None)
+                if job is not None:
+                    self._waiting.remove(job)
+            if job is not None:
+                self.paused[job_id] = job
+                self.pause_log.append(("pause", job_id))
         for spec in submit:
+            resumed = self.paused.pop(spec.job_id, None)
+            if resumed is not None:
+                self.pause_log.append(("resume", spec.job_id))
+                self._waiting.append(resumed)
+                continue
             if len(spec.prompt_ids) + spec.max_new_tokens > self._info.context_length:
                 updates.append(Failed(spec.job_id, "prompt plus max_new_tokens exceed the context"))
                 continue

@@ -42,6 +42,7 @@ __all__ = [
     "Engine",
     "EngineInfo",
     "GenerationSpec",
+    "PausingEngine",
     "grammars_of",
 ]
 
@@ -83,6 +84,11 @@ class EngineInfo:
     #: avx512"``, ``"native avx2"`` or ``"torch (why)"``; ExLlamaV2's
     #: ``"exllamav2 cuda"``. Reported by ``info`` and ``/v1/models``.
     kernels: str | None = None
+    #: Whether the engine can pause a running job and resume it later where
+    #: it stopped, its state and its keys and values kept
+    #: (:class:`PausingEngine`): the scheduler then lets a lone client use
+    #: every slot and pauses its newest job when another client's arrives.
+    pausing: bool = False
 
 
 @attrs.frozen
@@ -149,6 +155,20 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Free the model and caches. Idempotent."""
+        ...
+
+
+class PausingEngine(Engine, Protocol):
+    """An engine whose :attr:`EngineInfo.pausing` is True."""
+
+    def step(
+        self, submit: Sequence[GenerationSpec], cancel: Sequence[int], pause: Sequence[int] = ()
+    ) -> list[Update]:
+        """As :meth:`Engine.step`, and ``pause``: running (or not yet started)
+        jobs that give their slot back, applied after ``cancel`` and before
+        ``submit``. A paused job produces no update and keeps everything it
+        computed; submitting its spec again resumes it where it stopped, and
+        cancelling it drops it. Unknown or finished ids are ignored."""
         ...
 
 

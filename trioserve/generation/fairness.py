@@ -1,16 +1,23 @@
 """Who runs next: the waiting jobs of every client, and the slots each holds.
 
 Pure bookkeeping, no trio and no engine, so that the admission rules can be
-tested alone: admission is round-robin across clients, then across each
-client's owners (its connections), and one client holds at most
-``max_running_per_client`` engine slots, so that another client's request
-finds a slot while one client floods the engine, through either door.
+tested alone. A free slot goes to the waiting client that holds the fewest
+slots (clients that hold as many take turns), then to that client's owners
+(its connections) in turn, and one client holds at most
+``max_running_per_client`` engine slots.
+
+With an engine that can pause a running job (the CPU engine), the cap is the
+whole engine: a lone client uses every slot, and a newcomer who finds none
+free takes one from the client holding the most, whose newest job is paused
+and waits at the head of its connection's queue (:meth:`FairQueue.victim`,
+:meth:`FairQueue.push_paused`). Without one, the cap is all but one slot, so
+that a newcomer always finds one free.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from typing import Generic, Protocol, TypeVar
 
 import attrs
@@ -59,6 +66,22 @@ class FairQueue(Generic[J]):
 
     def push(self, job: J) -> None:
         """Queue ``job`` behind its owner's earlier jobs."""
+        self._owner_queue(job)[job.job_id] = job
+        self.waiting += 1
+
+    def push_paused(self, job: J) -> None:
+        """Queue a running ``job`` that gave its slot back (paused) ahead of
+        its owner's other waiting jobs: the owner's jobs still start in
+        arrival order, and the paused one resumes first."""
+        self._running_release(job.client_key)
+        queue = self._owner_queue(job)
+        rest = dict(queue)
+        queue.clear()
+        queue[job.job_id] = job
+        queue.update(rest)
+        self.waiting += 1
+
+    def _owner_queue(self, job: J) -> dict[int, J]:
         client = self._queues.get(job.client_key)
         if client is None:
             client = self._queues[job.client_key] = _ClientQueue()
@@ -67,8 +90,7 @@ class FairQueue(Generic[J]):
         if queue is None:
             queue = client.owners[job.fair_key] = {}
             client.rotation.append(job.fair_key)
-        queue[job.job_id] = job
-        self.waiting += 1
+        return queue
 
     def __contains__(self, job: J) -> bool:
         client = self._queues.get(job.client_key)
@@ -94,28 +116,62 @@ class FairQueue(Generic[J]):
         """Whether ``client`` holds fewer slots than its cap."""
         return self._running[client] < self.max_running_per_client
 
+    def running(self, client: Hashable) -> int:
+        """The slots ``client`` holds."""
+        return self._running[client]
+
+    def _next_client(self) -> Hashable | None:
+        """The waiting client under its cap that holds the fewest slots; of
+        several, the first in the rotation."""
+        best: Hashable | None = None
+        for key in self._rotation:
+            if self.may_run(key) and (best is None or self._running[key] < self._running[best]):
+                best = key
+        return best
+
     def pop(self) -> J | None:
-        """The first waiting job of the next owner of the next client in the
-        rotation that may take a slot, counted as running; that client, and
-        that owner within it, go to the back of their rotations. None when no
-        waiting client may take one."""
-        for _ in range(len(self._rotation)):
-            key = self._rotation[0]
-            self._rotation.rotate(-1)
-            if not self.may_run(key):
-                continue
-            client = self._queues[key]
-            owner = client.rotation[0]
-            client.rotation.rotate(-1)
-            job = next(iter(client.owners[owner].values()))
-            self.remove(job)
-            self._running[key] += 1
-            return job
-        return None
+        """The first waiting job of the next owner of the waiting client that
+        holds the fewest slots (see :meth:`_next_client`), counted as
+        running; that client, and that owner within it, go to the back of
+        their rotations. None when no waiting client may take a slot."""
+        key = self._next_client()
+        if key is None:
+            return None
+        self._rotation.remove(key)
+        self._rotation.append(key)
+        client = self._queues[key]
+        owner = client.rotation[0]
+        client.rotation.rotate(-1)
+        job = next(iter(client.owners[owner].values()))
+        self.remove(job)
+        self._running[key] += 1
+        return job
+
+    def victim(self, running: Iterable[J]) -> J | None:
+        """The job to pause so that a waiting client gets a slot when none is
+        free: the newest of ``running`` (the last in their order) of the
+        client holding the most slots, when that client holds at least two
+        more than the waiting client that would take the slot; otherwise
+        None (shares as even as whole slots allow are never shuffled, so
+        pausing cannot go round in circles)."""
+        waiter = self._next_client()
+        if waiter is None:
+            return None
+        newest: dict[Hashable, J] = {}
+        for job in running:
+            newest[job.client_key] = job
+        if not newest:
+            return None
+        holder = max(newest, key=lambda key: self._running[key])
+        if self._running[holder] < self._running[waiter] + 2:
+            return None
+        return newest[holder]
 
     def release(self, job: J) -> None:
-        """A running ``job`` gave its slot back."""
-        key = job.client_key
+        """A running ``job`` gave its slot back (it ended)."""
+        self._running_release(job.client_key)
+
+    def _running_release(self, key: Hashable) -> None:
         self._running[key] -= 1
         if self._running[key] <= 0:
             del self._running[key]

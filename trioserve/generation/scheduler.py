@@ -84,6 +84,11 @@ class Job:
     queued_at: float = 0.0
     started_at: float | None = None
     cancelled: bool = False
+    #: Set while the job gave its slot to another client's job and waits to
+    #: resume (the engine keeps its state: nothing is recomputed or lost).
+    paused: bool = False
+    #: Times the job was paused.
+    pauses: int = 0
     #: Set when the job's last update (Finished or Failed) was delivered.
     done: bool = False
 
@@ -115,6 +120,10 @@ class SchedulerStatistics:
     #: Engine steps run since start, and the seconds spent inside them.
     steps: int
     step_seconds: float = 0.0
+    #: Of ``waiting``, the jobs paused for another client; and the pauses
+    #: made since start.
+    paused: int = 0
+    pauses: int = 0
 
 
 class Scheduler:
@@ -126,10 +135,19 @@ class Scheduler:
     Free engine slots take jobs at once, so a burst on an idle engine fills its
     slots before it counts against the queue.
 
-    Admission is round-robin across clients, then across each client's owners
-    (its connections), and one client holds at most ``max_running_per_owner``
-    slots (default: all but one, so that another client's request starts at
-    once even while one client floods the engine, through either door).
+    A free slot goes to the waiting client holding the fewest slots (in
+    turn among equals), then to that client's owners (its connections) in
+    turn, and one client holds at most ``max_running_per_owner`` slots.
+
+    With an engine that pauses jobs (``EngineInfo.pausing``), the default cap
+    is every slot and fairness is work-conserving: a lone client uses the
+    whole engine, and a client whose job finds no slot free takes one at once
+    from the client holding the most (at least two more than it), whose
+    newest job is paused, its state and keys and values kept by the engine,
+    and resumes first of its connection's jobs when a slot frees. Without
+    one, the default cap is all but one slot, so that another client's
+    request starts at once even while one client floods the engine, through
+    either door.
 
     ``engine_thread``: the thread that steps the engine (use the one that
     loaded it, see :mod:`trioserve.generation.engine_thread`); without one, the step loop runs
@@ -150,8 +168,10 @@ class Scheduler:
         self.engine = engine
         self.max_waiting = max_waiting
         self.capacity = max(1, engine.info.max_batch)
+        #: Whether a job is paused to give its slot to another client.
+        self.pausing = engine.info.pausing and self.capacity > 1
         if max_running_per_owner is None:
-            max_running_per_owner = max(1, self.capacity - 1)
+            max_running_per_owner = self.capacity if self.pausing else max(1, self.capacity - 1)
         if max_running_per_owner < 1:
             raise ValueError(f"max_running_per_owner must be >= 1, got {max_running_per_owner!r}")
         self.max_running_per_owner = max_running_per_owner
@@ -162,6 +182,9 @@ class Scheduler:
         # Trio side: jobs admitted to the engine (in the inbox or stepping),
         # and jobs waiting, per owner in arrival order.
         self._running: dict[int, Job] = {}
+        # Jobs paused for another client, waiting (in _fair) to resume.
+        self._paused: dict[int, Job] = {}
+        self._pauses = 0
         # The engine thread's half: its inbox, its loop.
         self._loop = StepLoop(engine, self._post, lambda: self.on_step is not None)
         #: Set (on the trio side) when the step loop must be started.
@@ -217,7 +240,8 @@ class Scheduler:
             raise SchedulerClosed("the generation task is not running")
         self._fair.push(job)
         self._admit()
-        if self._fair.waiting > self.max_waiting and job in self._fair:
+        # Jobs paused for another client do not count: they held slots.
+        if self._fair.waiting - len(self._paused) > self.max_waiting and job in self._fair:
             self._fair.remove(job)
             raise QueueFull(
                 f"{self.max_waiting} jobs are already waiting for the engine; retry later"
@@ -229,7 +253,7 @@ class Scheduler:
         tokenizing a long prompt."""
         if self._closed:
             return False
-        if self._fair.waiting < self.max_waiting:
+        if self._fair.waiting - len(self._paused) < self.max_waiting:
             return True
         free = self.capacity - len(self._running)
         return free > 0 and (client is None or self._fair.may_run(client))
@@ -251,6 +275,9 @@ class Scheduler:
             self._admit()
         elif job in self._fair:
             self._fair.remove(job)
+            if self._paused.pop(job.job_id, None) is not None:
+                # The engine holds its state: let it go.
+                self._post_to_loop(cancel=job.job_id)
         self._notify_idle()
 
     def statistics(self) -> SchedulerStatistics:
@@ -262,6 +289,8 @@ class Scheduler:
             failed=self._failed,
             steps=self._steps,
             step_seconds=self._step_seconds,
+            paused=len(self._paused),
+            pauses=self._pauses,
         )
 
     @property
@@ -286,24 +315,53 @@ class Scheduler:
         self._fair.release(job)
 
     def _admit(self) -> None:
-        """Move waiting jobs into free engine slots, one owner at a time."""
+        """Move waiting jobs into free engine slots, fairly (see the class
+        docstring); with a pausing engine, pause jobs of the clients holding
+        the most slots for waiting clients that hold fewer."""
         if not self._started or self._closed:
             return
         admitted: list[Job] = []
+        paused: list[int] = []
         now = trio.current_time()
-        while len(self._running) < self.capacity and self._fair:
+        while self._fair:
+            if len(self._running) >= self.capacity:
+                victim = self._victim()
+                if victim is None:
+                    break
+                del self._running[victim.job_id]
+                self._fair.push_paused(victim)
+                self._paused[victim.job_id] = victim
+                victim.paused = True
+                victim.pauses += 1
+                self._pauses += 1
+                paused.append(victim.job_id)
+                continue
             job = self._fair.pop()
             if job is None:
                 break
-            job.started_at = now
+            if job.paused:
+                # Resumed: the engine goes on where it stopped.
+                del self._paused[job.job_id]
+                job.paused = False
+            else:
+                job.started_at = now
             self._running[job.job_id] = job
             admitted.append(job)
-        if admitted:
-            self._post_to_loop(submit=admitted)
+        if admitted or paused:
+            self._post_to_loop(submit=admitted, pause=paused)
 
-    def _post_to_loop(self, *, submit: Sequence[Job] = (), cancel: int | None = None) -> None:
+    def _victim(self) -> Job | None:
+        """The running job to pause for a waiting client, or None."""
+        if not self.pausing:
+            return None
+        running = sorted(self._running.values(), key=lambda job: (job.started_at, job.job_id))
+        return self._fair.victim(running)
+
+    def _post_to_loop(
+        self, *, submit: Sequence[Job] = (), cancel: int | None = None, pause: Sequence[int] = ()
+    ) -> None:
         """Put work in the step loop's inbox; start the loop if it is idle."""
-        if self._loop.add([job.spec for job in submit], cancel):
+        if self._loop.add([job.spec for job in submit], cancel, pause):
             self._work_ready.set()
 
     # -- the generation task ------------------------------------------------------
@@ -404,13 +462,22 @@ class Scheduler:
         for update in self._updates_of(result):
             job = self._running.get(update.job_id)
             if job is None:
+                job = self._paused.get(update.job_id)
+            if job is None:
                 # Cancelled while the step ran: its owner has already answered.
                 continue
             if isinstance(update, TextUpdate):
                 job._send.send_nowait(update)
                 continue
-            del self._running[update.job_id]
-            self._release_slot(job)
+            if job.paused:
+                # It ended in the step that ran while it was being paused:
+                # it waits no more, and the engine forgets the pause.
+                del self._paused[update.job_id]
+                self._fair.remove(job)
+                self._post_to_loop(cancel=update.job_id)
+            else:
+                del self._running[update.job_id]
+                self._release_slot(job)
             self._end(job, update)
         self._admit()
         self._notify_idle()
@@ -441,6 +508,7 @@ class Scheduler:
         self._closed = True
         leftover = [*self._running.values(), *self._fair.drain()]
         self._running.clear()
+        self._paused.clear()
         for job in leftover:
             if not job.cancelled and not job.done:
                 self._end(job, Failed(job_id=job.job_id, message="the server is shutting down"))

@@ -17,11 +17,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
-from trioserve.engine.base import Engine, GenerationSpec
+from trioserve.engine.base import Engine, GenerationSpec, PausingEngine
 from trioserve.vocabulary.results import TextUpdate, Update
 
 __all__ = ["StepLoop", "StepRecord", "StepResult"]
@@ -77,15 +77,39 @@ class StepLoop:
         self._lock = threading.Lock()
         self._submit: list[GenerationSpec] = []
         self._cancel: list[int] = []
+        self._pause: list[int] = []
+        #: Jobs the engine holds paused (engine thread; read under the lock):
+        #: it keeps their state until they are resumed or cancelled, and the
+        #: loop makes it drop them when told to stop, even from idle.
+        self._paused: set[int] = set()
         self._stopping = False
         #: Whether the loop is running on the engine thread (under the lock).
         self._active = False
 
-    def add(self, submit: Sequence[GenerationSpec] = (), cancel: int | None = None) -> bool:
+    def add(
+        self,
+        submit: Sequence[GenerationSpec] = (),
+        cancel: int | None = None,
+        pause: Sequence[int] = (),
+    ) -> bool:
         """Put work in the inbox (trio side); True when the loop is idle and
-        must be started."""
+        must be started. ``pause``: jobs to pause (an engine with
+        ``EngineInfo.pausing``); submitting a paused job's spec again resumes
+        it. A job paused and resumed, or submitted and paused, before the
+        engine saw the first of the two leaves the inbox as the engine last
+        saw it."""
         with self._lock:
-            self._submit.extend(submit)
+            for spec in submit:
+                if spec.job_id in self._pause:
+                    self._pause.remove(spec.job_id)  # paused and resumed: still running
+                else:
+                    self._submit.append(spec)
+            for job_id in pause:
+                pending = [spec for spec in self._submit if spec.job_id == job_id]
+                if pending:
+                    self._submit.remove(pending[0])  # the engine never saw it run
+                else:
+                    self._pause.append(job_id)
             if cancel is not None:
                 self._cancel.append(cancel)
             return not self._active
@@ -100,7 +124,7 @@ class StepLoop:
         it is stopping and idle, so that nothing runs in the engine after the
         stop (trio side)."""
         with self._lock:
-            if self._stopping and not self._active:
+            if self._stopping and not self._active and not self._paused:
                 return False
             self._active = True
             return True
@@ -110,6 +134,7 @@ class StepLoop:
         nothing to do (it returns; the next job starts it again) or it is
         told to stop (it drops every job the engine holds, then returns)."""
         live: set[int] = set()
+        paused = self._paused
         drop: list[int] = []
         engine = self.engine
         statistics = getattr(engine, "statistics", None)
@@ -117,17 +142,23 @@ class StepLoop:
             with self._lock:
                 submits, self._submit = self._submit, []
                 cancels, self._cancel = self._cancel, []
+                pauses, self._pause = self._pause, []
                 stopping = self._stopping
-                if not (submits or cancels or live or drop or stopping):
+                if not (submits or cancels or pauses or live or drop or stopping):
                     self._active = False
                     return
+                paused.difference_update(cancels)
+                paused.update(job_id for job_id in pauses if job_id not in cancels)
+                paused.difference_update(spec.job_id for spec in submits)
             cancels += drop
             drop = []
             if stopping:
                 # Free the engine's slots, so that an engine that outlives this
                 # scheduler starts clean. With every job cancelled, the step
                 # has no model work to do and returns at once.
-                everything = [*live, *cancels, *(spec.job_id for spec in submits)]
+                everything = [*live, *paused, *cancels, *(spec.job_id for spec in submits)]
+                with self._lock:
+                    paused.clear()
                 if everything:
                     try:
                         engine.step([], everything)
@@ -141,12 +172,16 @@ class StepLoop:
                 cancelled = set(cancels)
                 submits = [spec for spec in submits if spec.job_id not in cancelled]
             live.difference_update(cancels)
+            live.difference_update(pauses)
             live.update(spec.job_id for spec in submits)
             batch = len(live)
             started = time.perf_counter()
             error: Exception | None = None
             try:
-                updates = engine.step(submits, cancels)
+                if pauses:
+                    updates = cast(PausingEngine, engine).step(submits, cancels, pauses)
+                else:
+                    updates = engine.step(submits, cancels)
             except Exception as exc:
                 error = exc
                 updates = []
@@ -158,9 +193,11 @@ class StepLoop:
                 drop = failed_ids
                 live.clear()
             else:
-                for update in updates:
-                    if not isinstance(update, TextUpdate):
-                        live.discard(update.job_id)
+                ended = [u.job_id for u in updates if not isinstance(u, TextUpdate)]
+                live.difference_update(ended)
+                if paused and ended:
+                    with self._lock:
+                        paused.difference_update(ended)
             engine_statistics = None
             if callable(statistics) and self._observed():
                 try:

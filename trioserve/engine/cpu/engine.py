@@ -86,6 +86,10 @@ class CpuEngineStatistics:
     #: them sampled as they were (:attr:`CpuEngine.draft_tokens`).
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    #: Jobs paused for another client's, and the bytes of keys and values
+    #: they keep outside the KV cache until they resume.
+    paused_jobs: int = 0
+    paused_bytes: int = 0
 
 
 @attrs.define(eq=False)
@@ -116,8 +120,15 @@ class CpuEngine:
     #: (speculative decoding by prompt lookup, :mod:`trioserve.engine.cpu.speculative`);
     #: 0 turns speculation off. Outputs are the same either way.
     draft_tokens: int = 0
-    _waiting: deque[GenerationSpec] = attrs.field(factory=deque)
+    #: Jobs for the next free slots, in order: new ones (specs) and resumed
+    #: ones (jobs, their keys and values in ``restore``).
+    _waiting: deque[GenerationSpec | CpuJob] = attrs.field(factory=deque)
     _slots: list[CpuJob] = attrs.field(factory=list)
+    #: Jobs paused by the scheduler (``step``'s ``pause``), by id, until
+    #: they are submitted again (resumed) or cancelled: a started one keeps
+    #: its keys and values (moved out of its slot into ``restore``) and its
+    #: sampler, text and constraint state; one never started is its spec.
+    _paused: dict[int, GenerationSpec | CpuJob] = attrs.field(factory=dict)
     #: Seconds of engine time that prefill may still take beside decoding
     #: jobs: each contended step adds ``prefill_share`` of its time and takes
     #: its prefill time; chunks wait while it is negative. Never above 0 (no
@@ -198,6 +209,13 @@ class CpuEngine:
             prefill_deferrals=self._prefill_deferrals,
             drafted_tokens=self._sampler.drafts.drafted,
             accepted_tokens=self._sampler.drafts.accepted,
+            paused_jobs=len(self._paused),
+            paused_bytes=sum(
+                block.numel() * block.element_size()
+                for job in self._paused.values()
+                if isinstance(job, CpuJob)
+                for block in job.restore
+            ),
         )
 
     def encode(self, text: str) -> list[int]:
@@ -212,24 +230,29 @@ class CpuEngine:
         self._prefix_cache.clear()
         self._waiting.clear()
         self._slots.clear()
+        self._paused.clear()
 
     # --- the step -------------------------------------------------------------
 
-    def step(self, submit: Sequence[GenerationSpec], cancel: Sequence[int]) -> list[Update]:
+    def step(
+        self, submit: Sequence[GenerationSpec], cancel: Sequence[int], pause: Sequence[int] = ()
+    ) -> list[Update]:
+        """One step (:meth:`trioserve.engine.base.PausingEngine.step`)."""
         if self._weights is None:
             raise EngineError("the cpu engine is closed")
         # inference_mode is thread-local: it must be entered in the worker
         # thread that runs the step, not where the engine was built.
         with torch.inference_mode():
-            return self._step(self._weights, submit, cancel)
+            return self._step(self._weights, submit, cancel, pause)
 
     def _step(
         self,
         weights: llama.LlamaWeights,
         submit: Sequence[GenerationSpec],
         cancel: Sequence[int],
+        pause: Sequence[int],
     ) -> list[Update]:
-        updates = self._take(submit, cancel)
+        updates = self._take(submit, cancel, pause)
         if not self._slots:
             self._cache.release()
             return updates
@@ -275,18 +298,27 @@ class CpuEngine:
             self._cache.release()
         return updates
 
-    def _take(self, submit: Sequence[GenerationSpec], cancel: Sequence[int]) -> list[Update]:
-        """Apply the cancellations, queue the new jobs (failing those that
-        cannot run), and admit waiting jobs into free slots in arrival order."""
+    def _take(
+        self, submit: Sequence[GenerationSpec], cancel: Sequence[int], pause: Sequence[int]
+    ) -> list[Update]:
+        """Apply the cancellations and the pauses, queue the new and resumed
+        jobs (failing those that cannot run), and admit waiting jobs into
+        free slots in arrival order."""
         updates: list[Update] = []
         cancelled = set(cancel)
         if cancelled:
             self._cancel(cancelled)
+        for job_id in pause:
+            self._pause(job_id)
         for spec in submit:
             if spec.job_id in cancelled:
                 continue  # stopped before it was ever run: no update at all
+            paused = self._paused.pop(spec.job_id, None)
+            if paused is not None:
+                self._waiting.append(paused)  # resumed where it stopped
+                continue
             if any(job.spec.job_id == spec.job_id for job in self._slots) or any(
-                waiting.job_id == spec.job_id for waiting in self._waiting
+                _job_id(waiting) == spec.job_id for waiting in self._waiting
             ):
                 problem: str | None = f"job_id {spec.job_id!r} is already in use"
             else:
@@ -298,8 +330,15 @@ class CpuEngine:
             else:
                 updates.append(Failed(spec.job_id, problem))
         while self._waiting and len(self._slots) < self._info.max_batch:
+            waiting = self._waiting.popleft()
+            if isinstance(waiting, CpuJob):
+                # Its keys and values go back into the new slot at the step's
+                # start, as the prefix cache's blocks do.
+                waiting.slot = len(self._slots)
+                self._slots.append(waiting)
+                continue
             job = start_job(
-                self._waiting.popleft(),
+                waiting,
                 len(self._slots),
                 tokenizer=self._tokenizer,
                 vocab=self._config.vocab_size,
@@ -366,10 +405,30 @@ class CpuEngine:
         return Failed(job.spec.job_id, message)
 
     def _cancel(self, job_ids: set[int]) -> None:
-        self._waiting = deque(spec for spec in self._waiting if spec.job_id not in job_ids)
+        self._waiting = deque(item for item in self._waiting if _job_id(item) not in job_ids)
+        for job_id in job_ids:
+            self._paused.pop(job_id, None)
         for job in [job for job in self._slots if job.spec.job_id in job_ids]:
             # What a stopped job computed is as good as a finished one's.
             self._finish(job)
+
+    def _pause(self, job_id: int) -> None:
+        """Take a running or waiting job out of the batch, keeping all it
+        computed: a slot's keys and values move into the job's ``restore``
+        (the KV cache's rows as stored, 8-bit ones too), to be written back
+        into whatever slot it resumes in, so nothing is recomputed."""
+        for item in self._waiting:
+            if _job_id(item) == job_id:
+                self._waiting.remove(item)
+                self._paused[job_id] = item
+                return
+        for job in self._slots:
+            if job.spec.job_id == job_id:
+                if not job.restore and job.cached:
+                    job.restore = [self._cache.read(job.slot, 0, job.cached)]
+                self._free(job)
+                self._paused[job_id] = job
+                return
 
     def _finish(self, job: CpuJob) -> None:
         self._keep_prefix(job)
@@ -396,3 +455,7 @@ class CpuEngine:
             self._cache.move(last.slot, job.slot)
             last.slot = job.slot
             self._slots[job.slot] = last
+
+
+def _job_id(item: GenerationSpec | CpuJob) -> int:
+    return item.spec.job_id if isinstance(item, CpuJob) else item.job_id

@@ -93,6 +93,7 @@ def load_parts(model_dir: Path | None, options: CpuOptions) -> LoadedParts:
         constraints=CONSTRAINT_KINDS,
         logprobs=True,
         kernels=kernels_in_use(model, options),
+        pausing=True,
     )
     _log_loaded(name, options.dtype, torch_device, model, cache, context, max_batch, info.kernels)
     for measured in loading if torch_device.type == "cpu" else []:
