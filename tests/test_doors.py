@@ -308,11 +308,14 @@ async def test_no_client_input_is_a_server_error_on_either_door(cpu_engine: CpuE
 async def test_one_client_cannot_take_the_last_slot_through_the_other_door(
     cpu_engine: CpuEngine,
 ) -> None:
-    """A client holding all but one slot over WebSocket (the slot cap) gets
-    no more through HTTP while another client waits: on loopback, both doors
-    are one client (the address)."""
+    """A client holding its slot cap (``--max-running-per-client``, here all
+    but one slot) over WebSocket gets no more through HTTP: on loopback, both
+    doors are one client (the address)."""
     capacity = cpu_engine.info.max_batch
-    async with serving(cpu_engine) as (server, listening), raw_client(listening.url) as ws:
+    async with (
+        serving(cpu_engine, max_running_per_client=capacity - 1) as (server, listening),
+        raw_client(listening.url) as ws,
+    ):
         eos = sorted(cpu_engine.info.eos_token_ids)
         long = {
             "action": "infer",
@@ -342,12 +345,14 @@ async def test_one_client_cannot_take_the_last_slot_through_the_other_door(
 
 @pytest.mark.slow
 async def test_one_key_is_one_client_on_both_doors_through_the_cli(model_dir: Any) -> None:
-    """``python -m trioserve --api-key K --max-batch 3``: a WebSocket client
-    holding the client's two slots (all but one) sends its third request over
-    HTTP with the same key: it waits although a slot is free, and the limit on
-    requests per client counts both doors."""
+    """``python -m trioserve --api-key K --max-batch 3
+    --max-running-per-client 2``: a WebSocket client holding the client's two
+    slots sends its third request over HTTP with the same key: it waits
+    although a slot is free, and the limit on requests per client counts both
+    doors."""
     key = "k3y-one-client"
     args = ["--api-key", key, "--max-batch", "3", "--max-requests-per-client", "3"]
+    args += ["--max-running-per-client", "2"]
     async with open_server_process(args) as server:
         url = f"{server.url}?api_key={key}"
         async with raw_client(url) as ws:

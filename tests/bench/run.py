@@ -12,6 +12,7 @@ top of the output. Progress goes to stderr, the tables to stdout.
     python tests/bench/run.py --only constraints  # structured output's cost (docs/performance.md)
     python tests/bench/run.py --only choices   # n choices against n requests (docs/performance.md)
     python tests/bench/run.py --only speculative  # drafts by prompt lookup against plain decoding
+    python tests/bench/run.py --only fairness  # one client's 8 streams; a newcomer beside a flood
     python tests/bench/run.py --only llama-server  # trioserve against llama.cpp's llama-server
 """
 
@@ -39,6 +40,7 @@ from tests.bench import (  # noqa: E402
     choices_bench,
     constraint_bench,
     engine_bench,
+    fairness_bench,
     hostile_bench,
     server_bench,
     server_vs_llama,
@@ -48,7 +50,16 @@ from trioserve.engine.cpu.options import DTYPE_NAMES  # noqa: E402
 from trioserve.engine.models import default_model_dir  # noqa: E402
 from trioserve.generation.engine_thread import open_engine_thread  # noqa: E402
 
-PARTS = ("engine", "server", "hostile", "constraints", "choices", "speculative", "llama-server")
+PARTS = (
+    "engine",
+    "server",
+    "hostile",
+    "constraints",
+    "choices",
+    "speculative",
+    "fairness",
+    "llama-server",
+)
 
 
 def cpu_model() -> str:
@@ -194,6 +205,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print("\n## Speculative decoding\n")
         print(engine_bench.markdown(speculative_results, "speculative"))
+    if "fairness" in parts:
+        say("fairness bench: the default flags against the caps")
+        fairness: list[dict[str, Any]] = []
+        fairness_bench.run(fairness, say=say, rounds=3 if args.quick else fairness_bench.ROUNDS)
+        print("\n## Fairness that uses the whole machine\n")
+        print(fairness_bench.markdown(fairness))
     if "llama-server" in parts:
         say("trioserve against llama-server (skipped, saying why, without the binary)")
         versus: list[dict[str, Any]] = []

@@ -40,7 +40,7 @@ import tracemalloc
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import h11
@@ -49,7 +49,7 @@ import trio_websocket
 
 from tests.helpers import RawClient, raw_client
 from trioserve import protocol as p
-from trioserve.engine.base import Engine, EngineInfo, GenerationSpec
+from trioserve.engine.base import Engine, EngineInfo, GenerationSpec, PausingEngine
 from trioserve.generation.engine_thread import EngineThread
 from trioserve.server import Server, ServerConfig
 from trioserve.vocabulary.results import Failed, Finished, Update
@@ -204,9 +204,14 @@ class TimedEngine:
     def decode(self, ids: Sequence[int]) -> str:
         return self.engine.decode(ids)
 
-    def step(self, submit: Sequence[GenerationSpec], cancel: Sequence[int]) -> list[Update]:
+    def step(
+        self, submit: Sequence[GenerationSpec], cancel: Sequence[int], pause: Sequence[int] = ()
+    ) -> list[Update]:
         started = time.perf_counter()
-        updates = self.engine.step(submit, cancel)
+        if pause:  # only sent when the engine's info says it pauses
+            updates = cast(PausingEngine, self.engine).step(submit, cancel, pause)
+        else:
+            updates = self.engine.step(submit, cancel)
         self.steps.append(
             StepRecord(started, time.perf_counter() - started, len(submit), len(updates))
         )

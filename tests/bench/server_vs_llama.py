@@ -77,8 +77,7 @@ class Trioserve:
 
     def __init__(self, threads: int, args: Sequence[str] = ()) -> None:
         command = [sys.executable, "-m", "trioserve", "--port", "0", "--max-batch", str(STREAMS)]
-        command += ["--threads", str(threads), "--max-running-per-client", str(STREAMS)]
-        command += list(args)
+        command += ["--threads", str(threads), *args]
         self.process = subprocess.Popen(
             command,
             cwd=ROOT,
@@ -100,7 +99,9 @@ class Trioserve:
         # Keep reading stdout so that the server never blocks on a full pipe.
         threading.Thread(target=self.process.stdout.read, daemon=True).start()
 
-    def stream(self, prompt: Sequence[int], tokens: int) -> list[float]:
+    def stream(
+        self, prompt: Sequence[int], tokens: int, headers: dict[str, str] | None = None
+    ) -> list[float]:
         body = {
             "model": "default",
             "prompt": list(prompt),
@@ -109,7 +110,7 @@ class Trioserve:
             "stream": True,
             "bann_bann": [EOS_ID],
         }
-        return _sse(self.port, "/v1/completions", body, _has_text)
+        return _sse(self.port, "/v1/completions", body, _has_text, headers)
 
     @property
     def pid(self) -> int:
@@ -124,13 +125,19 @@ class Trioserve:
             self.process.wait()
 
 
-def _sse(port: int, path: str, body: dict[str, Any], counts: Callable[[Any], bool]) -> list[float]:
-    """POST ``body``, read the event stream; perf_counter times of the events
-    that ``counts`` (a token's text)."""
+def _sse(
+    port: int,
+    path: str,
+    body: dict[str, Any],
+    counts: Callable[[Any], bool],
+    headers: dict[str, str] | None = None,
+) -> list[float]:
+    """POST ``body`` (with ``headers``), read the event stream; perf_counter
+    times of the events that ``counts`` (a token's text)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     stamps: list[float] = []
     try:
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", **(headers or {})}
         conn.request("POST", path, body=json.dumps(body).encode(), headers=headers)
         response = conn.getresponse()
         if response.status != 200:

@@ -507,7 +507,8 @@ OPTIONS: Final[tuple[Option, ...]] = (
         "engine slots one client may hold while others wait",
         S,
         metavar="N",
-        shown_default="all but one of the engine's slots",
+        shown_default="every slot on the CPU engine (a newcomer's job pauses the biggest holder's"
+        " newest), all but one on ExLlamaV2",
     ),
     Option(
         "max_waiting_jobs",
