@@ -567,6 +567,15 @@ def _every_kernel(module: Any, seed: int) -> list[torch.Tensor]:
         for rows in (1, 5, 13):
             x = (torch.randn(rows, k, generator=g) * 3).bfloat16()
             outs.append(native._call(module, x, data, scales, n))
+    # 8 rows (one AVX2 pass) of SmolLM2's gate_up: enough outputs that two
+    # fused multiply-adds taken in the other order change some of them after
+    # the rounding to bfloat16 (the shapes above alone did not show it).
+    q = torch.randint(0, 16, (3072, 576), generator=g, dtype=torch.uint8)
+    d = torch.rand(3072, 18, generator=g) * 0.02 + 0.001
+    data, scales = native.pack(q, d, -8 * d + torch.randn(3072, 18, generator=g) * 0.01)
+    outs.append(
+        native._call(module, torch.randn(8, 576, generator=g).bfloat16(), data, scales, 3072)
+    )
     q8 = torch.randint(-127, 128, (100, 576), generator=g, dtype=torch.int8)
     scale = (torch.rand(100, generator=g) * 0.01).bfloat16()
     outs.append(native._int8(module, torch.randn(7, 576, generator=g).bfloat16(), q8, scale))

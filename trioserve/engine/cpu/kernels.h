@@ -24,6 +24,11 @@
 #define NARROW_BYTES 64
 #define ROWS 6 /* rows of x sharing one pass over W (of 4, 6 and 8, the fastest \
                   at 8 and 64 rows when measured) */
+/* The same for the 4-bit matmul, at most 8; a path may choose its own
+   (before including this file). */
+#ifndef Q4_ROWS
+#define Q4_ROWS ROWS
+#endif
 #define OUTS 16 /* outputs per unit of parallel work */
 /* How far ahead of its reads a thread asks for the weights: one core keeps
    too few misses in flight for the memory's bandwidth on its own, and 4 KiB

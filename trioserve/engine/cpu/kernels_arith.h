@@ -26,8 +26,8 @@
    too): the residual keeps the answers of torch's bfloat16 path there.
 
    Batch invariance. A row's result is computed by the same instructions,
-   in the same order, whatever M is, whichever other rows share its block of
-   six and whichever thread computes it: rows are quantized alone, threads
+   in the same order, whatever M is, whichever other rows share its block
+   (Q4_ROWS: kernels.h) and whichever thread computes it: rows are quantized alone, threads
    split the outputs (never K), and a block of fewer rows runs the same
    per-row sequence. So a job's logits do not depend on its companions, nor
    on whether its positions were computed in a prefill chunk or a decode step
@@ -38,32 +38,47 @@
 #include <string.h>
 
 #if !defined(KERNELS_OWN_WIDE_DOT)
-/* A wide block's weights as its dot products read them (both nibbles of its
-   4 loads), and a row's dot product with them: 128 * (q . x8) + (q . r8) per
-   group (lane), xq the row's 1,024 bytes of the block (kernels.h's layout).
-   A vector interface with too few registers to hold them defines its own
-   (and KERNELS_OWN_WIDE_DOT). */
-typedef struct {
+/* A wide block's dot products with nr rows: s[r] = 128 * (q . x8) + (q .
+   r8) per group (lane) for row r, xq[r] its 1,024 bytes of the block
+   (kernels.h's layout). The block's weights are unpacked once (both nibbles
+   of its 4 loads) and serve every row. A vector interface with too few
+   registers to hold them defines its own (and KERNELS_OWN_WIDE_DOT). */
+static inline __attribute__((always_inline)) void wide_dots(const uint8_t *wb,
+                                                            const int8_t *const *xq,
+                                                            const int nr, vi *s) {
     vb w[8];
-} wide_weights;
-static inline wide_weights wide_load(const uint8_t *wb) {
-    wide_weights ws;
     for (int t = 0; t < 4; t++) {
         vb v = vb_load(wb + t * 64);
-        ws.w[2 * t] = vb_low(v);
-        ws.w[2 * t + 1] = vb_high(v);
+        w[2 * t] = vb_low(v);
+        w[2 * t + 1] = vb_high(v);
     }
-    return ws;
+    for (int r = 0; r < nr; r++) {
+        const int8_t *x8[8], *r8[8];
+        for (int t = 0; t < 4; t++) {
+            x8[2 * t] = xq[r] + t * 128;
+            x8[2 * t + 1] = xq[r] + t * 128 + 64;
+            r8[2 * t] = xq[r] + 512 + t * 128;
+            r8[2 * t + 1] = xq[r] + 512 + t * 128 + 64;
+        }
+        s[r] = vi_add(vi_shl7(vi_dot(w, x8, 8)), vi_dot(w, r8, 8));
+    }
 }
-static inline vi wide_dot(const wide_weights *ws, const int8_t *xq) {
-    const int8_t *x8[8], *r8[8];
-    for (int t = 0; t < 4; t++) {
-        x8[2 * t] = xq + t * 128;
-        x8[2 * t + 1] = xq + t * 128 + 64;
-        r8[2 * t] = xq + 512 + t * 128;
-        r8[2 * t + 1] = xq + 512 + t * 128 + 64;
+#endif
+
+#if !defined(KERNELS_OWN_NARROW_DOT)
+/* A narrow block's dot products with nr rows, its first `present` groups
+   (of 4) there (the rest zero): lane l of s[r] is group l / 4's part, xq[r]
+   row r's 256 bytes of the block. */
+static inline __attribute__((always_inline)) void narrow_dots(const uint8_t *wb, int present,
+                                                              const int8_t *const *xq,
+                                                              const int nr, vi *s) {
+    vb v = vb_load_first(wb, present * 16);
+    vb ws[2] = {vb_low(v), vb_high(v)};
+    for (int r = 0; r < nr; r++) {
+        const int8_t *x8[2] = {xq[r], xq[r] + NARROW_BYTES};
+        const int8_t *r8[2] = {xq[r] + 128, xq[r] + 128 + NARROW_BYTES};
+        s[r] = vi_add(vi_shl7(vi_dot(ws, x8, 2)), vi_dot(ws, r8, 2));
     }
-    return vi_add(vi_shl7(vi_dot(ws->w, x8, 8)), vi_dot(ws->w, r8, 8));
 }
 #endif
 
@@ -122,17 +137,19 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
                                                            const uint16_t *m, const shape *sh,
                                                            const qrow *rows, const int nr,
                                                            float *res) {
-    vf acc[ROWS];
+    vf acc[Q4_ROWS];
     for (int r = 0; r < nr; r++) acc[r] = vf_zero();
     for (int64_t b = 0; b < sh->wide; b++) {
         const uint8_t *wb = w + b * WIDE_BYTES;
         for (int t = 0; t < 4; t++) __builtin_prefetch(wb + PREFETCH + t * 64, 0, 3);
-        wide_weights ws = wide_load(wb);
+        const int8_t *xq[Q4_ROWS];
+        for (int r = 0; r < nr; r++) xq[r] = rows[r].q + b * 4 * WIDE_BYTES;
+        vi s[Q4_ROWS];
+        wide_dots(wb, xq, nr, s);
         vf d16 = vf_f16(d + b * WIDE), m16 = vf_f16(m + b * WIDE);
         for (int r = 0; r < nr; r++) {
-            vi s = wide_dot(&ws, rows[r].q + b * 4 * WIDE_BYTES);
             vf scale = vf_mul(d16, vf_load(rows[r].dx + b * 16));
-            acc[r] = vf_fmadd(vf_from_vi(s), scale, acc[r]);
+            acc[r] = vf_fmadd(vf_from_vi(s[r]), scale, acc[r]);
             acc[r] = vf_fmadd(m16, vf_load(rows[r].sx + b * 16), acc[r]);
         }
     }
@@ -141,18 +158,17 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
     int64_t left = sh->groups - sh->wide * WIDE;
     for (int64_t b = 0; b < sh->narrow; b++, left -= NARROW) {
         int present = left >= NARROW ? NARROW : (int)left;
-        vb wb = vb_load_first(tw + b * NARROW_BYTES, present * 16);
-        vb ws[2] = {vb_low(wb), vb_high(wb)};
+        const int8_t *xq[Q4_ROWS];
+        for (int r = 0; r < nr; r++) xq[r] = rows[r].q + sh->wide * 4 * WIDE_BYTES + b * 4 * NARROW_BYTES;
+        vi s[Q4_ROWS];
+        narrow_dots(tw + b * NARROW_BYTES, present, xq, nr, s);
         /* lane l: group l / 4's d; m in lanes 0-3 (one a group), zero above */
         vf d16 = vf_f16_spread4(td + b * NARROW, present), m16 = vf_f16_first4(tm + b * NARROW, present);
         for (int r = 0; r < nr; r++) {
-            const int8_t *xq = rows[r].q + sh->wide * 4 * WIDE_BYTES + b * 4 * NARROW_BYTES;
             const float *dx = rows[r].dx + sh->wide * 16 + b * 16;
             const float *sx = rows[r].sx + sh->wide * 16 + b * 4;
-            const int8_t *x8[2] = {xq, xq + NARROW_BYTES}, *r8[2] = {xq + 128, xq + 128 + NARROW_BYTES};
-            vi s = vi_add(vi_shl7(vi_dot(ws, x8, 2)), vi_dot(ws, r8, 2));
             vf scale = vf_mul(d16, vf_load(dx));
-            acc[r] = vf_fmadd(vf_from_vi(s), scale, acc[r]);
+            acc[r] = vf_fmadd(vf_from_vi(s[r]), scale, acc[r]);
             acc[r] = vf_fmadd(m16, vf_load_first4(sx), acc[r]);
         }
     }
@@ -186,20 +202,27 @@ static int q4_matmul(const uint16_t *x, const uint8_t *w, const uint16_t *d, con
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t u = 0; u < units; u++) {
         int64_t n0 = u * OUTS, n1 = n0 + OUTS < N ? n0 + OUTS : N;
-        for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
-            int64_t nr = M - r0 < ROWS ? M - r0 : ROWS;
+        for (int64_t r0 = 0; r0 < M; r0 += Q4_ROWS) {
+            int64_t nr = M - r0 < Q4_ROWS ? M - r0 : Q4_ROWS;
             for (int64_t n = n0; n < n1; n++) {
-                float res[ROWS] = {0};
+                float res[Q4_ROWS] = {0};
                 const uint8_t *wn = w + n * wrow;
                 const uint16_t *dn = d + n * sh.groups, *mn = m + n * sh.groups;
+                /* nr past Q4_ROWS never comes: those cases only keep the
+                   switch the same for every path's Q4_ROWS */
+#define DOT_ROWS(k) \
+    case k: dot_rows(wn, dn, mn, &sh, rows + r0, k <= Q4_ROWS ? k : Q4_ROWS, res); break
                 switch (nr) {
-                case 6: dot_rows(wn, dn, mn, &sh, rows + r0, 6, res); break;
-                case 5: dot_rows(wn, dn, mn, &sh, rows + r0, 5, res); break;
-                case 4: dot_rows(wn, dn, mn, &sh, rows + r0, 4, res); break;
-                case 3: dot_rows(wn, dn, mn, &sh, rows + r0, 3, res); break;
-                case 2: dot_rows(wn, dn, mn, &sh, rows + r0, 2, res); break;
+                    DOT_ROWS(8);
+                    DOT_ROWS(7);
+                    DOT_ROWS(6);
+                    DOT_ROWS(5);
+                    DOT_ROWS(4);
+                    DOT_ROWS(3);
+                    DOT_ROWS(2);
                 default: dot_rows(wn, dn, mn, &sh, rows + r0, 1, res); break;
                 }
+#undef DOT_ROWS
                 for (int64_t r = 0; r < nr; r++) out[(r0 + r) * N + n] = float_to_bf16(res[r]);
             }
         }

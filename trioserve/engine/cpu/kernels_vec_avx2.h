@@ -230,32 +230,70 @@ static inline vi vi_dot(const vb *w, const int8_t *const *x, const int n) {
     return VI2(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
 }
 
-/* A wide block's weights: where they are. AVX2 has 16 registers, too few to
-   hold a block's 16 (both nibbles of 256 bytes) beside 6 rows' sums, so each
-   row's dot product reads them again (from L1) and takes its nibbles per
-   256-bit half, summing the 8-bit and residual halves apart in int16 (each
-   below 30,480: see vi_dot), then 128 * the first + the second in int32:
-   the same integers as kernels_vec_avx512.h's. */
+/* A wide block's dot products with nr rows (kernels_arith.h's wide_dots).
+   AVX2 has 16 registers, too few to hold a block's unpacked weights (both
+   nibbles of 256 bytes: 16) beside the sums, but enough for one 256-bit
+   half's (8): so each half's weights are loaded and unpacked once and serve
+   every row (the unpack, 3 instructions a load, is then not paid per row),
+   and each row sums its 8-bit and residual parts apart in int16 (each below
+   30,480: see vi_dot), then 128 * the first + the second in int32: the same
+   integers as kernels_vec_avx512.h's. */
 #define KERNELS_OWN_WIDE_DOT 1
-typedef struct {
-    const uint8_t *p;
-} wide_weights;
-static inline wide_weights wide_load(const uint8_t *wb) { return (wide_weights){.p = wb}; }
-static inline __m256i wide_dot_half(const uint8_t *w, const int8_t *xq) {
+static inline __attribute__((always_inline)) void wide_dots(const uint8_t *wb,
+                                                            const int8_t *const *xq,
+                                                            const int nr, vi *s) {
     const __m256i low = _mm256_set1_epi8(0x0f);
-    __m256i x8 = _mm256_setzero_si256(), r8 = _mm256_setzero_si256();
-    for (int t = 0; t < 4; t++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(w + t * 64));
-        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        const int8_t *x = xq + t * 128;
-        x8 = _mm256_add_epi16(x8, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x)));
-        x8 = _mm256_add_epi16(x8, _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 64))));
-        r8 = _mm256_add_epi16(r8, _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x + 512))));
-        r8 = _mm256_add_epi16(r8, _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 576))));
+    for (int h = 0; h < 2; h++) {
+        __m256i w[8];
+        for (int t = 0; t < 4; t++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(wb + h * 32 + t * 64));
+            w[2 * t] = _mm256_and_si256(v, low);
+            w[2 * t + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+#pragma GCC unroll 1
+        for (int r = 0; r < nr; r++) {
+            const int8_t *x = xq[r] + h * 32;
+            __m256i x8 = _mm256_setzero_si256(), r8 = _mm256_setzero_si256();
+            for (int t = 0; t < 4; t++) {
+                const int8_t *xt = x + t * 128;
+                x8 = _mm256_add_epi16(x8, _mm256_maddubs_epi16(w[2 * t], _mm256_loadu_si256((const __m256i *)xt)));
+                x8 = _mm256_add_epi16(x8, _mm256_maddubs_epi16(w[2 * t + 1], _mm256_loadu_si256((const __m256i *)(xt + 64))));
+                r8 = _mm256_add_epi16(r8, _mm256_maddubs_epi16(w[2 * t], _mm256_loadu_si256((const __m256i *)(xt + 512))));
+                r8 = _mm256_add_epi16(r8, _mm256_maddubs_epi16(w[2 * t + 1], _mm256_loadu_si256((const __m256i *)(xt + 576))));
+                __asm__("" : "+x"(x8), "+x"(r8));
+            }
+            __m256i v = _mm256_add_epi32(_mm256_madd_epi16(x8, _mm256_set1_epi16(128)),
+                                         _mm256_madd_epi16(r8, _mm256_set1_epi16(1)));
+            if (h == 0)
+                s[r].lo = v;
+            else
+                s[r].hi = v;
+        }
     }
+}
+
+/* A narrow block's dot products with nr rows (kernels_arith.h's
+   narrow_dots), per 256-bit half: lanes 0-7 are groups 0 and 1, 8-15 groups
+   2 and 3, so where at most 2 groups are there (K = 576: 18 groups, 2 past
+   the wide block) the upper half is zero and not computed. */
+static inline __m256i narrow_half(__m256i v, const int8_t *x) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    __m256i x8 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+                                  _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 64))));
+    __m256i r8 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x + 128))),
+                                  _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 192))));
     return _mm256_add_epi32(_mm256_madd_epi16(x8, _mm256_set1_epi16(128)),
                             _mm256_madd_epi16(r8, _mm256_set1_epi16(1)));
 }
-static inline vi wide_dot(const wide_weights *ws, const int8_t *xq) {
-    return VI2(wide_dot_half(ws->p, xq), wide_dot_half(ws->p + 32, xq + 32));
+#define KERNELS_OWN_NARROW_DOT 1
+static inline __attribute__((always_inline)) void narrow_dots(const uint8_t *wb, int present,
+                                                              const int8_t *const *xq,
+                                                              const int nr, vi *s) {
+    vb v = vb_load_first(wb, present * 16);
+    if (present > 2) {
+        for (int r = 0; r < nr; r++) s[r] = VI2(narrow_half(v.lo, xq[r]), narrow_half(v.hi, xq[r] + 32));
+    } else {
+        for (int r = 0; r < nr; r++) s[r] = VI2(narrow_half(v.lo, xq[r]), _mm256_setzero_si256());
+    }
 }
