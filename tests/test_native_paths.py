@@ -5,7 +5,7 @@ and compiled per path; each path's vector interface computes the same
 operations in the same order. tests/native/kernels_harness.c runs every kernel
 of one path on fixed inputs (no Python, no torch) and writes the outputs:
 
-* on this machine, each x86-64 path it runs (AVX-512 and AVX2 on an AVX-512
+* on this machine, each x86-64 path it runs (AVX-512, AVX2 with AVX-VNNI and AVX2 on an AVX-512
   CPU) must write the same bytes;
 * the ARM64 paths (NEON, and NEON with the dot-product instructions), cross-
   compiled with Debian's ``gcc-aarch64-linux-gnu`` and run under

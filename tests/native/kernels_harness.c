@@ -18,7 +18,11 @@
 
 static const kernel_path *const paths[] = {
 #if defined(__x86_64__)
-    &kernels_avx512, &kernels_avx2,
+    &kernels_avx512,
+#if KERNELS_HAVE_AVX2_VNNI
+    &kernels_avx2_vnni,
+#endif
+    &kernels_avx2,
 #elif defined(__aarch64__)
     &kernels_neon_dotprod, &kernels_neon,
 #endif

@@ -6,7 +6,8 @@
    batch).
 
    The arithmetic is compiled once per instruction-set path (kernels_avx512.c:
-   AVX-512 with VNNI and BF16; kernels_avx2.c: AVX2 with FMA and F16C; on
+   AVX-512 with VNNI and BF16; kernels_avx2_vnni.c: AVX2 with AVX-VNNI;
+   kernels_avx2.c: AVX2 with FMA and F16C; on
    ARM64 kernels_neon_dotprod.c and kernels_neon.c), all in one library; this file, built for the baseline of the architecture, picks
    the best path this CPU runs when the module loads (cpuid), and use() picks
    another. Every path gives the same bits (kernels.h).
@@ -43,8 +44,24 @@ static int runs_avx2(void) {
            __builtin_cpu_supports("fma");
 }
 
+#if KERNELS_HAVE_AVX2_VNNI
+#include <cpuid.h>
+
+/* AVX-VNNI: cpuid leaf 7, subleaf 1, EAX bit 4 (GCC's __builtin_cpu_supports
+   knows it only since 11, clang's later), with AVX2's OS support checked by
+   runs_avx2. */
+static int runs_avx2_vnni(void) {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!runs_avx2() || !__get_cpuid_count(7, 1, &a, &b, &c, &d)) return 0;
+    return (a >> 4) & 1;
+}
+#endif
+
 static const candidate candidates[] = {
     {&kernels_avx512, runs_avx512},
+#if KERNELS_HAVE_AVX2_VNNI
+    {&kernels_avx2_vnni, runs_avx2_vnni},
+#endif
     {&kernels_avx2, runs_avx2},
 };
 #define CANDIDATES (sizeof(candidates) / sizeof(candidates[0]))

@@ -4,7 +4,8 @@
 
    The arithmetic itself is written once, in kernels_arith.h, against a
    16-lane vector interface (kernels_vec_*.h); each path's file
-   (kernels_avx512.c, kernels_avx2.c, kernels_neon_dotprod.c, kernels_neon.c)
+   (kernels_avx512.c, kernels_avx2_vnni.c, kernels_avx2.c, kernels_neon_dotprod.c,
+   kernels_neon.c)
    compiles it for its instructions. Every
    path computes the same operations in the same order, lane for lane, so
    they give the same bits (tests/test_native.py compares them where a CPU
@@ -136,7 +137,17 @@ typedef struct {
 } kernel_path;
 
 #if defined(__x86_64__)
+/* AVX-VNNI's target and intrinsic: GCC 11, clang 12 (kernels_avx2_vnni.c). */
+#if (defined(__clang__) && __clang_major__ >= 12) || \
+    (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define KERNELS_HAVE_AVX2_VNNI 1
+#else
+#define KERNELS_HAVE_AVX2_VNNI 0
+#endif
 extern const kernel_path kernels_avx512;
+#if KERNELS_HAVE_AVX2_VNNI
+extern const kernel_path kernels_avx2_vnni;
+#endif
 extern const kernel_path kernels_avx2;
 #elif defined(__aarch64__)
 extern const kernel_path kernels_neon_dotprod;

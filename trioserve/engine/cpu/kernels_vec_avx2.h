@@ -216,10 +216,24 @@ static inline vb vb_high(vb v) {
                 .hi = _mm256_and_si256(_mm256_srli_epi16(v.hi, 4), low)};
 }
 
-/* vpdpbusd's sums without it: maddubs gives each pair of bytes' products
-   summed in int16 (at most 2 * 15 * 127 = 3810 in magnitude), the n <= 8
-   pairs' int16 sums stay below 2^15 (30480), and one madd by ones adds each
-   lane's two halves into int32: the same integers. */
+/* u8 x s8 products summed four at a time into int32, as vpdpbusd does:
+   with AVX-VNNI (KERNELS_AVX2_VNNI: Intel since Alder Lake and Sapphire
+   Rapids, AMD since Zen 5) the VEX-encoded instruction itself; without it
+   maddubs gives each pair of bytes' products summed in int16 (at most
+   2 * 15 * 127 = 3810 in magnitude), the n <= 8 pairs' int16 sums stay below
+   2^15 (30480), and one madd by ones adds each lane's two halves into int32.
+   Either way the same integers. */
+#if defined(KERNELS_AVX2_VNNI)
+#define DPBUSD(acc, w, x) _mm256_dpbusd_avx_epi32((acc), (w), (x))
+static inline vi vi_dot(const vb *w, const int8_t *const *x, const int n) {
+    __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+    for (int i = 0; i < n; i++) {
+        lo = DPBUSD(lo, w[i].lo, _mm256_loadu_si256((const __m256i *)x[i]));
+        hi = DPBUSD(hi, w[i].hi, _mm256_loadu_si256((const __m256i *)(x[i] + 32)));
+    }
+    return VI2(lo, hi);
+}
+#else
 static inline vi vi_dot(const vb *w, const int8_t *const *x, const int n) {
     __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
     for (int i = 0; i < n; i++) {
@@ -229,6 +243,7 @@ static inline vi vi_dot(const vb *w, const int8_t *const *x, const int n) {
     const __m256i ones = _mm256_set1_epi16(1);
     return VI2(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
 }
+#endif
 
 /* A wide block's dot products with nr rows (kernels_arith.h's wide_dots).
    AVX2 has 16 registers, too few to hold a block's unpacked weights (both
@@ -256,14 +271,25 @@ static inline __attribute__((always_inline)) void wide_dots(const uint8_t *wb,
             __m256i x8 = _mm256_setzero_si256(), r8 = _mm256_setzero_si256();
             for (int t = 0; t < 4; t++) {
                 const int8_t *xt = x + t * 128;
+#if defined(KERNELS_AVX2_VNNI)
+                x8 = DPBUSD(x8, w[2 * t], _mm256_loadu_si256((const __m256i *)xt));
+                x8 = DPBUSD(x8, w[2 * t + 1], _mm256_loadu_si256((const __m256i *)(xt + 64)));
+                r8 = DPBUSD(r8, w[2 * t], _mm256_loadu_si256((const __m256i *)(xt + 512)));
+                r8 = DPBUSD(r8, w[2 * t + 1], _mm256_loadu_si256((const __m256i *)(xt + 576)));
+#else
                 x8 = _mm256_add_epi16(x8, _mm256_maddubs_epi16(w[2 * t], _mm256_loadu_si256((const __m256i *)xt)));
                 x8 = _mm256_add_epi16(x8, _mm256_maddubs_epi16(w[2 * t + 1], _mm256_loadu_si256((const __m256i *)(xt + 64))));
                 r8 = _mm256_add_epi16(r8, _mm256_maddubs_epi16(w[2 * t], _mm256_loadu_si256((const __m256i *)(xt + 512))));
                 r8 = _mm256_add_epi16(r8, _mm256_maddubs_epi16(w[2 * t + 1], _mm256_loadu_si256((const __m256i *)(xt + 576))));
+#endif
                 __asm__("" : "+x"(x8), "+x"(r8));
             }
+#if defined(KERNELS_AVX2_VNNI)
+            __m256i v = _mm256_add_epi32(_mm256_slli_epi32(x8, 7), r8);
+#else
             __m256i v = _mm256_add_epi32(_mm256_madd_epi16(x8, _mm256_set1_epi16(128)),
                                          _mm256_madd_epi16(r8, _mm256_set1_epi16(1)));
+#endif
             if (h == 0)
                 s[r].lo = v;
             else
@@ -279,12 +305,21 @@ static inline __attribute__((always_inline)) void wide_dots(const uint8_t *wb,
 static inline __m256i narrow_half(__m256i v, const int8_t *x) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#if defined(KERNELS_AVX2_VNNI)
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i x8 = DPBUSD(DPBUSD(zero, lo, _mm256_loadu_si256((const __m256i *)x)), hi,
+                        _mm256_loadu_si256((const __m256i *)(x + 64)));
+    __m256i r8 = DPBUSD(DPBUSD(zero, lo, _mm256_loadu_si256((const __m256i *)(x + 128))), hi,
+                        _mm256_loadu_si256((const __m256i *)(x + 192)));
+    return _mm256_add_epi32(_mm256_slli_epi32(x8, 7), r8);
+#else
     __m256i x8 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
                                   _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 64))));
     __m256i r8 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x + 128))),
                                   _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 192))));
     return _mm256_add_epi32(_mm256_madd_epi16(x8, _mm256_set1_epi16(128)),
                             _mm256_madd_epi16(r8, _mm256_set1_epi16(1)));
+#endif
 }
 #define KERNELS_OWN_NARROW_DOT 1
 static inline __attribute__((always_inline)) void narrow_dots(const uint8_t *wb, int present,

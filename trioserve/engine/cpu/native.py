@@ -117,7 +117,7 @@ def kernel() -> ModuleType | None:
 
 
 def path() -> str | None:
-    """The instruction-set path the kernels run (``"avx512"``, ``"avx2"``), or
+    """The instruction-set path the kernels run (``"avx512"``, ``"avx2-vnni"``, ``"avx2"``), or
     ``None`` where they do not (:func:`unavailable_reason` says why)."""
     module = kernel()
     return None if module is None else str(module.isa())

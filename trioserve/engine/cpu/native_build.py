@@ -100,7 +100,7 @@ _FLAGS = (
 #: (AVX2's); the module picks the best path this CPU runs by cpuid.
 _CPU_FLAGS = ("avx2", "fma", "f16c")
 #: What ``uname -m`` says where the kernels have paths: x86-64 (AVX-512,
-#: AVX2) and ARM64 (NEON, with and without the dot-product instructions).
+#: AVX2 with and without AVX-VNNI) and ARM64 (NEON, with and without the dot-product instructions).
 MACHINES = ("x86_64", "amd64", "aarch64", "arm64")
 _BUILD_TIMEOUT_S = 120.0
 
@@ -141,7 +141,7 @@ _AUTO = ("", "1", "on", "true", "yes", "auto")
 def load() -> ModuleType:
     """The kernels' module: the installed extension, else the cache's build
     (built now where there is none), running the path ``TRIOSERVE_NATIVE``
-    names (``avx512``, ``avx2``) or else the best this CPU runs; raises
+    names (``avx512``, ``avx2-vnni``, ``avx2``) or else the best this CPU runs; raises
     :class:`Unavailable` where it cannot be. Logs which library it loads."""
     wanted = os.environ.get("TRIOSERVE_NATIVE", "auto").strip().lower()
     if wanted in _OFF:
