@@ -5,7 +5,8 @@ The peer a CPU user would pick is ``llama-server`` (continuous batching with
 sdist (its ``vendor/llama.cpp``, so both llama.cpp columns are the same
 llama.cpp), CMake target ``llama-server``, with the instruction sets named
 (``LLAMA_CPP_CMAKE_ARGS``, as the noxfile's llama-cpp-python build: a native
-build uses AMX and dies with SIGILL on these machines), and cached under
+build uses AMX and dies with SIGILL on these machines; AVX-512 is named only
+where the CPU has it), and cached under
 ``~/.cache/trioserve-llama-server/<version>-<flags digest>/`` so that reruns
 do not rebuild (about 10 minutes on 2 cores)::
 
@@ -34,22 +35,61 @@ from pathlib import Path
 __all__ = [
     "LLAMA_CPP_CMAKE_ARGS",
     "LLAMA_CPP_VERSION",
+    "WIDEST_CMAKE_ARGS",
     "LlamaServer",
     "build",
     "cached_binary",
     "find_binary",
+    "for_cpu",
 ]
 
 #: The llama-cpp-python release whose vendored llama.cpp is built (the same
 #: as the noxfile's llama-cpp-python column).
 LLAMA_CPP_VERSION = "0.3.36"
-#: Instruction sets named, as noxfile.LLAMA_CPP_CMAKE_ARGS (kept equal by a
-#: test); TRIOSERVE_LLAMA_CPP_CMAKE_ARGS overrides both.
-LLAMA_CPP_CMAKE_ARGS = os.environ.get(
-    "TRIOSERVE_LLAMA_CPP_CMAKE_ARGS",
+#: The widest instruction sets named, as noxfile.LLAMA_CPP_CMAKE_ARGS (kept
+#: equal by a test).
+WIDEST_CMAKE_ARGS = (
     "-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
     " -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_AVX2=ON -DGGML_FMA=ON"
-    " -DGGML_F16C=ON",
+    " -DGGML_F16C=ON"
+)
+
+
+def cpu_flags() -> frozenset[str]:
+    """This machine's CPU flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def for_cpu(args: str, flags: frozenset[str]) -> str:
+    """``args`` with each AVX-512 option the CPU lacks turned off: a binary
+    built with them dies with SIGILL on an AVX2-only machine, and the
+    comparison is against llama.cpp built for the instruction sets this CPU
+    has (as trioserve's kernels pick theirs)."""
+    needs = {
+        "-DGGML_AVX512": {"avx512f", "avx512bw", "avx512vl"},
+        "-DGGML_AVX512_VNNI": {"avx512f", "avx512_vnni"},
+        "-DGGML_AVX512_BF16": {"avx512f", "avx512_bf16"},
+    }
+    out = []
+    for arg in args.split():
+        name, _, value = arg.partition("=")
+        if value == "ON" and name in needs and not needs[name] <= flags:
+            arg = f"{name}=OFF"
+        out.append(arg)
+    return " ".join(out)
+
+
+#: What the build names: TRIOSERVE_LLAMA_CPP_CMAKE_ARGS as given, else the
+#: widest sets this CPU has (the noxfile's llama-cpp-python build does the same).
+LLAMA_CPP_CMAKE_ARGS = os.environ.get("TRIOSERVE_LLAMA_CPP_CMAKE_ARGS") or for_cpu(
+    WIDEST_CMAKE_ARGS, cpu_flags()
 )
 #: What the server build adds: no network libraries, no web UI download, a
 #: static binary that runs from the cache wherever the build tree went.
