@@ -37,6 +37,11 @@
    where it was tried. A prefetch past the end of the weights is harmless
    (it never faults). */
 #define PREFETCH 4096
+/* __builtin_prefetch's locality for the weights: 3 (keep in every cache
+   level) unless a path sets its own before including this header. */
+#ifndef WEIGHT_PREFETCH_LOCALITY
+#define WEIGHT_PREFETCH_LOCALITY 3
+#endif
 
 /* The most query heads one KV head serves in the attention kernel (the
    per-head accumulators live on the stack). Python reads it

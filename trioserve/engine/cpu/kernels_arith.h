@@ -141,7 +141,8 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
     for (int r = 0; r < nr; r++) acc[r] = vf_zero();
     for (int64_t b = 0; b < sh->wide; b++) {
         const uint8_t *wb = w + b * WIDE_BYTES;
-        for (int t = 0; t < 4; t++) __builtin_prefetch(wb + PREFETCH + t * 64, 0, 3);
+        for (int t = 0; t < 4; t++)
+            __builtin_prefetch(wb + PREFETCH + t * 64, 0, WEIGHT_PREFETCH_LOCALITY);
         const int8_t *xq[Q4_ROWS];
         for (int r = 0; r < nr; r++) xq[r] = rows[r].q + b * 4 * WIDE_BYTES;
         vi s[Q4_ROWS];
@@ -254,7 +255,8 @@ static int int8_matmul(const uint16_t *x, const int8_t *q, const uint16_t *scale
                 vf acc[ROWS];
                 for (int64_t r = 0; r < nr; r++) acc[r] = vf_zero();
                 for (int64_t k = 0; k < K; k += 16) {
-                    if ((k & 63) == 0) __builtin_prefetch(qn + k + PREFETCH, 0, 3);
+                    if ((k & 63) == 0)
+                        __builtin_prefetch(qn + k + PREFETCH, 0, WEIGHT_PREFETCH_LOCALITY);
                     vf w = vf_i8(qn + k);
                     for (int64_t r = 0; r < nr; r++)
                         acc[r] = vf_fmadd(w, vf_load(xf + (r0 + r) * K + k), acc[r]);
