@@ -150,6 +150,43 @@ def test_greedy_is_deterministic(cpu_engine: CpuEngine) -> None:
     assert first.finished.reason == "max_new_tokens"
 
 
+def _generated_ids(outcome: Outcome) -> list[int]:
+    return [
+        entry.token
+        for update in outcome.updates
+        if isinstance(update, TextUpdate | Finished)
+        for entry in update.logprobs
+    ]
+
+
+def test_penalties_reach_the_sampler_row_by_row(cpu_engine: CpuEngine) -> None:
+    """A greedy job with the largest presence penalty never picks an id its
+    context already holds (prompt or output), in the same steps as a job
+    without penalties, which gives exactly what it gives alone: the
+    counts reach the penalised row and no other."""
+    prompt = chat("Repeat after me: the cat sat on the mat, the cat sat on the mat.")
+    plain = make_spec(cpu_engine, prompt, 24, stop_token_ids=(), logprobs=0)
+    alone = _generated_ids(run_one(cpu_engine, plain))
+    assert len(alone) == 24
+    assert len(set(alone)) < len(alone)  # unpenalised, this answer repeats itself
+    penalised = make_spec(
+        cpu_engine,
+        prompt,
+        24,
+        stop_token_ids=(),
+        logprobs=0,
+        sampling=attrs.evolve(GREEDY, pres_pen=100.0),
+    )
+    beside = make_spec(cpu_engine, prompt, 24, stop_token_ids=(), logprobs=0)
+    outcomes = run_all(cpu_engine, [penalised, beside])
+    assert _generated_ids(outcomes[beside.job_id]) == alone
+    ids = _generated_ids(outcomes[penalised.job_id])
+    assert len(ids) == 24
+    for i, token in enumerate(ids):
+        assert token not in penalised.prompt_ids, (i, token)
+        assert token not in ids[:i], (i, token)
+
+
 def test_seeded_sampling_is_reproducible(cpu_engine: CpuEngine) -> None:
     sampling = SamplingSettings(temperature=1.0, top_k=50, top_p=0.95, seed=1234)
     prompt = chat("Write a short poem about the sea.")

@@ -111,16 +111,18 @@ class StepSampler:
         live = list(range(len(rows)))
         depth = 0
         while live:
-            index = torch.tensor([starts[row] + depth for row in live], device=logits.device)
-            whole = index.numel() == logits.shape[0]  # the usual step: no drafts
+            whole = len(live) == logits.shape[0]  # the usual step: no drafts
+            index = None
+            if not whole:
+                index = torch.tensor([starts[row] + depth for row in live], device=logits.device)
             outcomes = sample_jobs(
                 [rows[row] for row in live],
-                logits if whole else logits.index_select(0, index),
+                logits if index is None else logits.index_select(0, index),
                 self.xtc,
                 vocab=self.vocab,
                 device=self.device,
                 masks=self.masks,
-                exact=exact if whole else _kept_rows(exact, index),
+                exact=exact if index is None else _kept_rows(exact, index),
             )
             live = []
             for job, outcome, raw in outcomes:
@@ -212,12 +214,16 @@ def sample_jobs(
     if constrained is not None:
         allowed = constrained if allowed is None else allowed & constrained
     failed: dict[int, str] = {}
+    settings = [job.spec.sampling for job in rows]
+    # The counts only serve the penalties: a [B, V] copy not made for rows
+    # without any (the sampler skips them then, whatever the counts).
+    penalised = any(s.rep_pen != 1 or s.freq_pen != 0 or s.pres_pen != 0 for s in settings)
     try:
         ids = sample(
             logits,
-            [job.spec.sampling for job in rows],
+            settings,
             [job.generator for job in rows],
-            counts=torch.stack([job.counts for job in rows]),
+            counts=torch.stack([job.counts for job in rows]) if penalised else None,
             banned=banned,
             allowed=allowed,
             bias=bias,
