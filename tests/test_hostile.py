@@ -437,10 +437,10 @@ class GatedEngine(ScriptedEngine):
         self.gate = threading.Event()
         self.in_step = threading.Event()
 
-    def step(self, submit: Any, cancel: Any) -> Any:
+    def step(self, submit: Any, cancel: Any, pause: Any = ()) -> Any:
         self.in_step.set()
         self.gate.wait(60)
-        return super().step(submit, cancel)
+        return super().step(submit, cancel, pause)
 
 
 def as_client(n: int) -> dict[str, Any]:

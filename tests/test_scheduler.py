@@ -256,9 +256,9 @@ async def test_every_engine_call_runs_on_the_engine_thread() -> None:
     threads: set[int] = set()
 
     class Recording(ScriptedEngine):
-        def step(self, submit, cancel):  # type: ignore[no-untyped-def]
+        def step(self, submit: Any, cancel: Any, pause: Any = ()) -> list[Any]:
             threads.add(threading.get_ident())
-            return super().step(submit, cancel)
+            return super().step(submit, cancel, pause)
 
     engine = Recording(max_batch=2)
     async with open_engine_thread() as thread:
@@ -295,8 +295,8 @@ async def test_a_routing_bug_ends_the_task_with_its_error_and_fails_the_jobs() -
     are failed, so no owner is left waiting."""
 
     class Garbled(ScriptedEngine):
-        def step(self, submit: Any, cancel: Any) -> list[Any]:
-            return [*super().step(submit, cancel), "not an update"]
+        def step(self, submit: Any, cancel: Any, pause: Any = ()) -> list[Any]:
+            return [*super().step(submit, cancel, pause), "not an update"]
 
     engine = Garbled(step_delay=0.01)
     scheduler = Scheduler(engine)

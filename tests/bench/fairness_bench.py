@@ -64,7 +64,7 @@ from trioserve.engine.tokenizer import Tokenizer
 
 ROUNDS = 5
 FLOOD = 2 * STREAMS
-PROBES = 3
+PROBES = 8
 PROBE_TOKENS = 8
 CONFIGS: dict[str, list[str]] = {
     "default": [],
