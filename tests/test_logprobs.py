@@ -85,8 +85,10 @@ def test_greedy_entries_match_the_model_and_the_text(cpu_engine: CpuEngine) -> N
     for i, entry in enumerate(got):
         row = direct[len(spec.prompt_ids) - 1 + i]
         # The token's own logit is exact; the normaliser sums bfloat16-rounded
-        # logits of the rest of the vocabulary (docs/sampling.md).
-        assert entry.logprob == pytest.approx(float(row[entry.token]), abs=5e-3)
+        # logits of the rest of the vocabulary (docs/sampling.md): up to
+        # 7.5e-3 from the exact one seen on torch's operators on an AVX2-only
+        # AMD EPYC, under 5e-3 on the native kernels.
+        assert entry.logprob == pytest.approx(float(row[entry.token]), abs=1e-2)
         assert len(entry.top) == 5
         # Greedy takes the most likely token: the first alternative.
         assert entry.top[0].token == entry.token
