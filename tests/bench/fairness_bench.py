@@ -24,7 +24,7 @@ within a round, medians and the rounds' range):
   no one else is there).
 * **a second client's time to first token while the first floods**: client
   1 sends 16 requests of 128 tokens (8 run, 8 wait); once its tokens flow,
-  client 2 sends 3 requests of 8 tokens, one after another, each timed from
+  client 2 sends 8 requests of 8 tokens, one after another, each timed from
   sending to its first token (default against ``--max-running-per-client
   7``: must not grow). The flood's tokens per second over the same window
   are reported beside it.
