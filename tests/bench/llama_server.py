@@ -46,8 +46,8 @@ __all__ = [
 #: The llama-cpp-python release whose vendored llama.cpp is built (the same
 #: as the noxfile's llama-cpp-python column).
 LLAMA_CPP_VERSION = "0.3.36"
-#: The widest instruction sets named, as noxfile.LLAMA_CPP_CMAKE_ARGS (kept
-#: equal by a test).
+#: The widest instruction sets named (the noxfile's llama-cpp-python build
+#: reads :data:`LLAMA_CPP_CMAKE_ARGS` from here).
 WIDEST_CMAKE_ARGS = (
     "-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
     " -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_AVX2=ON -DGGML_FMA=ON"

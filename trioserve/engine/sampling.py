@@ -333,9 +333,7 @@ def _prepare(
     # parameter tensors well defined.
     usable = [s if row not in reasons else _NEUTRAL for row, s in enumerate(settings)]
 
-    if counts is not None and any(
-        s.rep_pen != 1 or s.freq_pen != 0 or s.pres_pen != 0 for s in usable
-    ):
+    if counts is not None and any(s.penalised for s in usable):
         x = _apply_penalties(x, counts, usable)
     if bias is not None:
         # ExLlamaV2 adds its token_bias, then DRY's penalties, after the

@@ -264,6 +264,11 @@ class SamplingSettings:
         return self.dry_multiplier > 0.0
 
     @property
+    def penalised(self) -> bool:
+        """Whether a repetition, frequency or presence penalty is on."""
+        return self.rep_pen != 1 or self.freq_pen != 0 or self.pres_pen != 0
+
+    @property
     def dynamic_temperature(self) -> bool:
         """Whether the dynamic temperature is on."""
         return self.max_temp > self.min_temp

@@ -111,9 +111,8 @@ class StepSampler:
         live = list(range(len(rows)))
         depth = 0
         while live:
-            whole = len(live) == logits.shape[0]  # the usual step: no drafts
-            index = None
-            if not whole:
+            index = None  # the usual step, no drafts: every row, as it is
+            if len(live) != logits.shape[0]:
                 index = torch.tensor([starts[row] + depth for row in live], device=logits.device)
             outcomes = sample_jobs(
                 [rows[row] for row in live],
@@ -217,7 +216,7 @@ def sample_jobs(
     settings = [job.spec.sampling for job in rows]
     # The counts only serve the penalties: a [B, V] copy not made for rows
     # without any (the sampler skips them then, whatever the counts).
-    penalised = any(s.rep_pen != 1 or s.freq_pen != 0 or s.pres_pen != 0 for s in settings)
+    penalised = any(s.penalised for s in settings)
     try:
         ids = sample(
             logits,
