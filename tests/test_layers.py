@@ -22,7 +22,8 @@ ENGINE_LOADER = "trioserve.engine (loader)"
 #: may not import each other. The ranks follow from docs/design.md's rules:
 #: the vocabulary is the floor (no torch, no trio); the wire formats stand on
 #: it alone, protocol/ beside the engines (neither knows the other) and
-#: openai/ below generation/ (it never sees the trio scheduler); server/
+#: openai/ and anthropic/ below generation/ (they never see the trio
+#: scheduler), neither importing the other; server/
 #: routes and moves bytes above them all.
 RANKS = {
     "trioserve": 7,  # the public __init__ re-exports every layer
@@ -32,6 +33,7 @@ RANKS = {
     "trioserve.client": 5,
     "trioserve.generation": 4,
     "trioserve.openai": 3,
+    "trioserve.anthropic": 3,
     "trioserve.protocol": 2,
     "trioserve.metrics": 2,
     "trioserve.chat_template": 2,
@@ -100,6 +102,7 @@ MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 WIRE_FLOOR = {
     "trioserve.protocol": {"trioserve.vocabulary", "trioserve.errors"},
     "trioserve.openai": {"trioserve.vocabulary", "trioserve.errors", "trioserve.protocol"},
+    "trioserve.anthropic": {"trioserve.vocabulary", "trioserve.errors", "trioserve.protocol"},
 }
 
 
@@ -182,9 +185,18 @@ def test_modules_and_classes_stay_small(name: str) -> None:
             assert size <= 400, f"{name}.{node.name}: {size} lines"
 
 
-#: What only a wire format's own code writes: OpenAI's reply fields and its
-#: stream's framing.
-REPLY_WORDS = ("tool_calls", "finish_reason", '"data: ', "[DONE]", "chat.completion")
+#: What only a wire format's own code writes: OpenAI's and Anthropic's reply
+#: fields and their streams' framing.
+REPLY_WORDS = (
+    "tool_calls",
+    "finish_reason",
+    '"data: ',
+    "[DONE]",
+    "chat.completion",
+    "end_turn",
+    "content_block",
+    "message_start",
+)
 
 
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if layer(n) == "trioserve.server"))

@@ -42,8 +42,9 @@ __all__ = [
 ]
 
 #: Where a request came from.
-APIS: Final = ("websocket", "openai")
-#: What it asked for: the WebSocket protocol's actions and the OpenAI routes.
+APIS: Final = ("websocket", "openai", "anthropic")
+#: What it asked for: the WebSocket protocol's actions, the OpenAI routes and
+#: Anthropic's Messages route.
 ACTIONS: Final = (
     "echo",
     "estimate_token",
@@ -54,6 +55,7 @@ ACTIONS: Final = (
     "completions",
     "chat_completions",
     "models",
+    "messages",
 )
 #: How it ended. Generation ends ``eos`` (a stop token or stop string),
 #: ``num_tokens`` (max tokens reached) or ``interrupted``; any request may end

@@ -184,6 +184,31 @@ class Generations:
             for index in range(n)
         ]
 
+    async def render_prompt(self, request: GenerationRequest) -> str:
+        """The prompt text of a checked ``request`` that is not token ids:
+        its messages (and tools) through the chat template, the client's
+        ``assistant_prefix`` after them; else its text after ``custom_bos``."""
+        if request.messages is None:
+            return request.custom_bos + request.text
+        template = self.chat_template
+        assert template is not None  # check_request refused it otherwise
+        native = takes_tools(template.source)
+        messages, tools = prompt_messages(request.messages, request.tools, native=native)
+        try:
+            prompt = await self.tokenizing.render(template, messages, tools=tools)
+        except ChatTemplateError as exc:
+            raise InvalidGeneration(str(exc), "messages", code="chat_template_error") from None
+        return prompt + request.assistant_prefix
+
+    async def count_prompt_tokens(self, request: GenerationRequest) -> int:
+        """How many tokens ``request``'s prompt is, rendered and tokenized
+        as a generation would be (before any fitting to the context); checks
+        it first (:class:`InvalidGeneration`). Nothing is queued."""
+        self.check(request)
+        if request.prompt_ids is not None:
+            return len(request.prompt_ids)
+        return len(await self.tokenizing.encode(await self.render_prompt(request)))
+
     def in_flight(self, client: Hashable) -> int:
         return self._in_flight[client]
 
@@ -394,19 +419,7 @@ class Generation:
             ids = list(request.prompt_ids)
             prompt = ""
         else:
-            if request.messages is not None:
-                template = generations.chat_template
-                assert template is not None  # check_request refused it otherwise
-                native = takes_tools(template.source)
-                messages, tools = prompt_messages(request.messages, request.tools, native=native)
-                try:
-                    prompt = await tokenizing.render(template, messages, tools=tools)
-                except ChatTemplateError as exc:
-                    raise InvalidGeneration(
-                        str(exc), "messages", code="chat_template_error"
-                    ) from None
-            else:
-                prompt = request.custom_bos + request.text
+            prompt = await generations.render_prompt(request)
             ids = await self._encode(prompt, request, info)
         fitted, self._max_new_tokens = fit_prompt(
             request, ids, info, max_new_tokens=generations.max_new_tokens

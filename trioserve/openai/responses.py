@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, Literal, TypeAlias
 
@@ -330,12 +331,17 @@ def model_object(
     """A model object: OpenAI's fields, vLLM's ``max_model_len`` (which
     clients read for the context), the server's ``limits`` (the same
     figures as the WebSocket ``info`` reply's, from the same declarations),
-    and the ``kernels`` that run the model (as ``info`` says them)."""
+    and the ``kernels`` that run the model (as ``info`` says them). Also
+    the fields Anthropic's model objects have (``type``, ``display_name``,
+    ``created_at``), so that its SDKs' ``models.list`` reads it too."""
     obj: dict[str, Any] = {
         "id": name,
         "object": "model",
         "created": created,
         "owned_by": "trioserve",
+        "type": "model",
+        "display_name": name,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
     }
     if context_length is not None:
         obj["max_model_len"] = context_length
@@ -354,8 +360,11 @@ def models_response(
     limits: Mapping[str, int] | None = None,
     kernels: str | None = None,
 ) -> bytes:
-    """The body of ``GET /v1/models``: the one served model."""
+    """The body of ``GET /v1/models``: the one served model (and the
+    paging fields of Anthropic's list)."""
     model = model_object(
         name, created, context_length=context_length, limits=limits, kernels=kernels
     )
-    return _dumps({"object": "list", "data": [model]})
+    return _dumps(
+        {"object": "list", "data": [model], "has_more": False, "first_id": name, "last_id": name}
+    )

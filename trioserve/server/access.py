@@ -207,14 +207,15 @@ def log_openai(
     *,
     duration: float,
     cancel_cause: str,
+    api: str = "openai",
 ) -> None:
-    """Count and log one finished OpenAI request (``choices``: its
+    """Count and log one finished OpenAI (or Anthropic: ``api``) request (``choices``: its
     generations, none when it was refused before any); ``cancel_cause`` is
     counted when it was interrupted."""
     timings = _choices_timings(choices)
     if metrics is not None:
         metrics.request_finished(
-            api="openai",
+            api=api,
             action=action,
             outcome=outcome,
             prompt_tokens=timings["prompt_tokens"],
@@ -226,7 +227,7 @@ def log_openai(
             metrics.cancelled(cancel_cause)
     fields: dict[str, Any] = {
         "peer": peer,
-        "api": "openai",
+        "api": api,
         "action": action,
         "outcome": outcome,
         **timings,

@@ -22,6 +22,7 @@ from typing import Any, Final
 
 import attrs
 
+from trioserve import anthropic as an
 from trioserve import openai as oa
 from trioserve import protocol as p
 from trioserve.generation import Generation, GenerationRequest, InvalidGeneration
@@ -32,8 +33,11 @@ __all__ = [
     "CHAT",
     "COMPLETION",
     "INFER",
+    "MESSAGES",
     "ClientIdentity",
     "Door",
+    "anthropic_error",
+    "from_anthropic",
     "from_infer",
     "from_openai",
     "infer_error",
@@ -146,6 +150,22 @@ COMPLETION: Final = Door(
 )
 
 
+#: Anthropic's ``/v1/messages``: a chat (a final assistant turn continued),
+#: ``max_tokens`` required, a prompt that does not fit refused.
+MESSAGES: Final = Door(
+    reads={
+        "messages": "messages",
+        "assistant_prefix": "prefix",
+        "max_new_tokens": "max_tokens",
+        "fit": _fixed("refuse"),
+        "sampling": lambda r: r.sampling_settings(),
+        "stop_strings": "stop_sequences",
+        "constraint": "constraint",
+        "tools": "tools",
+    }
+)
+
+
 def from_infer(request: p.InferRequest) -> GenerationRequest:
     """The generation of a WebSocket ``infer``."""
     return INFER.request(request)
@@ -154,6 +174,11 @@ def from_infer(request: p.InferRequest) -> GenerationRequest:
 def from_openai(request: oa.CompletionRequest | oa.ChatCompletionRequest) -> GenerationRequest:
     """The generation of an OpenAI completion or chat completion."""
     return (CHAT if isinstance(request, oa.ChatCompletionRequest) else COMPLETION).request(request)
+
+
+def from_anthropic(request: an.MessagesRequest) -> GenerationRequest:
+    """The generation of an Anthropic Messages request."""
+    return MESSAGES.request(request)
 
 
 def websocket_path(error: InvalidGeneration, request: p.InferRequest) -> str:
@@ -226,6 +251,20 @@ def openai_error(error: InvalidGeneration) -> oa.OpenAIError:
     return oa.OpenAIError(400, message, param=openai_param(error), code=error.code)
 
 
+def anthropic_error(error: InvalidGeneration) -> an.AnthropicError:
+    """``error`` as the Messages door answers it: 400, the field named in
+    the message as the client wrote it. A prompt too long for the context
+    says so in the words Claude Code watches for (it then compacts the
+    conversation)."""
+    name = error.wire_name or MESSAGES.name(error.field)
+    message = error.message.replace("max_new_tokens", "max_tokens")
+    if error.code == "context_length_exceeded":
+        return an.AnthropicError(400, f"prompt is too long: {message}")
+    if not message.startswith(name):
+        message = f"{name}: {message}"
+    return an.AnthropicError(400, message)
+
+
 @attrs.frozen
 class ClientIdentity:
     """Who a request comes from, the same for both doors: its API key when
@@ -238,7 +277,7 @@ class ClientIdentity:
 
     def of(self, head: RequestHead) -> Hashable:
         if self.keyed:
-            key = head.bearer_key() or head.query_param("api_key") or ""
+            key = head.api_key() or head.query_param("api_key") or ""
             # The key itself never leaves the request: its digest names the client.
             return ("key", _digest(key))
         return ("address", client_address(head, self.trusted_proxies))

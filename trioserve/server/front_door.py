@@ -53,7 +53,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Iterable
-from typing import Final
+from typing import Any, Final
 
 import attrs
 import h11
@@ -65,6 +65,7 @@ from .http_connection import EndConnection, HTTPConnection, Refused, ResponseWri
 from .http_types import (
     AccessPolicy,
     ClientGone,
+    ErrorBody,
     FrontDoorStatistics,
     Handler,
     HTTPError,
@@ -151,6 +152,7 @@ class FrontDoor:
         admit_websocket: Callable[[RequestHead], Reject | None] | None = None,
         observer: Observer | None = None,
         max_message_bytes: int = MiB,
+        error_body: ErrorBody | None = None,
     ) -> None:
         self.router = router
         self.policy = policy
@@ -159,6 +161,7 @@ class FrontDoor:
         self._admit_websocket = admit_websocket
         self._observer: Observer = observer if observer is not None else NoObserver()
         self._max_message_bytes = max_message_bytes
+        self._error_body = error_body
         self._connections: set[HTTPConnection] = set()
         self._websockets = 0
         self._requests = 0
@@ -270,6 +273,16 @@ class FrontDoor:
         base = [(b"server", self._server_header), (b"date", self._date.get())]
         return _response_headers(base, self.policy, head, extra, content_type)
 
+    def _error(self, head: RequestHead | None, status: int, message: str, **kw: Any) -> Response:
+        """An error the door answers itself, in the shape of the API the
+        request's path belongs to (``error_body``), else the server's."""
+        response = Response.error(status, message, **kw)
+        if head is not None and self._error_body is not None:
+            body = self._error_body(head, status, message)
+            if body is not None:
+                response = attrs.evolve(response, body=body)
+        return response
+
     def _closing(self, conn: HTTPConnection) -> bool:
         return self._draining or conn.requests >= self.limits.max_requests_per_connection
 
@@ -302,7 +315,8 @@ class FrontDoor:
         """Answer with an error (when the state allows one) and close."""
         self._errors += 1
         if conn.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-            response = Response.error(
+            response = self._error(
+                head,
                 reject.status,
                 reject.message,
                 code=reject.code,
@@ -329,11 +343,11 @@ class FrontDoor:
         reject = self.policy.check_key(head)
         found = self.router.match(head.method, head.path)
         if reject is not None:
-            response = Response.error(
-                reject.status, reject.message, code=reject.code, headers=reject.headers
+            response = self._error(
+                head, reject.status, reject.message, code=reject.code, headers=reject.headers
             )
         elif isinstance(found, list):
-            response = _no_route(head, found)
+            response = _no_route(head, found, self._error)
         if response is not None:
             if has_body(head):
                 # Unread, the body would be taken for the next request.
@@ -427,7 +441,7 @@ class FrontDoor:
             began = bool(writer) and writer[0].started
             if began or conn.h11.our_state is not h11.SEND_RESPONSE:
                 return False
-            response = Response.error(500, "internal error", code="internal")
+            response = self._error(request.head, 500, "internal error", code="internal")
             await self._respond(conn, request.head, response, request.route)
             return True
         return False  # cancelled: the client left (the caller closes)
@@ -560,10 +574,11 @@ def _preflight(head: RequestHead, methods: list[str]) -> Response:
     return Response(204, b"", None, tuple(headers))
 
 
-def _no_route(head: RequestHead, allowed: list[str]) -> Response:
+def _no_route(head: RequestHead, allowed: list[str], error: Callable[..., Response]) -> Response:
     if not allowed:
-        return Response.error(404, f"no route {head.path[:200]!r}", code="not_found")
-    return Response.error(
+        return error(head, 404, f"no route {head.path[:200]!r}", code="not_found")
+    return error(
+        head,
         405,
         f"method {head.method[:20]} is not allowed on {head.path[:200]!r}; "
         f"allowed: {', '.join(allowed)}",

@@ -27,6 +27,7 @@ __all__ = [
     "AccessPolicy",
     "BodyWriter",
     "ClientGone",
+    "ErrorBody",
     "FrontDoorStatistics",
     "HTTPError",
     "HTTPLimits",
@@ -203,6 +204,12 @@ class AccessPolicy:
         # compare_digest: the time taken must not tell how much of a guess was right.
         if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), expected):
             return True
+        # Anthropic's SDKs and Claude Code send the key as X-Api-Key.
+        anthropic_key = head.header("x-api-key")
+        if anthropic_key is not None and hmac.compare_digest(
+            anthropic_key.strip().encode("latin-1"), expected
+        ):
+            return True
         if allow_query:
             for key in parse_qs(head.query).get("api_key", []):
                 if hmac.compare_digest(key.encode(), expected):
@@ -214,7 +221,7 @@ class AccessPolicy:
             return None
         return Reject(
             401,
-            "missing or wrong api key: send it as 'Authorization: Bearer <key>'",
+            "missing or wrong api key: send it as 'Authorization: Bearer <key>' (or 'X-Api-Key')",
             "auth",
             headers=(("WWW-Authenticate", 'Bearer realm="trioserve"'),),
             code="invalid_api_key",
@@ -266,6 +273,14 @@ class RequestHead:
         if scheme.lower() != b"bearer":
             return None
         return token.strip().decode("latin-1")
+
+    def api_key(self) -> str | None:
+        """The key the client sent: ``Authorization: Bearer``, else
+        ``X-Api-Key`` (Anthropic's header), if any."""
+        key = self.bearer_key()
+        if key is None:
+            key = self.header("x-api-key")
+        return None if key is None else key.strip()
 
     def query_param(self, name: str) -> str | None:
         """The first value of a query parameter, URL-decoded, if any."""
@@ -433,6 +448,12 @@ def event_stream(
         write,
         (("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no"), *headers),
     )
+
+
+#: The body of an error the front door answers itself (a refused key, no
+#: route, a 500) in the shape of the API ``head``'s path belongs to; None:
+#: the server's own shape.
+ErrorBody: TypeAlias = Callable[[RequestHead, int, str], bytes | None]
 
 
 class HTTPError(TrioserveError):

@@ -33,7 +33,6 @@ from trioserve.generation import (
     Generations,
     InvalidGeneration,
     Overloaded,
-    follow_choices,
     start_choices,
 )
 from trioserve.metrics import Metrics
@@ -41,8 +40,8 @@ from trioserve.metrics import Metrics
 from . import access
 from .accept import prefers_html
 from .doors import ClientIdentity, from_openai, openai_error
+from .exchange import Exchange
 from .http_types import (
-    BodyWriter,
     Handler,
     HTTPError,
     HTTPRequest,
@@ -238,7 +237,12 @@ class OpenAIRoutes:
                 choice.close()
             raise
         reply = oa.Reply(parsed, self.model_name, choices)
-        exchange = _Exchange(self, http, action, reply, choices)
+        exchange = Exchange(
+            reply,
+            choices,
+            finish=lambda outcome: self._finish(http, action, choices, outcome, arrived),
+            draining=self.generations.is_draining,
+        )
         if not parsed.stream:
             return await exchange.whole()
         return event_stream(exchange.stream)
@@ -278,89 +282,3 @@ class OpenAIRoutes:
             duration=trio.current_time() - arrived,
             cancel_cause="shutdown" if self.generations.is_draining() else "disconnect",
         )
-
-
-@attrs.define(eq=False)
-class _Exchange:
-    """One started OpenAI request on the wire: follows its choices, writes
-    what :class:`~trioserve.openai.Reply` makes of them, and ends the jobs,
-    counts and logs the request however it ends."""
-
-    routes: OpenAIRoutes
-    http: HTTPRequest
-    action: str
-    reply: oa.Reply
-    choices: list[Generation]
-    done: bool = False
-
-    def _end(self, outcome: str) -> None:
-        if not self.done:
-            self.done = True
-            arrived = self.choices[0].received
-            self.routes._finish(self.http, self.action, self.choices, outcome, arrived)
-
-    def _failure(self) -> oa.OpenAIError:
-        outcome, error = self.reply.failure(draining=self.routes.generations.is_draining())
-        if outcome == "internal":
-            log.error("generation failed: %s", error.message)
-        self._end(outcome)
-        return error
-
-    async def whole(self) -> Response:
-        try:
-            await follow_choices(self.choices)
-        finally:
-            self._release()
-        if not self.reply.finished:
-            raise self._failure()
-        self._end(self.reply.outcome())
-        return Response(200, self.reply.body())
-
-    async def stream(self, out: BodyWriter) -> None:
-        """Send the choices as Server-Sent Events. Text released while a
-        write waits on the client is sent as one event with the next write
-        (never lost, never reordered): a slow reader gets fewer, larger
-        events, and the generation never waits on the socket."""
-        reply = self.reply
-        # Set: the first choice may have released text before the stream began.
-        wake = trio.Event()
-        wake.set()
-
-        def released(_text: str) -> None:
-            wake.set()
-
-        for generation in self.choices:
-            generation.on_text = released
-        try:
-            async with trio.open_nursery() as nursery:
-
-                async def follow() -> None:
-                    try:
-                        await follow_choices(self.choices)
-                    finally:
-                        wake.set()
-
-                nursery.start_soon(follow)
-                await out.send(reply.opening())
-                while True:
-                    await wake.wait()
-                    wake = trio.Event()
-                    data = reply.advance()
-                    if reply.broken:
-                        await out.send(data + reply.error(self._failure()))
-                        return
-                    if reply.complete:
-                        self._end(reply.outcome())
-                        await out.send(data + reply.end())
-                        return
-                    if data:
-                        await out.send(data)
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        """The jobs' end, in a ``finally``: a choice that has no outcome yet
-        is being abandoned by its client."""
-        abandoned = [generation.end() for generation in self.choices]
-        if any(abandoned) and not self.done:
-            self._end("interrupted")

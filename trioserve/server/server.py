@@ -39,6 +39,7 @@ from trioserve.metrics import Metrics
 from trioserve.openai import OpenAILimits
 from trioserve.vocabulary.tools import TOOL_FORMATS
 
+from .anthropic_routes import AnthropicRoutes, api_error_body
 from .connection import Connection, ConnectionServices, ConnectionSettings
 from .doors import ClientIdentity
 from .front_door import FrontDoor, serve_front_door
@@ -308,6 +309,7 @@ class Server:
         )
         self._openai_routes.install(router)
         TokenizerRoutes(self.generations).install(router)
+        AnthropicRoutes(self.generations, self.identity, metrics=self.metrics).install(router)
         self.front_door = FrontDoor(
             router,
             policy=AccessPolicy(
@@ -326,6 +328,7 @@ class Server:
             admit_websocket=self._admit_websocket,
             observer=self.metrics,
             max_message_bytes=self.max_message_bytes,
+            error_body=api_error_body,
         )
         self._connections: set[Connection] = set()
         self._draining = False

@@ -36,6 +36,10 @@ class GenerationRequest:
     custom_bos: str = ""
     #: A chat as the template reads it (``{"role", "content", ...}`` each).
     messages: tuple[Mapping[str, Any], ...] | None = None
+    #: With ``messages``: the start of the reply, written by the client (a
+    #: final assistant message, Anthropic's "prefill"). The prompt ends with
+    #: it and the model goes on from there; the reply holds only what follows.
+    assistant_prefix: str = ""
     prompt_ids: tuple[int, ...] | None = None
     #: None: as many as the context leaves, up to the server's cap (and up
     #: to ``default_max_new_tokens`` when that is set).

@@ -1,0 +1,625 @@
+"""``POST /v1/messages`` and ``/v1/messages/count_tokens`` bodies read into a
+typed :class:`MessagesRequest`, every field bounded before any work.
+
+What each field becomes:
+
+* ``system`` (a string or text blocks) is the chat's system message. Claude
+  Code writes a billing line into it that changes on every request
+  (``x-anthropic-billing-header: ...; cch=...;``): it is taken out, or no
+  two requests would share a prefix in the cache.
+* ``messages``: ``user`` and ``assistant`` turns, content as a string or
+  blocks. ``text`` blocks are joined by newlines; an assistant's
+  ``tool_use`` blocks are its tool calls, a user's ``tool_result`` blocks
+  answer them (a result of an error is read as ``Error: ...``);
+  ``thinking`` and ``redacted_thinking`` blocks of earlier turns are
+  accepted and not shown to the model (templates drop past reasoning);
+  ``image``, ``document`` and the other media blocks are refused by name. A
+  final assistant turn is a prefill: the reply continues it.
+* ``tools`` with ``input_schema`` are the model's functions; Anthropic's
+  server tools (``web_search_...``, ``bash_...``, ...) run on Anthropic's
+  side and are skipped (:attr:`MessagesRequest.skipped_tools`, logged).
+  ``tool_choice`` ``auto``, ``any``, ``none`` and ``{"type": "tool",
+  "name"}`` are enforced by the constraint machinery, as chat tools are.
+* ``output_config.format`` (and the older ``output_format``) is a JSON
+  schema the answer must match.
+* ``temperature``, ``top_p``, ``top_k`` and every other sampler setting of
+  the server under its engine name; ``stop_sequences``.
+* ``thinking``, ``output_config.effort``, ``metadata``, ``cache_control``,
+  ``service_tier`` and the like are accepted and change nothing here
+  (docs/anthropic.md); ``container``, ``mcp_servers`` and
+  ``context_management`` are refused unless null. Any other field is a 400
+  naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, Final, Literal
+
+import attrs
+from cattrs.errors import ClassValidationError, IterableValidationError
+
+from trioserve import protocol as p
+from trioserve.vocabulary.constraint import Constraint
+from trioserve.vocabulary.rules import BadValue, Rule, StopStrings, as_int
+from trioserve.vocabulary.sampling import Range, SamplingSettings
+from trioserve.vocabulary.strict_json import JsonError, parse_json, show
+from trioserve.vocabulary.tools import Tool, ToolCall, ToolUse
+
+from .errors import AnthropicError, invalid
+
+__all__ = [
+    "MESSAGES_DEFAULTS",
+    "MessagesLimits",
+    "MessagesRequest",
+    "parse_count_request",
+    "parse_messages_request",
+]
+
+_INFER: Final = p.request_fields("infer")
+
+
+def _rule(name: str) -> Rule:
+    rule: Rule = _INFER[name].rule
+    return rule
+
+
+def _limit(name: str, limit: str) -> int:
+    return int(_INFER[name].rule.limits[limit])
+
+
+@attrs.frozen(kw_only=True)
+class MessagesLimits:
+    """Bounds on a request's fields, checked before any work (the WebSocket
+    protocol's declared bounds where a field is shared)."""
+
+    max_messages: int = _limit("messages", "max_messages")
+    #: Content blocks of one message, and text blocks of ``system``.
+    max_blocks: int = 1024
+    max_stop_sequences: int = _limit("stop_conditions", "max_stop_conditions")
+    max_stop_sequence_chars: int = _limit("stop_conditions", "max_stop_string_chars")
+    max_tools: int = 128
+    max_description_chars: int = 16384
+    max_id_chars: int = 256
+
+
+DEFAULT_LIMITS: Final = MessagesLimits()
+
+#: The sampler's defaults on this door: Anthropic's (temperature 1, no
+#: top_p, no top_k), and no ExLlamaV2 filter unless asked for.
+MESSAGES_DEFAULTS: Final[Mapping[str, Any]] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "rep_pen": 1.0,
+}
+#: Where Anthropic documents a narrower range than the engines take.
+MESSAGES_RANGES: Final[Mapping[str, Range]] = {"temperature": Range(0.0, 1.0)}
+_SAMPLER_NAMES: Final = frozenset(a.name for a in attrs.fields(SamplingSettings))
+
+
+@attrs.frozen(kw_only=True)
+class MessagesRequest:
+    """A Messages API request, read and bounded."""
+
+    #: The model the client named (any name is served by this server's model).
+    model: str
+    #: None only in a ``count_tokens`` request.
+    max_tokens: int | None
+    #: The chat as the template reads it (``role``, ``content``, and a
+    #: turn's ``tool_calls`` or a result's ``tool_call_id`` and ``name``).
+    messages: tuple[Mapping[str, Any], ...]
+    #: A final assistant turn's text: the reply continues it.
+    prefix: str = ""
+    stop_sequences: tuple[str, ...] = ()
+    stream: bool = False
+    #: Sampler settings the request gave, by engine name.
+    sampler: Mapping[str, Any] = attrs.field(factory=dict, hash=False)
+    tools: ToolUse | None = None
+    #: The names of Anthropic's server tools the request listed (skipped).
+    skipped_tools: tuple[str, ...] = ()
+    constraint: Constraint | None = None
+
+    def sampling_settings(self) -> SamplingSettings:
+        values = {**MESSAGES_DEFAULTS, **self.sampler}
+        if values["top_p"] == 0.0:
+            # top_p 0 keeps the most likely token; the engine's 0 means off.
+            values["top_p"], values["top_k"] = 1.0, 1
+        return SamplingSettings(**values)
+
+
+# --------------------------------------------------------------------------
+# Fields
+
+
+#: Fields that change nothing here: accepted and ignored (docs/anthropic.md).
+_IGNORED: Final = frozenset(
+    {
+        "metadata",
+        "cache_control",
+        "service_tier",
+        "speed",
+        "inference_geo",
+        "diagnostics",
+        "user_profile_id",
+        "workspace_id",
+        "anthropic_version",
+        "thinking",
+    }
+)
+#: Features of Anthropic's platform this server does not have: refused
+#: unless null.
+_REFUSED: Final[Mapping[str, str]] = {
+    "container": "code execution containers are Anthropic's",
+    "mcp_servers": "connecting to MCP servers is not supported: run the tools in the client",
+    "context_management": "context editing is not supported",
+}
+_MESSAGES_FIELDS: Final = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "messages",
+        "system",
+        "stop_sequences",
+        "stream",
+        "tools",
+        "tool_choice",
+        "output_config",
+        "output_format",
+    }
+)
+_COUNT_FIELDS: Final = frozenset(
+    {"model", "messages", "system", "tools", "tool_choice", "output_config", "output_format"}
+)
+
+_EFFORTS: Final = frozenset({"low", "medium", "high", "xhigh", "max"})
+_THINKING: Final = frozenset({"enabled", "disabled", "adaptive"})
+#: Content blocks of other modalities and of Anthropic's own tools.
+_MEDIA: Final = frozenset(
+    {"image", "document", "search_result", "container_upload", "file", "audio"}
+)
+_SERVER_RESULTS: Final = frozenset(
+    {
+        "server_tool_use",
+        "web_search_tool_result",
+        "web_fetch_tool_result",
+        "code_execution_tool_result",
+        "bash_code_execution_tool_result",
+        "text_editor_code_execution_tool_result",
+        "mcp_tool_use",
+        "mcp_tool_result",
+        "tool_search_tool_result",
+        "tool_reference",
+    }
+)
+#: Keys of a block that change nothing here.
+_BLOCK_EXTRAS: Final = frozenset({"cache_control", "citations", "caller", "toolset_name"})
+_TOOL_EXTRAS: Final = frozenset(
+    {
+        "cache_control",
+        "strict",
+        "defer_loading",
+        "eager_input_streaming",
+        "input_examples",
+        "allowed_callers",
+        "type",
+    }
+)
+_NAME: Final = re.compile(r"[A-Za-z0-9_-]{1,128}")
+#: Claude Code's per-request billing line in the system prompt.
+_BILLING: Final = re.compile(r"^x-anthropic-billing-header:[^\n]*\n?", re.MULTILINE)
+
+
+def _parse_body(body: bytes) -> dict[str, Any]:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise invalid("the request body is not valid utf-8") from None
+    try:
+        obj = parse_json(text)
+    except JsonError as exc:
+        raise invalid(f"the request body is not valid json: {exc}") from None
+    if not isinstance(obj, dict):
+        raise invalid(f"the request body must be a json object, got {show(obj)}")
+    return obj
+
+
+def _read(where: str, rule: Rule, value: Any, narrow: Range | None = None) -> Any:
+    try:
+        result = rule.read(value)
+    except BadValue as exc:
+        raise invalid(f"{where}: {exc}") from None
+    except (IterableValidationError, ClassValidationError) as exc:
+        leaf = exc.exceptions[0] if exc.exceptions else exc
+        raise invalid(f"{where}: {leaf}") from None
+    if narrow is not None and not narrow.contains(result):
+        raise invalid(f"{where}: must be {narrow.describe()}, got {show(value)}")
+    return result
+
+
+def _text(where: str, value: Any, *, empty: bool = True) -> str:
+    if not isinstance(value, str) or (not empty and not value):
+        raise invalid(
+            f"{where}: must be a {'' if empty else 'non-empty '}string, got {show(value)}"
+        )
+    return value
+
+
+def _object(where: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise invalid(f"{where}: must be an object, got {show(value)}")
+    return value
+
+
+def _keys(where: str, obj: Mapping[str, Any], known: frozenset[str]) -> None:
+    for key in obj:
+        if key not in known:
+            raise invalid(f"{where}: unknown field {show(key)}")
+
+
+def _blocks(where: str, value: Any, limits: MessagesLimits) -> list[dict[str, Any]]:
+    """A content value as blocks: a string is one text block."""
+    if isinstance(value, str):
+        return [{"type": "text", "text": value}]
+    if not isinstance(value, list):
+        raise invalid(f"{where}: must be a string or a list of content blocks, got {show(value)}")
+    if len(value) > limits.max_blocks:
+        raise invalid(f"{where}: at most {limits.max_blocks} blocks, got {len(value)}")
+    return [_object(f"{where}[{i}]", block) for i, block in enumerate(value)]
+
+
+def _text_block(where: str, block: Mapping[str, Any]) -> str:
+    _keys(where, block, frozenset({"type", "text"}) | _BLOCK_EXTRAS)
+    return _text(f"{where}.text", block.get("text"))
+
+
+def _refuse_block(where: str, kind: Any) -> AnthropicError:
+    if kind in _MEDIA:
+        return invalid(f"{where}.type: {kind} blocks are not supported: this model reads text only")
+    if kind in _SERVER_RESULTS:
+        return invalid(f"{where}.type: {kind} blocks belong to Anthropic's server tools")
+    return invalid(f"{where}.type: unknown content block type {show(kind)}")
+
+
+def _system(value: Any, limits: MessagesLimits) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        text = value
+    else:
+        texts = []
+        for i, block in enumerate(_blocks("system", value, limits)):
+            where = f"system[{i}]"
+            if block.get("type") != "text":
+                raise invalid(
+                    f"{where}.type: system blocks must be text, got {show(block.get('type'))}"
+                )
+            texts.append(_text_block(where, block))
+        text = "\n".join(texts)
+    return _BILLING.sub("", text)
+
+
+def _tool_input(where: str, value: Any) -> str:
+    if not isinstance(value, dict):
+        raise invalid(f"{where}: must be an object, got {show(value)}")
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _tool_result(
+    where: str, block: Mapping[str, Any], open_calls: dict[str, str], limits: MessagesLimits
+) -> dict[str, Any]:
+    _keys(where, block, frozenset({"type", "tool_use_id", "content", "is_error"}) | _BLOCK_EXTRAS)
+    call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str) or not 0 < len(call_id) <= limits.max_id_chars:
+        raise invalid(
+            f"{where}.tool_use_id: must be a string of 1 to {limits.max_id_chars} characters,"
+            f" got {show(call_id)}"
+        )
+    if call_id not in open_calls:
+        why = (
+            f"the calls still open are {', '.join(sorted(open_calls))}"
+            if open_calls
+            else "the assistant turn before it has no tool_use blocks"
+        )
+        raise invalid(f"{where}.tool_use_id: {show(call_id)} answers no tool_use: {why}")
+    is_error = block.get("is_error", False)
+    if not isinstance(is_error, bool):
+        raise invalid(f"{where}.is_error: must be true or false, got {show(is_error)}")
+    content = block.get("content", "")
+    texts = []
+    for i, part in enumerate(_blocks(f"{where}.content", content, limits)):
+        kind = part.get("type")
+        if kind != "text":
+            raise _refuse_block(f"{where}.content[{i}]", kind)
+        texts.append(_text_block(f"{where}.content[{i}]", part))
+    text = "\n".join(texts)
+    return {
+        "role": "tool",
+        "content": f"Error: {text}" if is_error else text,
+        "tool_call_id": call_id,
+        "name": open_calls.pop(call_id),
+    }
+
+
+def _messages(
+    value: Any, system: str, limits: MessagesLimits
+) -> tuple[tuple[dict[str, Any], ...], str]:
+    """The template's messages and the prefill of a final assistant turn."""
+    if not isinstance(value, list) or not value:
+        raise invalid(f"messages: must be a non-empty list of messages, got {show(value)}")
+    if len(value) > limits.max_messages:
+        raise invalid(f"messages: at most {limits.max_messages} messages, got {len(value)}")
+    out: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+    open_calls: dict[str, str] = {}
+    prefix = ""
+    for index, item in enumerate(value):
+        where = f"messages[{index}]"
+        message = _object(where, item)
+        _keys(where, message, frozenset({"role", "content"}))
+        role = message.get("role")
+        if role not in ("user", "assistant"):
+            raise invalid(f"{where}.role: must be 'user' or 'assistant', got {show(role)}")
+        if "content" not in message:
+            raise invalid(f"{where}.content: is required")
+        blocks = _blocks(f"{where}.content", message["content"], limits)
+        texts: list[str] = []
+        if role == "assistant":
+            calls: list[ToolCall] = []
+            for i, block in enumerate(blocks):
+                at, kind = f"{where}.content[{i}]", block.get("type")
+                if kind == "text":
+                    texts.append(_text_block(at, block))
+                elif kind == "tool_use":
+                    _keys(at, block, frozenset({"type", "id", "name", "input"}) | _BLOCK_EXTRAS)
+                    call_id = block.get("id")
+                    if not isinstance(call_id, str) or not 0 < len(call_id) <= limits.max_id_chars:
+                        raise invalid(
+                            f"{at}.id: must be a string of 1 to {limits.max_id_chars}"
+                            f" characters, got {show(call_id)}"
+                        )
+                    if call_id in {c.id for c in calls}:
+                        raise invalid(f"{at}.id: {show(call_id)} is given twice")
+                    name = block.get("name")
+                    if not isinstance(name, str) or _NAME.fullmatch(name) is None:
+                        raise invalid(
+                            f"{at}.name: must be 1 to 128 letters, digits, '_' or '-',"
+                            f" got {show(name)}"
+                        )
+                    calls.append(
+                        ToolCall(call_id, name, _tool_input(f"{at}.input", block.get("input")))
+                    )
+                elif kind == "thinking":
+                    _keys(at, block, frozenset({"type", "thinking", "signature"}) | _BLOCK_EXTRAS)
+                    _text(f"{at}.thinking", block.get("thinking"))
+                elif kind == "redacted_thinking":
+                    _keys(at, block, frozenset({"type", "data"}) | _BLOCK_EXTRAS)
+                else:
+                    raise _refuse_block(at, kind)
+            open_calls = {call.id: call.name for call in calls}
+            if index == len(value) - 1 and not calls:
+                prefix = "".join(texts)
+                continue
+            turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+            if calls:
+                turn["tool_calls"] = tuple(calls)
+            out.append(turn)
+            continue
+        for i, block in enumerate(blocks):
+            at, kind = f"{where}.content[{i}]", block.get("type")
+            if kind == "text":
+                texts.append(_text_block(at, block))
+            elif kind == "tool_result":
+                out.append(_tool_result(at, block, open_calls, limits))
+            else:
+                raise _refuse_block(at, kind)
+        open_calls = {}
+        if texts or not any(b.get("type") == "tool_result" for b in blocks):
+            out.append({"role": "user", "content": "\n".join(texts)})
+    if all(m["role"] == "system" for m in out):
+        raise invalid("messages: a final assistant turn (a prefill) continues a turn before it")
+    return tuple(out), prefix
+
+
+def _tools(value: Any, limits: MessagesLimits) -> tuple[tuple[Tool, ...], tuple[str, ...]]:
+    if value is None:
+        return (), ()
+    if not isinstance(value, list):
+        raise invalid(f"tools: must be a list of tools, got {show(value)}")
+    if len(value) > limits.max_tools:
+        raise invalid(f"tools: at most {limits.max_tools} tools, got {len(value)}")
+    tools: list[Tool] = []
+    skipped: list[str] = []
+    names: set[str] = set()
+    for index, item in enumerate(value):
+        where = f"tools[{index}]"
+        tool = _object(where, item)
+        kind = tool.get("type")
+        name = tool.get("name")
+        if kind not in (None, "custom"):
+            # One of Anthropic's server or client tools (web_search_...,
+            # bash_..., text_editor_...): Anthropic runs or defines them,
+            # this model was not trained on them.
+            if not isinstance(kind, str) or len(kind) > 64:
+                raise invalid(f"{where}.type: must be 'custom' or a tool type, got {show(kind)}")
+            skipped.append(name if isinstance(name, str) and len(name) <= 128 else kind)
+            continue
+        _keys(where, tool, frozenset({"name", "description", "input_schema"}) | _TOOL_EXTRAS)
+        if not isinstance(name, str) or _NAME.fullmatch(name) is None:
+            raise invalid(
+                f"{where}.name: must be 1 to 128 letters, digits, '_' or '-', got {show(name)}"
+            )
+        if name in names:
+            raise invalid(f"{where}.name: {show(name)} is given twice")
+        names.add(name)
+        description = tool.get("description")
+        if description is not None and (
+            not isinstance(description, str) or len(description) > limits.max_description_chars
+        ):
+            raise invalid(
+                f"{where}.description: must be a string of at most"
+                f" {limits.max_description_chars} characters"
+            )
+        if "input_schema" not in tool:
+            raise invalid(f"{where}.input_schema: is required")
+        schema = _read(f"{where}.input_schema", _rule("json_schema"), tool["input_schema"])
+        tools.append(Tool(name=name, description=description, parameters=schema or None))
+    return tuple(tools), tuple(skipped)
+
+
+def _tool_use(value: Any, tools: tuple[Tool, ...]) -> ToolUse | None:
+    choice: dict[str, Any] = {"type": "auto"}
+    if value is not None:
+        choice = _object("tool_choice", value)
+        _keys("tool_choice", choice, frozenset({"type", "name", "disable_parallel_tool_use"}))
+    kind = choice.get("type")
+    if kind not in ("auto", "any", "none", "tool"):
+        raise invalid(
+            f"tool_choice.type: must be 'auto', 'any', 'tool' or 'none', got {show(kind)}"
+        )
+    disable = choice.get("disable_parallel_tool_use", False)
+    if not isinstance(disable, bool):
+        raise invalid(
+            f"tool_choice.disable_parallel_tool_use: must be true or false, got {show(disable)}"
+        )
+    named = choice.get("name")
+    if kind == "tool":
+        if not isinstance(named, str) or named not in {t.name for t in tools}:
+            raise invalid(f"tool_choice.name: {show(named)} is not one of the request's tools")
+    elif named is not None:
+        raise invalid("tool_choice.name: only a tool_choice of type 'tool' names a tool")
+    if not tools:
+        if kind in ("any", "tool"):
+            raise invalid(f"tool_choice: {kind!r} needs tools, and the request has none")
+        return None
+    mode: Literal["auto", "required", "none"] = {
+        "auto": "auto",
+        "any": "required",
+        "tool": "required",
+        "none": "none",
+    }[kind]  # type: ignore[assignment]
+    return ToolUse(tools=tools, choice=mode, named=named, parallel=not disable)
+
+
+def _format(where: str, value: Any) -> Constraint | None:
+    if value is None:
+        return None
+    fmt = _object(where, value)
+    _keys(where, fmt, frozenset({"type", "schema"}))
+    if fmt.get("type") != "json_schema":
+        raise invalid(f"{where}.type: must be 'json_schema', got {show(fmt.get('type'))}")
+    if "schema" not in fmt:
+        raise invalid(f"{where}.schema: is required")
+    schema = _read(f"{where}.schema", _rule("json_schema"), fmt["schema"])
+    return Constraint.json_schema(schema, f"{where}.schema")
+
+
+def _output(obj: Mapping[str, Any]) -> Constraint | None:
+    constraints = []
+    config = obj.get("output_config")
+    if config is not None:
+        config = _object("output_config", config)
+        _keys("output_config", config, frozenset({"format", "effort"}))
+        effort = config.get("effort")
+        if effort is not None and effort not in _EFFORTS:
+            raise invalid(
+                f"output_config.effort: must be one of {', '.join(sorted(_EFFORTS))},"
+                f" got {show(effort)}"
+            )
+        constraints.append(_format("output_config.format", config.get("format")))
+    constraints.append(_format("output_format", obj.get("output_format")))
+    given = [c for c in constraints if c is not None]
+    if len(given) > 1:
+        raise invalid("give output_config.format or output_format, not both")
+    return given[0] if given else None
+
+
+def _thinking(value: Any) -> None:
+    """Accepted and checked; this model writes no thinking section."""
+    if value is None:
+        return
+    thinking = _object("thinking", value)
+    _keys("thinking", thinking, frozenset({"type", "budget_tokens", "display"}))
+    kind = thinking.get("type")
+    if kind not in _THINKING:
+        raise invalid(
+            f"thinking.type: must be one of {', '.join(sorted(_THINKING))}, got {show(kind)}"
+        )
+    budget = as_int(thinking.get("budget_tokens"))
+    if kind == "enabled" and (budget is None or budget < 1):
+        raise invalid(
+            "thinking.budget_tokens: must be a positive integer,"
+            f" got {show(thinking.get('budget_tokens'))}"
+        )
+
+
+def _sampler(obj: Mapping[str, Any]) -> dict[str, Any]:
+    out = {}
+    for name in _SAMPLER_NAMES & obj.keys():
+        if obj[name] is not None:
+            out[name] = _read(name, _rule(name), obj[name], MESSAGES_RANGES.get(name))
+    return out
+
+
+def _parse(
+    body: bytes, limits: MessagesLimits, fields: frozenset[str], *, count: bool
+) -> MessagesRequest:
+    obj = _parse_body(body)
+    for key, value in obj.items():
+        if key in _REFUSED:
+            if value is not None:
+                raise invalid(f"{key}: {_REFUSED[key]}")
+        elif key not in fields and key not in _IGNORED and key not in _SAMPLER_NAMES:
+            raise invalid(f"{show(key)}: unknown field")
+    model = obj.get("model")
+    if not isinstance(model, str) or not 0 < len(model) <= 256:
+        raise invalid(f"model: must be a string of 1 to 256 characters, got {show(model)}")
+    max_tokens = None
+    if not count:
+        if obj.get("max_tokens") is None:
+            raise invalid("max_tokens: is required")
+        max_tokens = _read("max_tokens", _rule("max_new_tokens"), obj["max_tokens"])
+        if max_tokens < 1:
+            raise invalid(f"max_tokens: must be at least 1, got {show(obj['max_tokens'])}")
+    _thinking(obj.get("thinking"))
+    system = _system(obj.get("system"), limits)
+    messages, prefix = _messages(obj.get("messages"), system, limits)
+    tools, skipped = _tools(obj.get("tools"), limits)
+    stream = obj.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise invalid(f"stream: must be true or false, got {show(stream)}")
+    stops = obj.get("stop_sequences")
+    rule = StopStrings(limits.max_stop_sequences, limits.max_stop_sequence_chars)
+    return MessagesRequest(
+        model=model,
+        max_tokens=max_tokens,
+        messages=messages,
+        prefix=prefix,
+        stop_sequences=() if stops is None else _read("stop_sequences", rule, stops),
+        stream=stream,
+        sampler=_sampler(obj),
+        tools=_tool_use(obj.get("tool_choice"), tools),
+        skipped_tools=skipped,
+        constraint=_output(obj),
+    )
+
+
+def parse_messages_request(body: bytes, limits: MessagesLimits = DEFAULT_LIMITS) -> MessagesRequest:
+    """A ``POST /v1/messages`` body; raises :class:`AnthropicError` (400)."""
+    return _parse(body, limits, _MESSAGES_FIELDS, count=False)
+
+
+def parse_count_request(body: bytes, limits: MessagesLimits = DEFAULT_LIMITS) -> MessagesRequest:
+    """A ``POST /v1/messages/count_tokens`` body (no ``max_tokens``)."""
+    return _parse(body, limits, _COUNT_FIELDS, count=True)
+
+
+#: Each accepted field and what it does, for docs/anthropic.md's table.
+FIELD_KINDS: Final[Mapping[str, Callable[[], frozenset[str]]]] = {
+    "supported": lambda: _MESSAGES_FIELDS | _SAMPLER_NAMES,
+    "ignored": lambda: _IGNORED,
+    "refused": lambda: frozenset(_REFUSED),
+}

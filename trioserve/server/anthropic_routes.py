@@ -1,0 +1,178 @@
+"""Anthropic's Messages API: ``POST /v1/messages`` and ``POST
+/v1/messages/count_tokens``, through the same pipeline as every other door.
+
+A request is parsed and bounded (400), turned into a
+:class:`~trioserve.generation.GenerationRequest`, checked against the model
+(400), admitted (529 ``overloaded_error`` while draining or full, 429
+``rate_limit_error`` over the client's request limit), rendered, tokenized
+and fitted (400 ``prompt is too long``), then followed to its end by an
+:class:`~trioserve.server.exchange.Exchange` that writes what
+:class:`~trioserve.anthropic.MessageReply` (sans-IO) makes of it. The job is
+released in a ``finally``: a client that disconnects frees its engine slot
+before the next step. The key may come as ``X-Api-Key`` (Anthropic's SDKs)
+or ``Authorization: Bearer``; ``anthropic-version`` and ``anthropic-beta``
+are accepted whatever they say.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Sequence
+
+import attrs
+import trio
+
+from trioserve import anthropic as an
+from trioserve.generation import (
+    Generation,
+    Generations,
+    InvalidGeneration,
+    Overloaded,
+    start_choices,
+)
+from trioserve.metrics import Metrics
+
+from . import access
+from .doors import ClientIdentity, anthropic_error, from_anthropic
+from .exchange import Exchange
+from .http_types import (
+    Handler,
+    HTTPError,
+    HTTPRequest,
+    RequestHead,
+    Response,
+    Router,
+    StreamingResponse,
+    event_stream,
+)
+
+__all__ = ["AnthropicRoutes", "anthropic_errors", "api_error_body"]
+
+log = logging.getLogger("trioserve.routes")
+
+#: Seconds between ``ping`` events while a stream waits for text.
+PING_SECONDS = 10.0
+
+
+def anthropic_errors(handler: Handler) -> Handler:
+    """``handler`` with its API errors turned into the HTTP layer's, in
+    Anthropic's shape."""
+
+    async def wrapped(request: HTTPRequest) -> Response | StreamingResponse:
+        try:
+            return await handler(request)
+        except an.AnthropicError as exc:
+            raise HTTPError(
+                exc.status, exc.message, headers=exc.headers(), body=exc.body()
+            ) from None
+
+    return wrapped
+
+
+def api_error_body(head: RequestHead, status: int, message: str) -> bytes | None:
+    """The front door's own errors (a refused key, no route) on Anthropic's
+    paths in Anthropic's shape; None (the server's shape) elsewhere."""
+    if head.path == "/v1/messages" or head.path.startswith("/v1/messages/"):
+        return an.error_body(status, message)
+    return None
+
+
+def _outcome(status: int) -> str:
+    return {400: "invalid_request", 429: "overloaded", an.OVERLOADED: "overloaded"}.get(
+        status, "internal"
+    )
+
+
+@attrs.define
+class AnthropicRoutes:
+    """``POST /v1/messages`` and ``POST /v1/messages/count_tokens``."""
+
+    generations: Generations
+    identity: ClientIdentity
+    limits: an.MessagesLimits = attrs.Factory(an.MessagesLimits)
+    metrics: Metrics | None = None
+    ping_seconds: float = attrs.Factory(lambda: PING_SECONDS)
+
+    @property
+    def model_name(self) -> str:
+        return self.generations.info.model_name
+
+    def install(self, router: Router) -> None:
+        router.add("POST", "/v1/messages", anthropic_errors(self.messages))
+        router.add("POST", "/v1/messages/count_tokens", anthropic_errors(self.count_tokens))
+
+    async def count_tokens(self, http: HTTPRequest) -> Response:
+        parsed = an.parse_count_request(http.body, self.limits)
+        try:
+            count = await self.generations.count_prompt_tokens(from_anthropic(parsed))
+        except InvalidGeneration as exc:
+            raise anthropic_error(exc) from None
+        return Response.json({"input_tokens": count})
+
+    async def messages(self, http: HTTPRequest) -> Response | StreamingResponse:
+        arrived = trio.current_time()
+        client = self.identity.of(http.head)
+        choices: list[Generation] = []
+        try:
+            parsed = an.parse_messages_request(http.body, self.limits)
+            if parsed.skipped_tools:
+                log.info(
+                    "skipped Anthropic's server tools %s: this server runs only the"
+                    " request's custom tools",
+                    ", ".join(parsed.skipped_tools[:16]),
+                )
+            choices = self._open(parsed, client)
+            choices[0].received = arrived
+            try:
+                await start_choices(choices)
+            except InvalidGeneration as exc:
+                raise anthropic_error(exc) from None
+            except Overloaded as exc:
+                raise an.AnthropicError(an.OVERLOADED, exc.message, retry_after=1) from None
+        except an.AnthropicError as exc:
+            for choice in choices:
+                choice.close()
+            self._finish(http, choices, _outcome(exc.status), arrived)
+            raise
+        except BaseException:
+            for choice in choices:
+                choice.close()
+            raise
+        reply = an.MessageReply(parsed, self.model_name, choices[0])
+        exchange = Exchange(
+            reply,
+            choices,
+            finish=lambda outcome: self._finish(http, choices, outcome, arrived),
+            draining=self.generations.is_draining,
+            keepalive=reply.keepalive,
+            keepalive_s=self.ping_seconds,
+        )
+        if not parsed.stream:
+            return await exchange.whole()
+        return event_stream(exchange.stream)
+
+    def _open(self, parsed: an.MessagesRequest, client: Hashable) -> list[Generation]:
+        try:
+            return self.generations.open_choices(
+                from_anthropic(parsed), 1, client=client, api="anthropic"
+            )
+        except InvalidGeneration as exc:
+            raise anthropic_error(exc) from None
+        except Overloaded as exc:
+            if exc.draining:
+                raise an.AnthropicError(an.OVERLOADED, exc.message, retry_after=1) from None
+            raise an.AnthropicError(429, exc.message, retry_after=1) from None
+
+    def _finish(
+        self, http: HTTPRequest, choices: Sequence[Generation], outcome: str, arrived: float
+    ) -> None:
+        access.log_openai(
+            self.metrics,
+            http.head.peer,
+            "messages",
+            choices,
+            outcome,
+            duration=trio.current_time() - arrived,
+            cancel_cause="shutdown" if self.generations.is_draining() else "disconnect",
+            api="anthropic",
+        )
