@@ -91,6 +91,7 @@ def test_a_conversation_is_read_as_the_template_reads_it() -> None:
                     {"type": "text", "text": "and now?"},
                 ],
             },
+            {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
             {"role": "assistant", "content": "The answer is"},
         ],
         tools=[WEATHER, {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}],
@@ -100,6 +101,7 @@ def test_a_conversation_is_read_as_the_template_reads_it() -> None:
         top_k=40,
         metadata={"user_id": "u"},
         thinking={"type": "enabled", "budget_tokens": 2048},
+        context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
         output_config={"effort": "low"},
         stream=True,
     )
@@ -116,7 +118,8 @@ def test_a_conversation_is_read_as_the_template_reads_it() -> None:
         "name": "get_weather",
     }
     assert request.messages[4] == {"role": "user", "content": "and now?"}
-    assert len(request.messages) == 5
+    assert request.messages[5] == {"role": "system", "content": "Be brief."}
+    assert len(request.messages) == 6
     assert request.prefix == "The answer is"
     assert request.tools is not None and [t.name for t in request.tools.tools] == ["get_weather"]
     assert (request.tools.choice, request.tools.parallel) == ("required", False)
@@ -163,7 +166,13 @@ BAD: list[tuple[Any, str]] = [
     ({"max_tokens": "8"}, "max_tokens"),
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "developer", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "holds no user turn"),
+    ({"messages": [{"role": "assistant", "content": "x"}]}, "holds no user turn"),
+    (
+        {"messages": [*USER, {"role": "system", "content": [{"type": "image"}]}]},
+        "messages[1].content[0].type",
+    ),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     (
         {"messages": [{"role": "user", "content": "x", "name": "n"}]},
@@ -232,6 +241,7 @@ BAD: list[tuple[Any, str]] = [
     ({"thinking": {"type": "on"}}, "thinking.type"),
     ({"container": "c"}, "container"),
     ({"mcp_servers": [{"url": "http://x"}]}, "mcp_servers"),
+    ({"tools": [{**WEATHER, "description": "d" * 200_000}]}, "tools[0].description"),
     ({"wat": 1}, "'wat': unknown field"),
 ]
 

@@ -238,7 +238,9 @@ async def test_stop_sequences_and_a_prefill(cpu_engine: CpuEngine) -> None:
 
 
 async def test_errors_come_as_the_sdk_classes(cpu_engine: CpuEngine) -> None:
-    async with running_server(cpu_engine, api_key="s3cret", max_requests_per_client=1) as listening:
+    async with running_server(
+        cpu_engine, api_key="s3cret", max_requests_per_client=1, max_new_tokens=48
+    ) as listening:
 
         def flow() -> None:
             port = listening.port
@@ -262,8 +264,13 @@ async def test_errors_come_as_the_sdk_classes(cpu_engine: CpuEngine) -> None:
                     model="m", max_tokens=64, messages=[{"role": "user", "content": "word " * 9000}]
                 )
             assert "prompt is too long" in long.value.message
-            with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
-                sdk.messages.create(model="m", max_tokens=20_000, messages=QUESTION)
+            # max_tokens is an upper bound: past the server's cap (here 48;
+            # the context's room by default) the reply ends there, with
+            # max_tokens (Claude Code asks for 32,000).
+            bounded = sdk.messages.create(
+                model="m", max_tokens=20_000, messages=QUESTION, extra_body={"min_tokens": 60}
+            )
+            assert bounded.stop_reason == "max_tokens" and bounded.usage.output_tokens == 48
             with pytest.raises(anthropic.NotFoundError):
                 sdk.get("/v1/messages/nope", cast_to=object)
             # One request in flight is this client's limit: the second is a 429.

@@ -81,7 +81,8 @@ class MessagesLimits:
     max_stop_sequences: int = _limit("stop_conditions", "max_stop_conditions")
     max_stop_sequence_chars: int = _limit("stop_conditions", "max_stop_string_chars")
     max_tools: int = 128
-    max_description_chars: int = 16384
+    #: Claude Code's own tools run to 19,000 characters.
+    max_description_chars: int = 131072
     max_id_chars: int = 256
 
 
@@ -147,6 +148,10 @@ _IGNORED: Final = frozenset(
         "workspace_id",
         "anthropic_version",
         "thinking",
+        # Claude Code sends {"edits": [{"type": "clear_thinking_..."}]}:
+        # edits Anthropic makes to a long context. Nothing is edited here
+        # (no thinking is kept); a prompt too long is refused by name.
+        "context_management",
     }
 )
 #: Features of Anthropic's platform this server does not have: refused
@@ -154,7 +159,6 @@ _IGNORED: Final = frozenset(
 _REFUSED: Final[Mapping[str, str]] = {
     "container": "code execution containers are Anthropic's",
     "mcp_servers": "connecting to MCP servers is not supported: run the tools in the client",
-    "context_management": "context editing is not supported",
 }
 _MESSAGES_FIELDS: Final = frozenset(
     {
@@ -359,12 +363,23 @@ def _messages(
         message = _object(where, item)
         _keys(where, message, frozenset({"role", "content"}))
         role = message.get("role")
-        if role not in ("user", "assistant"):
-            raise invalid(f"{where}.role: must be 'user' or 'assistant', got {show(role)}")
+        if role not in ("user", "assistant", "system"):
+            raise invalid(
+                f"{where}.role: must be 'user', 'assistant' or 'system', got {show(role)}"
+            )
         if "content" not in message:
             raise invalid(f"{where}.content: is required")
         blocks = _blocks(f"{where}.content", message["content"], limits)
         texts: list[str] = []
+        if role == "system":
+            # Anthropic's mid-conversation system turn (Claude Code sends one).
+            for i, block in enumerate(blocks):
+                at = f"{where}.content[{i}]"
+                if block.get("type") != "text":
+                    raise invalid(f"{at}.type: system turns hold text blocks only")
+                texts.append(_text_block(at, block))
+            out.append({"role": "system", "content": "\n".join(texts)})
+            continue
         if role == "assistant":
             calls: list[ToolCall] = []
             for i, block in enumerate(blocks):
@@ -418,7 +433,10 @@ def _messages(
         if texts or not any(b.get("type") == "tool_result" for b in blocks):
             out.append({"role": "user", "content": "\n".join(texts)})
     if all(m["role"] == "system" for m in out):
-        raise invalid("messages: a final assistant turn (a prefill) continues a turn before it")
+        raise invalid(
+            "messages: holds no user turn (a final assistant turn is a prefill, which"
+            " continues the turns before it)"
+        )
     return tuple(out), prefix
 
 

@@ -151,12 +151,15 @@ COMPLETION: Final = Door(
 
 
 #: Anthropic's ``/v1/messages``: a chat (a final assistant turn continued),
-#: ``max_tokens`` required, a prompt that does not fit refused.
+#: a prompt that does not fit refused. ``max_tokens`` is required and is an
+#: upper bound: past what the context leaves (Claude Code asks for 32,000)
+#: the reply ends there, with ``max_tokens``, rather than being refused.
 MESSAGES: Final = Door(
     reads={
         "messages": "messages",
         "assistant_prefix": "prefix",
-        "max_new_tokens": "max_tokens",
+        "max_new_tokens": _fixed(None),
+        "default_max_new_tokens": "max_tokens",
         "fit": _fixed("refuse"),
         "sampling": lambda r: r.sampling_settings(),
         "stop_strings": "stop_sequences",
@@ -257,6 +260,8 @@ def anthropic_error(error: InvalidGeneration) -> an.AnthropicError:
     says so in the words Claude Code watches for (it then compacts the
     conversation)."""
     name = error.wire_name or MESSAGES.name(error.field)
+    if name == "max_new_tokens":
+        name = "max_tokens"
     message = error.message.replace("max_new_tokens", "max_tokens")
     if error.code == "context_length_exceeded":
         return an.AnthropicError(400, f"prompt is too long: {message}")
