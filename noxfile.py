@@ -79,6 +79,10 @@ def install_project(session: nox.Session, *groups: str) -> None:
     session.run("python", "-c", _WHICH_TORCH, silent=False)
 
 
+#: Claude Code as tests/test_claude_code.py runs it (npm).
+CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """The default suite: protocol, engines, server; everything on the CPU."""
@@ -284,12 +288,36 @@ def scale_out(session: nox.Session) -> None:
 def clients(session: nox.Session) -> None:
     """Client programs run unchanged against ``python -m trioserve`` that are too
     heavy for the test group: lm-evaluation-harness on two local tasks, every
-    loglikelihood checked against the engine (tests/test_lm_eval.py, docs/openai.md).
-    Installs the ``clients`` group (lm-eval[api]: about 45 packages, 620 MB).
+    loglikelihood checked against the engine (tests/test_lm_eval.py, docs/openai.md), and
+    Claude Code against the Messages door (tests/test_claude_code.py, where npm is there).
+    Installs the ``clients`` group (lm-eval[api]: about 45 packages, 620 MB) and Claude Code.
     Arguments go to pytest."""
     install_project(session, "clients")
+    env = {}
+    npm = shutil.which("npm")
+    if npm is not None:
+        # Claude Code, pinned, into nox's cache (235 MB; no network needed to run it).
+        prefix = Path(session.cache_dir) / "claude-code"
+        session.run(
+            npm,
+            "install",
+            "--prefix",
+            str(prefix),
+            "--no-audit",
+            "--no-fund",
+            CLAUDE_CODE,
+            external=True,
+        )
+        env["TRIOSERVE_CLAUDE_CODE"] = str(prefix / "node_modules" / ".bin" / "claude")
     session.run(
-        "pytest", "-p", "no:cacheprovider", "-rA", "tests/test_lm_eval.py", *session.posargs
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-rA",
+        "tests/test_lm_eval.py",
+        "tests/test_claude_code.py",
+        *session.posargs,
+        env=env,
     )
 
 

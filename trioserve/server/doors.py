@@ -259,10 +259,12 @@ def anthropic_error(error: InvalidGeneration) -> an.AnthropicError:
     the message as the client wrote it. A prompt too long for the context
     says so in the words Claude Code watches for (it then compacts the
     conversation)."""
+    # Anthropic's names where the pipeline's (or OpenAI's) differ.
+    renamed = (("max_new_tokens", "max_tokens"), (".function.parameters", ".input_schema"))
     name = error.wire_name or MESSAGES.name(error.field)
-    if name == "max_new_tokens":
-        name = "max_tokens"
-    message = error.message.replace("max_new_tokens", "max_tokens")
+    message = error.message
+    for old, new in renamed:
+        name, message = name.replace(old, new), message.replace(old, new)
     if error.code == "context_length_exceeded":
         return an.AnthropicError(400, f"prompt is too long: {message}")
     if not message.startswith(name):

@@ -34,6 +34,7 @@ import attrs
 
 __all__ = [
     "TOOL_FORMATS",
+    "TOOL_SCHEMA_OPTIONS",
     "CallArguments",
     "CallEnd",
     "CallStart",
@@ -269,8 +270,17 @@ def _arguments_object(arguments: str) -> Any:
 # The constraint
 
 #: The arguments of a call are compact JSON with the usual separators, as
-#: structured output writes it (docs/structured-output.md).
-_COMPACT: Final = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: structured output writes it (docs/structured-output.md). Agents' tool
+#: schemas use keywords llguidance does not implement (Claude Code's use
+#: ``propertyNames``): those are left unenforced, the rest holds
+#: (:data:`TOOL_SCHEMA_OPTIONS`), where a response format refuses them.
+TOOL_SCHEMA_OPTIONS: Final = {"lenient": True}
+_COMPACT: Final = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    **TOOL_SCHEMA_OPTIONS,
+}
 
 
 def tool_grammar(use: ToolUse, fmt: ToolFormat, *, special_trigger: bool = False) -> str | None:
