@@ -536,3 +536,34 @@ def test_error_bodies_follow_the_status() -> None:
             "type": "error",
             "error": {"type": kind, "message": "m"},
         }
+
+
+# --------------------------------------------------------------------------
+# The documentation's table
+
+
+def test_the_docs_table_lists_every_field_as_the_parser_takes_it() -> None:
+    from pathlib import Path
+
+    from trioserve.anthropic import requests
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "anthropic.md").read_text("utf-8")
+    table = doc[doc.index("## The request") : doc.index("Any other field is a 400")]
+    rows: dict[str, str] = {}
+    for line in table.splitlines():
+        if line.startswith("| `"):
+            names, kind = (cell.strip() for cell in line.strip("|").split("|")[:2])
+            for name in names.split(", "):
+                rows[name.strip("`")] = kind
+    for name in requests._MESSAGES_FIELDS:
+        kinds = {kind for row, kind in rows.items() if row.split(".")[0] == name}
+        assert kinds & {"required", ""}, name
+    for name in requests._IGNORED - {"anthropic_version"}:
+        assert rows.get(name) == "ignored", name
+    for name in requests._REFUSED:
+        assert rows.get(name) == "refused", name
+    # And the parser agrees: ignored fields pass, refused ones are 400s.
+    for name in requests._IGNORED - {"thinking", "context_management"}:
+        parse(**{name: "anything"})
+    for name in requests._REFUSED:
+        assert name in refused(body(**{name: "x"})).message

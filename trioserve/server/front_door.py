@@ -242,8 +242,10 @@ class FrontDoor:
             await trio.aclose_forcefully(stream)
 
     async def _serve(self, conn: HTTPConnection, over_capacity: bool) -> None:
+        head: RequestHead | None = None
         try:
             while True:
+                head = None
                 head = await conn.next_request(lambda: self._draining)
                 conn.requests += 1
                 if over_capacity:
@@ -261,9 +263,9 @@ class FrontDoor:
                 except h11.LocalProtocolError:
                     raise EndConnection from None
         except Refused as refused:
-            # What the client broke while its request was read (the head may
-            # not be whole yet, so the answer goes without it).
-            await self._refuse(conn, refused.reject)
+            # What the client broke while its request was read (the head, when
+            # it was whole, names the API whose error shape answers).
+            await self._refuse(conn, refused.reject, head)
 
     # -- answering ----------------------------------------------------------------------
 
