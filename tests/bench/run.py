@@ -13,6 +13,7 @@ top of the output. Progress goes to stderr, the tables to stdout.
     python tests/bench/run.py --only choices   # n choices against n requests (docs/performance.md)
     python tests/bench/run.py --only speculative  # drafts by prompt lookup against plain decoding
     python tests/bench/run.py --only fairness  # one client's 8 streams; a newcomer beside a flood
+    python tests/bench/run.py --only doors     # /v1/messages against /v1/chat/completions
     python tests/bench/run.py --only llama-server  # trioserve against llama.cpp's llama-server
 """
 
@@ -39,6 +40,7 @@ import trio  # noqa: E402
 from tests.bench import (  # noqa: E402
     choices_bench,
     constraint_bench,
+    doors_bench,
     engine_bench,
     fairness_bench,
     hostile_bench,
@@ -58,6 +60,7 @@ PARTS = (
     "choices",
     "speculative",
     "fairness",
+    "doors",
     "llama-server",
 )
 
@@ -211,6 +214,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         fairness_bench.run(fairness, say=say, rounds=3 if args.quick else fairness_bench.ROUNDS)
         print("\n## Fairness that uses the whole machine\n")
         print(fairness_bench.markdown(fairness))
+    if "doors" in parts:
+        say("the API doors: /v1/messages against /v1/chat/completions")
+        doors = trio.run(
+            lambda: doors_bench.run_doors_bench(rounds=3 if args.quick else 7, tokens=128, say=say)
+        )
+        print("\n## The API doors\n")
+        print(doors_bench.format_doors_table(doors))
     if "llama-server" in parts:
         say("trioserve against llama-server (skipped, saying why, without the binary)")
         versus: list[dict[str, Any]] = []
