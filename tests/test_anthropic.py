@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trioserve import anthropic as an
-from trioserve.vocabulary.results import Finished, FinishReason
+from trioserve.vocabulary.results import FailureCause, Finished, FinishReason
 from trioserve.vocabulary.tools import HERMES, ToolCall, ToolFormat
 
 pytestmark = pytest.mark.unit
@@ -325,6 +325,7 @@ class State:
     outcome: str | None = None
     finished: Finished | None = None
     failure: str | None = None
+    failure_cause: FailureCause = "engine"
     tool_format: ToolFormat | None = None
     prompt_tokens: int = 30
     generated_tokens: int = 0
@@ -363,7 +364,7 @@ def replay(data: bytes) -> dict[str, Any]:
     seen = list(events(data))
     names = [name for name, _ in seen]
     assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
-    message = seen[0][1]["message"]
+    message: dict[str, Any] = seen[0][1]["message"]
     assert message["content"] == [] and message["stop_reason"] is None
     open_index = None
     partial: dict[int, str] = {}
@@ -520,6 +521,10 @@ def test_a_failed_or_interrupted_generation_ends_the_stream_with_an_error() -> N
     }
     outcome, error = reply.failure(draining=True)
     assert (outcome, error.status, error.type) == ("interrupted", 529, "overloaded_error")
+    # A failure the request caused (its constraint broke down) is its 400.
+    state.failure_cause = "request"
+    outcome, error = reply.failure(draining=False)
+    assert (outcome, error.status, error.type) == ("invalid_request", 400, "invalid_request_error")
 
 
 def test_error_bodies_follow_the_status() -> None:

@@ -247,7 +247,7 @@ async def test_errors_come_as_the_sdk_classes(cpu_engine: CpuEngine) -> None:
             with pytest.raises(anthropic.AuthenticationError) as auth:
                 client(port).messages.create(model="m", max_tokens=4, messages=QUESTION)
             assert auth.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
-            sdk = anthropic.Anthropic(
+            sdk: Any = anthropic.Anthropic(
                 base_url=f"http://127.0.0.1:{port}", api_key="s3cret", max_retries=0
             )
             image = {
@@ -279,7 +279,7 @@ async def test_errors_come_as_the_sdk_classes(cpu_engine: CpuEngine) -> None:
                 with pytest.raises(anthropic.RateLimitError):
                     sdk.messages.create(model="m", max_tokens=4, messages=QUESTION)
             # The Bearer form works as well as X-Api-Key.
-            bearer = anthropic.Anthropic(
+            bearer: Any = anthropic.Anthropic(
                 base_url=f"http://127.0.0.1:{port}", auth_token="s3cret", max_retries=0
             )
             assert bearer.messages.create(model="m", max_tokens=2, messages=QUESTION).content

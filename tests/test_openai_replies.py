@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trioserve import openai as oa
-from trioserve.vocabulary.results import Finished, FinishReason, TokenLogprob
+from trioserve.vocabulary.results import FailureCause, Finished, FinishReason, TokenLogprob
 from trioserve.vocabulary.tools import HERMES, ToolFormat
 
 pytestmark = pytest.mark.unit
@@ -33,6 +33,7 @@ class State:
     outcome: str | None = None
     finished: Finished | None = None
     failure: str | None = None
+    failure_cause: FailureCause = "engine"
     tool_format: ToolFormat | None = None
     util_text: str = "the prompt"
     prompt_tokens: int = 7
@@ -260,6 +261,10 @@ def test_a_failed_choice_ends_the_stream_in_an_error() -> None:
     # The same failure during a shutdown is the shutdown's: retry elsewhere.
     outcome, error = reply.failure(draining=True)
     assert (outcome, error.status, error.retry_after) == ("interrupted", 503, 1)
+    # One the request caused (its constraint broke down mid-generation) is its 400.
+    states[1].failure_cause = "request"
+    outcome, error = reply.failure(draining=False)
+    assert (outcome, error.status, error.code) == ("invalid_request", 400, "constraint_failed")
 
 
 def test_an_interrupted_choice_is_a_retryable_503() -> None:

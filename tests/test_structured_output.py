@@ -163,6 +163,50 @@ async def test_bad_constraints_are_named_and_the_connection_goes_on(
         assert (await ws.recv())["request_id"] == 2
 
 
+#: A schema llguidance takes at first and gives up on a few tokens in (each
+#: ``v`` is an object that must hold another ``v``).
+ENDLESS = {"type": "object", "properties": {"v": {"$ref": "#"}}, "required": ["v"]}
+
+
+async def test_a_constraint_that_breaks_down_is_the_requests_error(cpu_engine: CpuEngine) -> None:
+    """Its failure is a 400 (invalid_request) on every door, not the
+    engine's 500, and the server goes on."""
+    async with running_server(cpu_engine) as listening, raw_client(listening.url) as ws:
+        await ws.send(
+            {
+                "action": "infer",
+                "request_id": 1,
+                "text": "x",
+                "max_new_tokens": 200,
+                "json_schema": ENDLESS,
+            }
+        )
+        error = await ws.recv(within=120)
+        assert error["response_type"] == "error", error
+        assert error["error"]["type"] == "invalid_request"
+        assert "the constraint" in error["error"]["message"]
+
+        def openai_side() -> Any:
+            base = f"http://127.0.0.1:{listening.port}/v1"
+            client: Any = openai.OpenAI(base_url=base, api_key="k", max_retries=0)
+            with pytest.raises(openai.BadRequestError) as caught:
+                client.chat.completions.create(
+                    model="m",
+                    messages=[{"role": "user", "content": "x"}],
+                    max_tokens=200,
+                    response_format={
+                        "type": "json_schema",
+                        "json_schema": {"name": "v", "schema": ENDLESS},
+                    },
+                )
+            return caught.value
+
+        caught = await trio.to_thread.run_sync(openai_side)
+        assert caught.code == "constraint_failed" and "the constraint" in caught.message
+        await ws.send({"action": "echo", "request_id": 2})
+        assert (await ws.recv())["request_id"] == 2
+
+
 class Person(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=20)
     age: int = pydantic.Field(ge=0, le=120)

@@ -3,7 +3,7 @@ Anthropic's ``/v1/messages`` and OpenAI's ``/v1/chat/completions`` on one
 server, in one run, the sides alternating round by round; per round the ratio
 of their decode rates (tokens after the first over the time from the first
 content delta to the end), and the medians (docs/performance.md, "The API
-doors"). Greedy, EOS banned (``bann_bann``), so both make exactly
+doors"). Greedy, with ``min_tokens`` equal to ``max_tokens``, so both make exactly
 ``max_tokens`` tokens.
 
     python tests/bench/run.py --only doors
@@ -27,7 +27,7 @@ from trioserve.engine.cpu.engine import CpuEngine
 from trioserve.generation.engine_thread import open_engine_thread
 from trioserve.server import Server, ServerConfig
 
-from .server_bench import CHAT_MESSAGE, EOS_ID
+from .server_bench import CHAT_MESSAGE
 
 __all__ = ["DoorsResult", "format_doors_table", "run_doors_bench"]
 
@@ -42,7 +42,7 @@ DOORS: dict[str, tuple[str, Callable[[int], dict[str, Any]]]] = {
             "temperature": 0,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "bann_bann": [EOS_ID],
+            "min_tokens": tokens,
         },
     ),
     "messages": (
@@ -53,7 +53,7 @@ DOORS: dict[str, tuple[str, Callable[[int], dict[str, Any]]]] = {
             "max_tokens": tokens,
             "temperature": 0,
             "stream": True,
-            "bann_bann": [EOS_ID],
+            "min_tokens": tokens,
         },
     ),
 }

@@ -25,7 +25,7 @@ from typing import Any, Literal, Protocol
 
 import attrs
 
-from trioserve.vocabulary.results import Finished
+from trioserve.vocabulary.results import FailureCause, Finished
 from trioserve.vocabulary.tools import (
     CallArguments,
     CallEnd,
@@ -63,6 +63,9 @@ class GenerationState(Protocol):
 
     @property
     def failure(self) -> str | None: ...
+
+    @property
+    def failure_cause(self) -> FailureCause: ...
 
     @property
     def tool_format(self) -> ToolFormat | None: ...
@@ -155,9 +158,13 @@ class MessageReply:
 
     def failure(
         self, *, draining: bool
-    ) -> tuple[Literal["internal", "interrupted"], AnthropicError]:
+    ) -> tuple[Literal["internal", "interrupted", "invalid_request"], AnthropicError]:
         """The error of a reply whose generation did not finish, and the
-        outcome to count (as the OpenAI door's)."""
+        outcome to count (as the OpenAI door's): the request's own failure
+        (its constraint broke down) is a 400, the engine's a 500."""
+        if self.state.outcome == "failed" and self.state.failure_cause == "request":
+            message = self.state.failure or "the request cannot be generated"
+            return "invalid_request", AnthropicError(400, message)
         if self.state.outcome == "failed" and not draining:
             return "internal", AnthropicError(500, self.state.failure or "the engine failed")
         return "interrupted", AnthropicError(OVERLOADED, SHUTTING_DOWN, retry_after=1)

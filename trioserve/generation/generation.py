@@ -27,7 +27,13 @@ import trio
 
 from trioserve.chat_template import ChatTemplate, ChatTemplateError
 from trioserve.engine.base import EngineInfo
-from trioserve.vocabulary.results import Failed, Finished, TextUpdate, TokenLogprob
+from trioserve.vocabulary.results import (
+    Failed,
+    FailureCause,
+    Finished,
+    TextUpdate,
+    TokenLogprob,
+)
 from trioserve.vocabulary.tools import ToolFormat, format_for, prompt_messages, takes_tools
 
 from .constraining import ConstraintRefused, compile_constraint, tools_constraint
@@ -263,6 +269,8 @@ class Generation:
     outcome: Outcome | None = None
     finished: Finished | None = None
     failure: str | None = None
+    #: Whose the failure is: the engine's (500) or the request's (400).
+    failure_cause: FailureCause = "engine"
     ended_at: float | None = None
     #: Called with each piece of released text; the door sets it.
     on_text: Callable[[str], None] = attrs.field(default=lambda _text: None, repr=False)
@@ -312,7 +320,7 @@ class Generation:
         """End a choice that is not run because ``first``, the request's
         first choice, failed or was interrupted: the same outcome."""
         assert first.outcome is not None and self.job is None
-        self._settle(first.outcome, failure=first.failure)
+        self._settle(first.outcome, failure=first.failure, cause=first.failure_cause)
 
     def _check_room(self) -> None:
         # Room first, so a full server does not tokenize megabytes for nothing.
@@ -450,7 +458,7 @@ class Generation:
     def _apply(self, update: TextUpdate | Finished | Failed) -> bool:
         """Take one update; True when it was the last."""
         if isinstance(update, Failed):
-            self._settle("failed", failure=update.message)
+            self._settle("failed", failure=update.message, cause=update.cause)
             return True
         self._count_tokens(update.generated_tokens)
         self.logprobs.extend(update.logprobs)
@@ -489,9 +497,12 @@ class Generation:
             self.response += text
             self.on_text(text)
 
-    def _settle(self, outcome: Outcome, *, failure: str | None = None) -> None:
+    def _settle(
+        self, outcome: Outcome, *, failure: str | None = None, cause: FailureCause = "engine"
+    ) -> None:
         self.outcome = outcome
         self.failure = failure
+        self.failure_cause = cause
         self.ended_at = trio.current_time()
 
     def interrupt(self) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Literal, Protocol
 
 import attrs
 
-from trioserve.vocabulary.results import Finished, TokenLogprob
+from trioserve.vocabulary.results import FailureCause, Finished, TokenLogprob
 from trioserve.vocabulary.tools import (
     CallArguments,
     CallStart,
@@ -79,6 +79,10 @@ class ChoiceState(Protocol):
     @property
     def failure(self) -> str | None:
         """Why the choice failed, when the engine failed it."""
+
+    @property
+    def failure_cause(self) -> FailureCause:
+        """Whose the failure is: the engine's or the request's."""
 
     @property
     def tool_format(self) -> ToolFormat | None:
@@ -231,12 +235,18 @@ class Reply:
         assert finished is not None
         return "num_tokens" if finished.reason == "max_new_tokens" else "eos"
 
-    def failure(self, *, draining: bool) -> tuple[Literal["internal", "interrupted"], OpenAIError]:
+    def failure(
+        self, *, draining: bool
+    ) -> tuple[Literal["internal", "interrupted", "invalid_request"], OpenAIError]:
         """The error of a reply whose choices did not all finish, and the
-        outcome to count: a choice the engine failed is a 500 (unless the
-        server is draining); anything else was interrupted under the
-        request, which only the shutdown does (503, retry)."""
+        outcome to count: a choice failed by what the request asked for (its
+        constraint broke down) is a 400; one the engine failed is a 500
+        (unless the server is draining); anything else was interrupted under
+        the request, which only the shutdown does (503, retry)."""
         failed = [choice for choice in self.choices if choice.outcome == "failed"]
+        if failed and failed[0].failure_cause == "request":
+            message = failed[0].failure or "the request cannot be generated"
+            return "invalid_request", OpenAIError(400, message, code="constraint_failed")
         if failed and not draining:
             message = failed[0].failure or "the engine failed"
             return "internal", OpenAIError(500, message, code="internal")

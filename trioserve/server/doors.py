@@ -274,17 +274,24 @@ def anthropic_error(error: InvalidGeneration) -> an.AnthropicError:
 
 @attrs.frozen
 class ClientIdentity:
-    """Who a request comes from, the same for both doors: its API key when
+    """Who a request comes from, the same for every door: its API key when
     the server has keys, else its address (taken from ``X-Forwarded-For``
     only when the peer is a trusted proxy). One client's requests share the
-    per-client request limit and the slot guarantee."""
+    per-client request limit and the slot guarantee.
+
+    With ``key`` (the server's), an admitted request is that key's holder
+    whatever else it sent: a second, made-up credential beside the right one
+    (a Bearer token beside ``X-Api-Key``) must not make a new client."""
 
     keyed: bool
     trusted_proxies: tuple[Network, ...] = ()
+    key: str | None = attrs.field(default=None, repr=False)
 
     def of(self, head: RequestHead) -> Hashable:
         if self.keyed:
-            key = head.api_key() or head.query_param("api_key") or ""
+            key = self.key
+            if key is None:
+                key = head.api_key() or head.query_param("api_key") or ""
             # The key itself never leaves the request: its digest names the client.
             return ("key", _digest(key))
         return ("address", client_address(head, self.trusted_proxies))

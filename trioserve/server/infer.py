@@ -73,8 +73,11 @@ class InferEntry:
         generation = self.generation
         assert generation.outcome is not None, "end the generation first"
         if generation.outcome == "failed":
+            # What the request asked for (its constraint broke down) is its
+            # own error; anything else is the engine's.
+            request_cause = generation.failure_cause == "request"
             return p.ProtocolError(
-                "internal",
+                "invalid_request" if request_cause else "internal",
                 generation.failure or "the engine failed",
                 action="infer",
                 echoed=self.request.echoed,

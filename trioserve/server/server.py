@@ -281,6 +281,7 @@ class Server:
         self.identity = ClientIdentity(
             keyed=config.api_key is not None,
             trusted_proxies=parse_networks(config.trusted_proxies),
+            key=config.api_key,
         )
         self._connection_services = ConnectionServices(
             generations=self.generations,

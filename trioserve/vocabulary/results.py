@@ -13,6 +13,7 @@ import attrs
 __all__ = [
     "MAX_TOP_LOGPROBS",
     "Failed",
+    "FailureCause",
     "FinishReason",
     "Finished",
     "TextUpdate",
@@ -98,6 +99,12 @@ class Finished:
     stop_logprob: TokenLogprob | None = None
 
 
+#: Why a job failed: the engine (a bug, memory: a 500), or what the request
+#: asked for (a constraint that breaks down mid-generation, or grows too
+#: costly to enforce: a 400 naming it).
+FailureCause: TypeAlias = Literal["engine", "request"]
+
+
 @attrs.frozen
 class Failed:
     """A job failed alone; other jobs go on. Its slot is already free."""
@@ -105,6 +112,7 @@ class Failed:
     job_id: int
     #: What went wrong, for the client (lowercase, no traceback).
     message: str
+    cause: FailureCause = "engine"
 
 
 Update: TypeAlias = TextUpdate | Finished | Failed

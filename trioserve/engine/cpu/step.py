@@ -129,9 +129,12 @@ class StepSampler:
                 if depth == 0:
                     order.append(row)
                 if isinstance(outcome, str):
-                    # A constraint's own failure says so; the sampler's gets its prefix.
-                    failure = outcome if outcome.startswith("the constraint") else None
-                    taken[row].append(fail(job, failure or f"sampling failed: {outcome}"))
+                    # A constraint's own failure says so (the request's cause);
+                    # the sampler's gets its prefix.
+                    if outcome.startswith("the constraint"):
+                        taken[row].append(attrs.evolve(fail(job, outcome), cause="request"))
+                    else:
+                        taken[row].append(fail(job, f"sampling failed: {outcome}"))
                     continue
                 update = job.accept(outcome, None if raw is None else self.texts.entry(raw))
                 taken[row].append(update)

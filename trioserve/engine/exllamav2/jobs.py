@@ -330,7 +330,7 @@ def constrained_update(
     """
     problem = constraint.problem
     if problem is not None:
-        return Failed(job_id=state.job_id, message=problem)
+        return Failed(job_id=state.job_id, message=problem, cause="request")
     if not constraint.complete:
         return update
     if isinstance(update, TextUpdate):
