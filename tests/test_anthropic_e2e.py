@@ -85,6 +85,9 @@ async def test_the_sdk_creates_streams_and_counts(cpu_engine: CpuEngine) -> None
             assert len(pieces) > 1 and "".join(pieces) == block.text
             assert final.content[0].text == block.text and final.stop_reason == "end_turn"
             assert final.usage.output_tokens == usage.output_tokens
+            # The model list reads as Anthropic's too.
+            (model,) = list(sdk.models.list())
+            assert model.id == whole.model and model.type == "model"
             # max_tokens ends it as Anthropic says.
             short = sdk.messages.create(model="m", max_tokens=3, messages=question)
             assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3
