@@ -95,7 +95,7 @@ def test_a_conversation_is_read_as_the_template_reads_it() -> None:
             {"role": "assistant", "content": "The answer is"},
         ],
         tools=[WEATHER, {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}],
-        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        tool_choice={"type": "auto", "disable_parallel_tool_use": True},
         stop_sequences=["\n\nHuman:"],
         temperature=0.5,
         top_k=40,
@@ -122,7 +122,7 @@ def test_a_conversation_is_read_as_the_template_reads_it() -> None:
     assert len(request.messages) == 6
     assert request.prefix == "The answer is"
     assert request.tools is not None and [t.name for t in request.tools.tools] == ["get_weather"]
-    assert (request.tools.choice, request.tools.parallel) == ("required", False)
+    assert (request.tools.choice, request.tools.parallel) == ("auto", False)
     assert request.skipped_tools == ("web_search",)
     assert request.stop_sequences == ("\n\nHuman:",)
     settings_ = request.sampling_settings()
@@ -239,6 +239,35 @@ BAD: list[tuple[Any, str]] = [
     ),
     ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
     ({"thinking": {"type": "on"}}, "thinking.type"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content: must not be empty"),
+    ({"messages": [{"role": "user", "content": ""}]}, "messages[0].content: must not be empty"),
+    (
+        {
+            "messages": [
+                *USER,
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "a", "name": "f", "input": {}}],
+                },
+            ]
+        },
+        "needs a user turn with their tool_result",
+    ),
+    ({"messages": [*USER, {"role": "assistant", "content": "The answer is "}]}, "whitespace"),
+    (
+        {
+            "messages": [*USER, {"role": "assistant", "content": "{"}],
+            "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+        },
+        "cannot be continued under an output format",
+    ),
+    ({"max_tokens": 4, "min_tokens": 5}, "min_tokens: must be at most max_tokens (4)"),
+    ({"tools": [{"type": "function", "name": "f", "input_schema": {}}]}, "tools[0].type"),
+    ({"tools": [{**WEATHER, "strict": "yes"}]}, "tools[0].strict"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+        "messages[0].content[0].type: image blocks",
+    ),
     ({"container": "c"}, "container"),
     ({"mcp_servers": [{"url": "http://x"}]}, "mcp_servers"),
     ({"tools": [{**WEATHER, "description": "d" * 200_000}]}, "tools[0].description"),
@@ -258,6 +287,40 @@ def test_bad_fields_are_400s_naming_them(fields: Any, names: str) -> None:
                 del base[key]
         raw = json.dumps(base).encode()
     assert names in refused(raw).message
+
+
+def test_media_of_earlier_turns_stand_as_a_placeholder() -> None:
+    image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
+    }
+    request = parse(
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "see"}, image]},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "t1", "name": "read", "input": {}}],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [image]}],
+            },
+            {"role": "assistant", "content": "A picture."},
+            {"role": "user", "content": "and now?"},
+        ]
+    )
+    assert request.messages[0]["content"] == "see\n[image omitted: this model reads text only]"
+    assert request.messages[2]["content"] == "[image omitted: this model reads text only]"
+
+
+def test_strict_tools_and_anthropics_own_tool_types() -> None:
+    request = parse(
+        tools=[{**WEATHER, "strict": True}, {"type": "bash_20250124", "name": "bash"}],
+        tool_choice={"type": "auto"},
+    )
+    assert request.tools is not None
+    assert [(t.name, t.strict) for t in request.tools.tools] == [("get_weather", True)]
+    assert request.skipped_tools == ("bash",)
 
 
 def test_null_fields_ask_for_nothing() -> None:
@@ -475,13 +538,14 @@ def test_stop_reasons(
     state = State()
     state.release("abc")
     state.finish(reason, stop)
-    whole = json.loads(an.MessageReply(request(), "m", state).body())
+    # One token generated, one asked for: max_new_tokens is max_tokens itself.
+    whole = json.loads(an.MessageReply(request(max_tokens=1), "m", state).body())
     assert (whole["stop_reason"], whole["stop_sequence"]) == (expected, sequence)
     assert whole["id"].startswith("msg_") and whole["model"] == "m" and whole["role"] == "assistant"
     streamed_state = State()
     message = replay(
         streamed(
-            an.MessageReply(request(), "m", streamed_state),
+            an.MessageReply(request(max_tokens=1), "m", streamed_state),
             streamed_state,
             ["abc"],
             reason=reason,
@@ -491,11 +555,21 @@ def test_stop_reasons(
     assert (message["stop_reason"], message["stop_sequence"]) == (expected, sequence)
 
 
+def test_a_reply_cut_before_max_tokens_ran_out_of_context() -> None:
+    """max_tokens is an upper bound: ended by the context's room (or the
+    server's cap) before it, the reply says so, not max_tokens."""
+    state = State()
+    state.release("abc")
+    state.finish("max_new_tokens")
+    whole = json.loads(an.MessageReply(request(max_tokens=32_000), "m", state).body())
+    assert whole["stop_reason"] == "model_context_window_exceeded"
+
+
 def test_a_call_cut_short_keeps_its_pieces_and_an_empty_input() -> None:
     state = State(tool_format=HERMES)
     state.release('<tool_call>\n{"name": "get_weather", "arguments": {"ci')
     state.finish("max_new_tokens")
-    whole = json.loads(an.MessageReply(request(), "m", state).body())
+    whole = json.loads(an.MessageReply(request(max_tokens=1), "m", state).body())
     (block,) = whole["content"]
     assert (block["type"], block["name"], block["input"]) == ("tool_use", "get_weather", {})
     assert block["id"].startswith("toolu_") and whole["stop_reason"] == "max_tokens"

@@ -9,6 +9,7 @@ that leaves mid-stream."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -121,6 +122,30 @@ async def test_tools_named_any_and_a_result_turn(cpu_engine: CpuEngine) -> None:
                         jsonschema.validate(use.input, schema)
                     else:
                         jsonschema.validate(use.input, ADD["input_schema"])
+            # A keyword the constraint engine does not implement: left
+            # unenforced, unless the tool is strict.
+            named = {
+                **WEATHER,
+                "input_schema": {**WEATHER["input_schema"], "propertyNames": {"maxLength": 8}},
+            }
+            loose = sdk.messages.create(
+                model="m",
+                max_tokens=60,
+                messages=QUESTION,
+                tools=[named],
+                tool_choice={"type": "any"},
+                extra_body=GREEDY,
+            )
+            assert loose.stop_reason in ("tool_use", "max_tokens")
+            assert {b.type for b in loose.content} == {"tool_use"}
+            with pytest.raises(anthropic.BadRequestError, match=r"tools\[0\]\.input_schema"):
+                sdk.messages.create(
+                    model="m",
+                    max_tokens=60,
+                    messages=QUESTION,
+                    tools=[{**named, "strict": True}],
+                    tool_choice={"type": "any"},
+                )
             # Streamed: the input in input_json_delta pieces.
             with sdk.messages.stream(
                 model="m",
@@ -267,13 +292,15 @@ async def test_errors_come_as_the_sdk_classes(cpu_engine: CpuEngine) -> None:
                     model="m", max_tokens=64, messages=[{"role": "user", "content": "word " * 9000}]
                 )
             assert "prompt is too long" in long.value.message
+            assert re.search(r"prompt is too long: \d+ tokens > 8192 maximum", long.value.message)
             # max_tokens is an upper bound: past the server's cap (here 48;
             # the context's room by default) the reply ends there, with
             # max_tokens (Claude Code asks for 32,000).
             bounded = sdk.messages.create(
                 model="m", max_tokens=20_000, messages=QUESTION, extra_body={"min_tokens": 60}
             )
-            assert bounded.stop_reason == "max_tokens" and bounded.usage.output_tokens == 48
+            assert bounded.stop_reason == "model_context_window_exceeded"
+            assert bounded.usage.output_tokens == 48
             with pytest.raises(anthropic.NotFoundError):
                 sdk.get("/v1/messages/nope", cast_to=object)
             # One request in flight is this client's limit: the second is a 429.
@@ -281,6 +308,9 @@ async def test_errors_come_as_the_sdk_classes(cpu_engine: CpuEngine) -> None:
                 next(iter(stream))
                 with pytest.raises(anthropic.RateLimitError):
                     sdk.messages.create(model="m", max_tokens=4, messages=QUESTION)
+                # Counting is one of the client's requests too.
+                with pytest.raises(anthropic.RateLimitError):
+                    sdk.messages.count_tokens(model="m", messages=QUESTION)
             # The Bearer form works as well as X-Api-Key.
             bearer: Any = anthropic.Anthropic(
                 base_url=f"http://127.0.0.1:{port}", auth_token="s3cret", max_retries=0

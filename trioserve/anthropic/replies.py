@@ -42,7 +42,9 @@ from .requests import MessagesRequest
 
 __all__ = ["GenerationState", "MessageReply", "StopReason", "new_message_id", "sse"]
 
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+StopReason = Literal[
+    "end_turn", "max_tokens", "stop_sequence", "tool_use", "model_context_window_exceeded"
+]
 
 #: The message of a reply whose generation the server's shutdown interrupted.
 SHUTTING_DOWN = "the server is shutting down"
@@ -106,8 +108,13 @@ def _input(call: ToolCall) -> Any:
     return value if isinstance(value, dict) else {}
 
 
-def stop_reason(finished: Finished, called: bool) -> StopReason:
+def stop_reason(finished: Finished, called: bool, max_tokens: int | None = None) -> StopReason:
+    """How a reply ended, in Anthropic's words. ``max_tokens`` is an upper
+    bound here: a reply cut before it, by the context's room or the server's
+    cap, ran out of context (asking again for more tokens cannot help)."""
     if finished.reason == "max_new_tokens":
+        if max_tokens is not None and finished.generated_tokens < max_tokens:
+            return "model_context_window_exceeded"
         return "max_tokens"
     if finished.reason == "stop_string":
         return "stop_sequence"
@@ -213,7 +220,7 @@ class MessageReply:
                         "input": _input(event.call),
                     }
                 )
-        reason = stop_reason(finished, called)
+        reason = stop_reason(finished, called, self.request.max_tokens)
         stop = finished.stop_string if reason == "stop_sequence" else None
         return json.dumps(self._message(content, reason, stop), ensure_ascii=False).encode()
 
@@ -310,7 +317,7 @@ class MessageReply:
         """``message_delta`` (how it stopped, the usage) and ``message_stop``."""
         finished = self.state.finished
         assert finished is not None
-        reason = stop_reason(finished, self._called)
+        reason = stop_reason(finished, self._called, self.request.max_tokens)
         delta = {
             "stop_reason": reason,
             "stop_sequence": finished.stop_string if reason == "stop_sequence" else None,

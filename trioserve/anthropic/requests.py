@@ -198,6 +198,20 @@ _SERVER_RESULTS: Final = frozenset(
         "tool_reference",
     }
 )
+#: The type prefixes of Anthropic's own tools (skipped, with a log line).
+_SERVER_TOOLS: Final = (
+    "web_search_",
+    "web_fetch_",
+    "bash_",
+    "text_editor_",
+    "code_execution_",
+    "computer_",
+    "memory_",
+    "tool_search_",
+    "mcp_toolset",
+)
+#: What stands in for a media block of an earlier turn: the model reads text.
+MEDIA_PLACEHOLDER: Final = "[{kind} omitted: this model reads text only]"
 #: Keys of a block that change nothing here.
 _BLOCK_EXTRAS: Final = frozenset({"cache_control", "citations", "caller", "toolset_name"})
 _TOOL_EXTRAS: Final = frozenset(
@@ -311,8 +325,21 @@ def _tool_input(where: str, value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def _media_or_refuse(where: str, kind: Any, final: bool) -> str:
+    """A media block of an earlier turn as a placeholder (a coding agent's
+    history keeps a file it once read; refusing it would end the session),
+    of the final turn a 400 (the question is about it)."""
+    if final or kind not in _MEDIA:
+        raise _refuse_block(where, kind)
+    return MEDIA_PLACEHOLDER.format(kind=kind)
+
+
 def _tool_result(
-    where: str, block: Mapping[str, Any], open_calls: dict[str, str], limits: MessagesLimits
+    where: str,
+    block: Mapping[str, Any],
+    open_calls: dict[str, str],
+    limits: MessagesLimits,
+    final: bool,
 ) -> dict[str, Any]:
     _keys(where, block, frozenset({"type", "tool_use_id", "content", "is_error"}) | _BLOCK_EXTRAS)
     call_id = block.get("tool_use_id")
@@ -336,7 +363,8 @@ def _tool_result(
     for i, part in enumerate(_blocks(f"{where}.content", content, limits)):
         kind = part.get("type")
         if kind != "text":
-            raise _refuse_block(f"{where}.content[{i}]", kind)
+            texts.append(_media_or_refuse(f"{where}.content[{i}]", kind, final))
+            continue
         texts.append(_text_block(f"{where}.content[{i}]", part))
     text = "\n".join(texts)
     return {
@@ -370,6 +398,9 @@ def _messages(
         if "content" not in message:
             raise invalid(f"{where}.content: is required")
         blocks = _blocks(f"{where}.content", message["content"], limits)
+        if not blocks or message["content"] == "":
+            raise invalid(f"{where}.content: must not be empty")
+        final = index == len(value) - 1
         texts: list[str] = []
         if role == "system":
             # Anthropic's mid-conversation system turn (Claude Code sends one).
@@ -382,6 +413,7 @@ def _messages(
             continue
         if role == "assistant":
             calls: list[ToolCall] = []
+            seen_ids: set[str] = set()
             for i, block in enumerate(blocks):
                 at, kind = f"{where}.content[{i}]", block.get("type")
                 if kind == "text":
@@ -394,8 +426,9 @@ def _messages(
                             f"{at}.id: must be a string of 1 to {limits.max_id_chars}"
                             f" characters, got {show(call_id)}"
                         )
-                    if call_id in {c.id for c in calls}:
+                    if call_id in seen_ids:
                         raise invalid(f"{at}.id: {show(call_id)} is given twice")
+                    seen_ids.add(call_id)
                     name = block.get("name")
                     if not isinstance(name, str) or _NAME.fullmatch(name) is None:
                         raise invalid(
@@ -413,8 +446,18 @@ def _messages(
                 else:
                     raise _refuse_block(at, kind)
             open_calls = {call.id: call.name for call in calls}
-            if index == len(value) - 1 and not calls:
+            if final and calls:
+                raise invalid(
+                    f"{where}: a final assistant turn with tool_use blocks needs a user turn"
+                    " with their tool_result blocks after it"
+                )
+            if final:
                 prefix = "".join(texts)
+                if prefix != prefix.rstrip():
+                    raise invalid(
+                        f"{where}.content: a final assistant turn (a prefill) cannot"
+                        " end with whitespace"
+                    )
                 continue
             turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
             if calls:
@@ -426,11 +469,13 @@ def _messages(
             if kind == "text":
                 texts.append(_text_block(at, block))
             elif kind == "tool_result":
-                out.append(_tool_result(at, block, open_calls, limits))
+                out.append(_tool_result(at, block, open_calls, limits, final))
             else:
-                raise _refuse_block(at, kind)
+                texts.append(_media_or_refuse(at, kind, final))
         open_calls = {}
-        if texts or not any(b.get("type") == "tool_result" for b in blocks):
+        if any(text.strip() for text in texts) or not any(
+            b.get("type") == "tool_result" for b in blocks
+        ):
             out.append({"role": "user", "content": "\n".join(texts)})
     if all(m["role"] == "system" for m in out):
         raise invalid(
@@ -456,11 +501,14 @@ def _tools(value: Any, limits: MessagesLimits) -> tuple[tuple[Tool, ...], tuple[
         kind = tool.get("type")
         name = tool.get("name")
         if kind not in (None, "custom"):
-            # One of Anthropic's server or client tools (web_search_...,
-            # bash_..., text_editor_...): Anthropic runs or defines them,
-            # this model was not trained on them.
-            if not isinstance(kind, str) or len(kind) > 64:
-                raise invalid(f"{where}.type: must be 'custom' or a tool type, got {show(kind)}")
+            # One of Anthropic's own tools (web_search_..., bash_...,
+            # text_editor_...): Anthropic runs or defines them, this model
+            # was not trained on them. Any other type is a mistake.
+            if not isinstance(kind, str) or not kind.startswith(_SERVER_TOOLS) or len(kind) > 64:
+                raise invalid(
+                    f"{where}.type: must be 'custom' (or one of Anthropic's own tool types),"
+                    f" got {show(kind)}"
+                )
             skipped.append(name if isinstance(name, str) and len(name) <= 128 else kind)
             continue
         _keys(where, tool, frozenset({"name", "description", "input_schema"}) | _TOOL_EXTRAS)
@@ -482,7 +530,12 @@ def _tools(value: Any, limits: MessagesLimits) -> tuple[tuple[Tool, ...], tuple[
         if "input_schema" not in tool:
             raise invalid(f"{where}.input_schema: is required")
         schema = _read(f"{where}.input_schema", _rule("json_schema"), tool["input_schema"])
-        tools.append(Tool(name=name, description=description, parameters=schema or None))
+        strict = tool.get("strict", False)
+        if not isinstance(strict, bool):
+            raise invalid(f"{where}.strict: must be true or false, got {show(strict)}")
+        tools.append(
+            Tool(name=name, description=description, parameters=schema or None, strict=strict)
+        )
     return tuple(tools), tuple(skipped)
 
 
@@ -611,6 +664,19 @@ def _parse(
         raise invalid(f"stream: must be true or false, got {show(stream)}")
     stops = obj.get("stop_sequences")
     rule = StopStrings(limits.max_stop_sequences, limits.max_stop_sequence_chars)
+    sampler = _sampler(obj)
+    if max_tokens is not None and sampler.get("min_tokens", 0) > max_tokens:
+        raise invalid(
+            f"min_tokens: must be at most max_tokens ({max_tokens}), got {sampler['min_tokens']}"
+        )
+    tool_use = _tool_use(obj.get("tool_choice"), tools)
+    constraint = _output(obj)
+    constrained = constraint is not None or (tool_use is not None and tool_use.choice == "required")
+    if prefix and constrained:
+        raise invalid(
+            "messages: a final assistant turn (a prefill) cannot be continued under an output"
+            " format or a required tool: the answer must start where the constraint does"
+        )
     return MessagesRequest(
         model=model,
         max_tokens=max_tokens,
@@ -618,10 +684,10 @@ def _parse(
         prefix=prefix,
         stop_sequences=() if stops is None else _read("stop_sequences", rule, stops),
         stream=stream,
-        sampler=_sampler(obj),
-        tools=_tool_use(obj.get("tool_choice"), tools),
+        sampler=sampler,
+        tools=tool_use,
         skipped_tools=skipped,
-        constraint=_output(obj),
+        constraint=constraint,
     )
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from trioserve.vocabulary.constraint import Constraint, ConstraintError
-from trioserve.vocabulary.tools import TOOL_SCHEMA_OPTIONS, ToolFormat, ToolUse, tool_grammar
+from trioserve.vocabulary.tools import ToolFormat, ToolUse, schema_options, tool_grammar
 
 if TYPE_CHECKING:
     from trioserve.engine.grammars import CompiledGrammar, Grammars
@@ -76,7 +76,8 @@ async def _blame(
     """The first tool whose parameters do not compile alone, or the whole."""
     for index, tool in enumerate(tools.tools):
         parameters = dict(tool.parameters or {"type": "object"})
-        schema = Constraint.json_schema({**parameters, "x-guidance": TOOL_SCHEMA_OPTIONS})
+        options = {"lenient": schema_options(tool)["lenient"]}
+        schema = Constraint.json_schema({**parameters, "x-guidance": options})
         try:
             await trio.to_thread.run_sync(grammars.compile, schema, limiter=limiter)
         except ConstraintError as exc:

@@ -167,15 +167,7 @@ class Generations:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n!r}")
         self.check(request)
-        if self.is_draining():
-            raise Overloaded("the server is shutting down and takes no new requests", draining=True)
-        held = self._in_flight[client]
-        if held + n > self.max_requests_per_client:
-            asks = "" if n == 1 else f" and this request asks for {n} choices"
-            raise Overloaded(
-                f"this client already has {held} requests in flight{asks} (the limit is "
-                f"{self.max_requests_per_client}); wait for one to finish"
-            )
+        self.admit(client, n)
         self._in_flight[client] += n
         received = trio.current_time()
         return [
@@ -206,14 +198,34 @@ class Generations:
             raise InvalidGeneration(str(exc), "messages", code="chat_template_error") from None
         return prompt + request.assistant_prefix
 
-    async def count_prompt_tokens(self, request: GenerationRequest) -> int:
+    async def count_prompt_tokens(self, request: GenerationRequest, *, client: Hashable) -> int:
         """How many tokens ``request``'s prompt is, rendered and tokenized
-        as a generation would be (before any fitting to the context); checks
-        it first (:class:`InvalidGeneration`). Nothing is queued."""
+        as a generation would be (before any fitting to the context). Checks
+        it (:class:`InvalidGeneration`) and admits it as a generation of
+        ``client`` while it is counted (:class:`Overloaded`: draining, or
+        the client's limit), so that counting shares the tokenizer fairly.
+        Nothing is queued."""
         self.check(request)
-        if request.prompt_ids is not None:
-            return len(request.prompt_ids)
-        return len(await self.tokenizing.encode(await self.render_prompt(request)))
+        self.admit(client, 1)
+        self._in_flight[client] += 1
+        try:
+            if request.prompt_ids is not None:
+                return len(request.prompt_ids)
+            return len(await self.tokenizing.encode(await self.render_prompt(request)))
+        finally:
+            self._closed(client)
+
+    def admit(self, client: Hashable, n: int = 1) -> None:
+        """Raise :class:`Overloaded` unless ``client`` may start ``n`` more."""
+        if self.is_draining():
+            raise Overloaded("the server is shutting down and takes no new requests", draining=True)
+        held = self._in_flight[client]
+        if held + n > self.max_requests_per_client:
+            asks = "" if n == 1 else f" and this request asks for {n} choices"
+            raise Overloaded(
+                f"this client already has {held} requests in flight{asks} (the limit is "
+                f"{self.max_requests_per_client}); wait for one to finish"
+            )
 
     def in_flight(self, client: Hashable) -> int:
         return self._in_flight[client]

@@ -132,7 +132,9 @@ def _tool(function: dict[str, Any], where: str) -> Tool:
             parameters = _rule("json_schema").read(parameters)
         except BadValue as exc:
             raise BadParam(f"{where}.parameters", f"{where}.parameters {exc}") from None
-    return Tool(name=name, description=description, parameters=parameters or None)
+    return Tool(
+        name=name, description=description, parameters=parameters or None, strict=bool(strict)
+    )
 
 
 def _choice(key: str, choice: Any, tools: tuple[Tool, ...]) -> tuple[Any, str | None]:

@@ -102,18 +102,44 @@ class AnthropicRoutes:
         router.add("POST", "/v1/messages/count_tokens", anthropic_errors(self.count_tokens))
 
     async def count_tokens(self, http: HTTPRequest) -> Response:
+        """Counted as a generation of its client while it runs (its limit,
+        and refused while draining): rendering and tokenizing share the
+        tokenizer's thread with the generations' prompts."""
+        client = self.identity.of(http.head)
+        try:
+            # Before the body is parsed: a client at its limit costs nothing more.
+            self.generations.admit(client)
+        except Overloaded as exc:
+            raise self._overloaded(exc) from None
         parsed = an.parse_count_request(http.body, self.limits)
         try:
-            count = await self.generations.count_prompt_tokens(from_anthropic(parsed))
+            count = await self.generations.count_prompt_tokens(
+                from_anthropic(parsed), client=client
+            )
         except InvalidGeneration as exc:
             raise anthropic_error(exc) from None
+        except Overloaded as exc:
+            raise self._overloaded(exc) from None
         return Response.json({"input_tokens": count})
+
+    @staticmethod
+    def _overloaded(exc: Overloaded) -> an.AnthropicError:
+        """The server's fullness or shutdown (529, retry), or the client's own
+        limit (429)."""
+        if exc.draining:
+            return an.AnthropicError(an.OVERLOADED, exc.message, retry_after=1)
+        return an.AnthropicError(429, exc.message, retry_after=1)
 
     async def messages(self, http: HTTPRequest) -> Response | StreamingResponse:
         arrived = trio.current_time()
         client = self.identity.of(http.head)
         choices: list[Generation] = []
         try:
+            try:
+                # Before the body is parsed: a client at its limit costs nothing more.
+                self.generations.admit(client)
+            except Overloaded as exc:
+                raise self._overloaded(exc) from None
             parsed = an.parse_messages_request(http.body, self.limits)
             if parsed.skipped_tools:
                 log.info(
@@ -159,9 +185,7 @@ class AnthropicRoutes:
         except InvalidGeneration as exc:
             raise anthropic_error(exc) from None
         except Overloaded as exc:
-            if exc.draining:
-                raise an.AnthropicError(an.OVERLOADED, exc.message, retry_after=1) from None
-            raise an.AnthropicError(429, exc.message, retry_after=1) from None
+            raise self._overloaded(exc) from None
 
     def _finish(
         self, http: HTTPRequest, choices: Sequence[Generation], outcome: str, arrived: float

@@ -17,6 +17,7 @@ client sent it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Final
 
@@ -254,6 +255,12 @@ def openai_error(error: InvalidGeneration) -> oa.OpenAIError:
     return oa.OpenAIError(400, message, param=openai_param(error), code=error.code)
 
 
+#: The context length and the prompt's tokens in fit_prompt's message.
+_CONTEXT_COUNTS: Final = re.compile(
+    r"context length is (\d+) tokens\W+(?:and )?the prompt has (\d+)"
+)
+
+
 def anthropic_error(error: InvalidGeneration) -> an.AnthropicError:
     """``error`` as the Messages door answers it: 400, the field named in
     the message as the client wrote it. A prompt too long for the context
@@ -266,6 +273,14 @@ def anthropic_error(error: InvalidGeneration) -> an.AnthropicError:
     for old, new in renamed:
         name, message = name.replace(old, new), message.replace(old, new)
     if error.code == "context_length_exceeded":
+        # Anthropic's words, with the counts first ("N tokens > M maximum"),
+        # which Claude Code reads before it compacts a conversation.
+        counts = _CONTEXT_COUNTS.search(message)
+        if counts is not None:
+            context, prompt = counts.group(1), counts.group(2)
+            return an.AnthropicError(
+                400, f"prompt is too long: {prompt} tokens > {context} maximum ({message})"
+            )
         return an.AnthropicError(400, f"prompt is too long: {message}")
     if not message.startswith(name):
         message = f"{name}: {message}"

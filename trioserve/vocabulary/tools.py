@@ -34,7 +34,6 @@ import attrs
 
 __all__ = [
     "TOOL_FORMATS",
-    "TOOL_SCHEMA_OPTIONS",
     "CallArguments",
     "CallEnd",
     "CallStart",
@@ -47,6 +46,7 @@ __all__ = [
     "ToolUse",
     "format_for",
     "prompt_messages",
+    "schema_options",
     "tool_grammar",
 ]
 
@@ -61,6 +61,10 @@ class Tool:
     name: str
     description: str | None = None
     parameters: Mapping[str, Any] | None = attrs.field(default=None, eq=False)
+    #: The client asked for its schema to hold exactly (OpenAI's and
+    #: Anthropic's ``strict``): keywords the constraint engine does not
+    #: implement are then refused, not left unenforced.
+    strict: bool = False
 
     def as_openai(self) -> dict[str, Any]:
         """As OpenAI and chat templates write a tool."""
@@ -272,15 +276,14 @@ def _arguments_object(arguments: str) -> Any:
 #: The arguments of a call are compact JSON with the usual separators, as
 #: structured output writes it (docs/structured-output.md). Agents' tool
 #: schemas use keywords llguidance does not implement (Claude Code's use
-#: ``propertyNames``): those are left unenforced, the rest holds
-#: (:data:`TOOL_SCHEMA_OPTIONS`), where a response format refuses them.
-TOOL_SCHEMA_OPTIONS: Final = {"lenient": True}
-_COMPACT: Final = {
-    "whitespace_flexible": False,
-    "item_separator": ", ",
-    "key_separator": ": ",
-    **TOOL_SCHEMA_OPTIONS,
-}
+#: ``propertyNames``): those are left unenforced, the rest holds, unless the
+#: tool is ``strict`` (:func:`schema_options`); a response format refuses them.
+_COMPACT: Final = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def schema_options(tool: Tool) -> dict[str, Any]:
+    """The ``x-guidance`` options of a tool's arguments schema."""
+    return {**_COMPACT, "lenient": not tool.strict}
 
 
 def tool_grammar(use: ToolUse, fmt: ToolFormat, *, special_trigger: bool = False) -> str | None:
@@ -302,7 +305,7 @@ def tool_grammar(use: ToolUse, fmt: ToolFormat, *, special_trigger: bool = False
     lines = ["%llguidance {}"]
     names = []
     for index, tool in enumerate(use.allowed_tools()):
-        schema = {**_closed(tool.parameters), "x-guidance": _COMPACT}
+        schema = {**_closed(tool.parameters), "x-guidance": schema_options(tool)}
         names.append(f"tool_{index}")
         head = json.dumps(tool.name, ensure_ascii=False) + f', "{fmt.arguments_key}": '
         lines.append(
