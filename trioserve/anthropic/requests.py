@@ -42,7 +42,7 @@ from cattrs.errors import ClassValidationError, IterableValidationError
 from trioserve import protocol as p
 from trioserve.vocabulary.constraint import Constraint
 from trioserve.vocabulary.rules import BadValue, Rule, StopStrings, as_int
-from trioserve.vocabulary.sampling import Range, SamplingSettings
+from trioserve.vocabulary.sampling import Range, SamplingSettings, api_settings
 from trioserve.vocabulary.strict_json import JsonError, parse_json, show
 from trioserve.vocabulary.tools import Tool, ToolUse
 
@@ -109,11 +109,7 @@ class MessagesRequest:
     constraint: Constraint | None = None
 
     def sampling_settings(self) -> SamplingSettings:
-        values = {**MESSAGES_DEFAULTS, **self.sampler}
-        if values["top_p"] == 0.0:
-            # top_p 0 keeps the most likely token; the engine's 0 means off.
-            values["top_p"], values["top_k"] = 1.0, 1
-        return SamplingSettings(**values)
+        return api_settings(MESSAGES_DEFAULTS, self.sampler)
 
 
 # --------------------------------------------------------------------------

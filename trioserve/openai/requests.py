@@ -53,7 +53,7 @@ from cattrs.gen import make_dict_structure_fn, override
 
 from trioserve.vocabulary.constraint import Constraint
 from trioserve.vocabulary.rules import MAX_TOKEN_ID, BadValue, Rule, StopStrings, TokenIds, as_int
-from trioserve.vocabulary.sampling import Range, SamplingSettings
+from trioserve.vocabulary.sampling import Range, SamplingSettings, api_settings
 from trioserve.vocabulary.strict_json import STRICT_DECODER
 from trioserve.vocabulary.tools import ToolUse
 
@@ -130,12 +130,7 @@ class _Generation:
     best_of: int | None = None
 
     def sampling_settings(self) -> SamplingSettings:
-        values = {**OPENAI_DEFAULTS, **self.sampler}
-        if values["top_p"] == 0.0:
-            # OpenAI's top_p 0 keeps the single most likely token; the
-            # engine's top_p 0 means "off". top_k 1 is the same distribution.
-            values["top_p"], values["top_k"] = 1.0, 1
-        return SamplingSettings(**values)
+        return api_settings(OPENAI_DEFAULTS, self.sampler)
 
     @property
     def temperature(self) -> float:

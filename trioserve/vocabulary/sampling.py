@@ -5,6 +5,7 @@ the OpenAI parameters all read them here (:func:`setting_bounds`)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Final, TypeAlias
 
 import attrs
@@ -18,6 +19,7 @@ __all__ = [
     "SamplingSettings",
     "Strings",
     "TokenBias",
+    "api_settings",
     "setting_bounds",
     "setting_ranges",
 ]
@@ -272,6 +274,17 @@ class SamplingSettings:
     def dynamic_temperature(self) -> bool:
         """Whether the dynamic temperature is on."""
         return self.max_temp > self.min_temp
+
+
+def api_settings(defaults: Mapping[str, Any], given: Mapping[str, Any]) -> SamplingSettings:
+    """The settings of an HTTP API's request: its ``defaults`` (OpenAI's and
+    Anthropic's: temperature 1, no top_p, no top_k), then what it ``given``.
+    There ``top_p`` 0 keeps the single most likely token; the engine's 0
+    means "off", and ``top_k`` 1 is the same distribution."""
+    values = {**defaults, **given}
+    if values.get("top_p") == 0.0:
+        values["top_p"], values["top_k"] = 1.0, 1
+    return SamplingSettings(**values)
 
 
 def setting_bounds() -> dict[str, Bound]:
