@@ -289,6 +289,16 @@ def test_bad_fields_are_400s_naming_them(fields: Any, names: str) -> None:
     assert names in refused(raw).message
 
 
+def test_consecutive_user_turns_are_one() -> None:
+    request = parse(
+        messages=[
+            {"role": "user", "content": "first"},
+            {"role": "user", "content": [{"type": "text", "text": "second"}]},
+        ]
+    )
+    assert request.messages == ({"role": "user", "content": "first\n\nsecond"},)
+
+
 def test_media_of_earlier_turns_stand_as_a_placeholder() -> None:
     image = {
         "type": "image",

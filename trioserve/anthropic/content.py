@@ -190,6 +190,16 @@ def _tool_result(
     }
 
 
+def _add_user(out: list[dict[str, Any]], text: str) -> None:
+    """A user turn; one right after another user turn joins it, as Anthropic
+    reads consecutive turns of one role (templates that require the roles to
+    alternate would refuse the chat otherwise)."""
+    if out and out[-1]["role"] == "user":
+        out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n\n{text}"}
+    else:
+        out.append({"role": "user", "content": text})
+
+
 def read_messages(
     value: Any, system: str, limits: MessagesLimits
 ) -> tuple[tuple[dict[str, Any], ...], str]:
@@ -291,7 +301,7 @@ def read_messages(
         if any(text.strip() for text in texts) or not any(
             b.get("type") == "tool_result" for b in blocks
         ):
-            out.append({"role": "user", "content": "\n".join(texts)})
+            _add_user(out, "\n".join(texts))
     if all(m["role"] == "system" for m in out):
         raise invalid(
             "messages: holds no user turn (a final assistant turn is a prefill, which"
