@@ -297,7 +297,7 @@ def clients(session: nox.Session) -> None:
     npm = shutil.which("npm")
     if npm is not None:
         # Claude Code, pinned, into nox's cache (235 MB; no network needed to run it).
-        prefix = Path(session.cache_dir) / "claude-code"
+        prefix = Path(session.cache_dir).resolve() / "claude-code"
         session.run(
             npm,
             "install",

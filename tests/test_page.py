@@ -348,6 +348,7 @@ async def test_the_json_answer_for_other_clients_is_unchanged() -> None:
         "engine": "scripted",
         "websocket": "/ (the ExLlamaV2 WebSocket protocol: docs/protocol.md)",
         "openai": "/v1 (models, completions, chat/completions: docs/openai.md)",
+        "anthropic": "/v1/messages, /v1/messages/count_tokens (docs/anthropic.md)",
         "tokenizer": "/tokenize, /detokenize, /tokenizer_info (vLLM's: docs/openai.md)",
         "health": "/health",
         "ready": "/ready",
