@@ -299,6 +299,36 @@ def test_consecutive_user_turns_are_one() -> None:
     assert request.messages == ({"role": "user", "content": "first\n\nsecond"},)
 
 
+def test_consecutive_assistant_turns_are_one() -> None:
+    call = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Oslo"}}
+    request = parse(
+        messages=[
+            *USER,
+            {"role": "assistant", "content": "Let me look. "},
+            {"role": "assistant", "content": [call]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "rain"}],
+            },
+        ]
+    )
+    assert request.messages[1] == {
+        "role": "assistant",
+        "content": "Let me look. ",
+        "tool_calls": (ToolCall("t1", "get_weather", '{"city": "Oslo"}'),),
+    }
+    assert request.messages[2]["role"] == "tool" and len(request.messages) == 3
+    with pytest.raises(an.AnthropicError, match="repeats a tool_use id"):
+        parse(
+            messages=[
+                *USER,
+                {"role": "assistant", "content": [call]},
+                {"role": "assistant", "content": [call]},
+                {"role": "user", "content": "x"},
+            ]
+        )
+
+
 def test_media_of_earlier_turns_stand_as_a_placeholder() -> None:
     image = {
         "type": "image",

@@ -270,6 +270,14 @@ def read_messages(
                     _keys(at, block, frozenset({"type", "data"}) | _BLOCK_EXTRAS)
                 else:
                     raise _refuse_block(at, kind)
+            if not final and out and out[-1]["role"] == "assistant":
+                # Consecutive assistant turns are one, as Anthropic reads them.
+                previous = out.pop()
+                earlier = list(previous.get("tool_calls", ()))
+                if seen_ids & {call.id for call in earlier}:
+                    raise invalid(f"{where}: repeats a tool_use id of the assistant turn before it")
+                calls = [*earlier, *calls]
+                texts = [previous["content"], *texts]
             open_calls = {call.id: call.name for call in calls}
             if final and calls:
                 raise invalid(
