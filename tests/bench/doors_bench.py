@@ -20,14 +20,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-import h11
 import trio
 
 from trioserve.engine.cpu.engine import CpuEngine
 from trioserve.generation.engine_thread import open_engine_thread
 from trioserve.server import Server, ServerConfig
 
-from .server_bench import CHAT_MESSAGE
+from .server_bench import CHAT_MESSAGE, sse_payloads
 
 __all__ = ["DoorsResult", "format_doors_table", "run_doors_bench"]
 
@@ -66,16 +65,6 @@ class StreamRun:
     decode_tps: float
 
 
-def _read_events(buffer: bytes) -> tuple[list[dict[str, Any]], bytes]:
-    events = []
-    while b"\n\n" in buffer:
-        chunk, buffer = buffer.split(b"\n\n", 1)
-        for line in chunk.split(b"\n"):
-            if line.startswith(b"data: ") and line != b"data: [DONE]":
-                events.append(json.loads(line[6:]))
-    return events, buffer
-
-
 def _content(event: dict[str, Any]) -> bool:
     """Whether an event carries generated text (either API's)."""
     if event.get("type") == "content_block_delta":
@@ -96,45 +85,16 @@ def _tokens(event: dict[str, Any]) -> int | None:
 async def stream_once(port: int, door: str, max_tokens: int) -> StreamRun:
     """One streamed request to ``door``, read with a plain h11 client."""
     target, make = DOORS[door]
-    body = json.dumps(make(max_tokens)).encode()
-    conn = h11.Connection(h11.CLIENT)
     started = time.perf_counter()
     first: float | None = None
     tokens = 0
-    buffer = b""
-    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
-        head = h11.Request(
-            method="POST",
-            target=target,
-            headers=[
-                ("Host", "bench"),
-                ("Content-Type", "application/json"),
-                ("Content-Length", str(len(body))),
-            ],
-        )
-        await stream.send_all(
-            (conn.send(head) or b"")
-            + (conn.send(h11.Data(data=body)) or b"")
-            + (conn.send(h11.EndOfMessage()) or b"")
-        )
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                data = await stream.receive_some(65536)
-                if not data:
-                    break
-                conn.receive_data(data)
-                continue
-            if isinstance(event, h11.Response) and event.status_code != 200:
-                raise RuntimeError(f"{target} answered {event.status_code}")
-            if isinstance(event, h11.Data):
-                events, buffer = _read_events(buffer + bytes(event.data))
-                for item in events:
-                    if first is None and _content(item):
-                        first = time.perf_counter()
-                    tokens = _tokens(item) or tokens
-            if isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                break
+    async for payload in sse_payloads(port, target, json.dumps(make(max_tokens)).encode()):
+        if payload == b"[DONE]":
+            break
+        item = json.loads(payload)
+        if first is None and _content(item):
+            first = time.perf_counter()
+        tokens = _tokens(item) or tokens
     ended = time.perf_counter()
     if first is None or tokens != max_tokens:
         raise RuntimeError(f"{target}: {tokens} tokens, first content {first}")

@@ -415,21 +415,16 @@ class HttpRun:
     tokens: int
 
 
-async def http_stream(port: int, body: bytes) -> HttpRun:
-    """POST one streamed chat completion and read its Server-Sent Events to
-    ``[DONE]``: wall time, time to the first content delta, and the
-    completion tokens its usage reports. A plain h11 client, so that the
-    client's own cost is small and the same every run."""
+async def sse_payloads(port: int, target: str, body: bytes) -> AsyncIterator[bytes]:
+    """POST ``body`` to ``target`` and yield the ``data:`` payload of each
+    Server-Sent Event as it arrives (named events' too). A plain h11 client,
+    so that the client's own cost is small and the same every run."""
     conn = h11.Connection(h11.CLIENT)
-    started = time.perf_counter()
-    first: float | None = None
-    tokens = 0
     buffer = b""
-    done = False
     async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
         head = h11.Request(
             method="POST",
-            target="/v1/chat/completions",
+            target=target,
             headers=[
                 ("Host", "bench"),
                 ("Content-Type", "application/json"),
@@ -441,32 +436,45 @@ async def http_stream(port: int, body: bytes) -> HttpRun:
             + (conn.send(h11.Data(data=body)) or b"")
             + (conn.send(h11.EndOfMessage()) or b"")
         )
-        while not done:
+        while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
                 data = await stream.receive_some(65536)
                 if not data:
-                    break
+                    return
                 conn.receive_data(data)
                 continue
             if isinstance(event, h11.Response) and event.status_code != 200:
-                raise RuntimeError(f"chat completion failed with {event.status_code}")
+                raise RuntimeError(f"{target} answered {event.status_code}")
             if isinstance(event, h11.Data):
                 buffer += bytes(event.data)
                 while b"\n\n" in buffer:
-                    line, buffer = buffer.split(b"\n\n", 1)
-                    payload = line.removeprefix(b"data: ")
-                    if payload == b"[DONE]":
-                        done = True
-                        break
-                    chunk = json.loads(payload)
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-                    choices = chunk.get("choices") or []
-                    if first is None and choices and choices[0]["delta"].get("content"):
-                        first = time.perf_counter()
+                    chunk, buffer = buffer.split(b"\n\n", 1)
+                    for line in chunk.split(b"\n"):
+                        if line.startswith(b"data: "):
+                            yield line.removeprefix(b"data: ")
             if isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                break
+                return
+
+
+async def http_stream(port: int, body: bytes) -> HttpRun:
+    """POST one streamed chat completion and read its Server-Sent Events to
+    ``[DONE]``: wall time, time to the first content delta, and the
+    completion tokens its usage reports."""
+    started = time.perf_counter()
+    first: float | None = None
+    tokens = 0
+    done = False
+    async for payload in sse_payloads(port, "/v1/chat/completions", body):
+        if payload == b"[DONE]":
+            done = True
+            break
+        chunk = json.loads(payload)
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        choices = chunk.get("choices") or []
+        if first is None and choices and choices[0]["delta"].get("content"):
+            first = time.perf_counter()
     ended = time.perf_counter()
     if not done or first is None:
         raise RuntimeError("the chat completion stream ended without [DONE] or content")

@@ -149,6 +149,15 @@ def _media_or_refuse(where: str, kind: Any, final: bool) -> str:
     return MEDIA_PLACEHOLDER.format(kind=kind)
 
 
+def _call_id(where: str, value: Any, limits: MessagesLimits) -> str:
+    """A tool call's id (a ``tool_use``'s, or the one a ``tool_result`` answers)."""
+    if not isinstance(value, str) or not 0 < len(value) <= limits.max_id_chars:
+        raise invalid(
+            f"{where}: must be a string of 1 to {limits.max_id_chars} characters, got {show(value)}"
+        )
+    return value
+
+
 def _tool_result(
     where: str,
     block: Mapping[str, Any],
@@ -157,12 +166,7 @@ def _tool_result(
     final: bool,
 ) -> dict[str, Any]:
     _keys(where, block, frozenset({"type", "tool_use_id", "content", "is_error"}) | _BLOCK_EXTRAS)
-    call_id = block.get("tool_use_id")
-    if not isinstance(call_id, str) or not 0 < len(call_id) <= limits.max_id_chars:
-        raise invalid(
-            f"{where}.tool_use_id: must be a string of 1 to {limits.max_id_chars} characters,"
-            f" got {show(call_id)}"
-        )
+    call_id = _call_id(f"{where}.tool_use_id", block.get("tool_use_id"), limits)
     if call_id not in open_calls:
         why = (
             f"the calls still open are {', '.join(sorted(open_calls))}"
@@ -245,12 +249,7 @@ def read_messages(
                     texts.append(_text_block(at, block))
                 elif kind == "tool_use":
                     _keys(at, block, frozenset({"type", "id", "name", "input"}) | _BLOCK_EXTRAS)
-                    call_id = block.get("id")
-                    if not isinstance(call_id, str) or not 0 < len(call_id) <= limits.max_id_chars:
-                        raise invalid(
-                            f"{at}.id: must be a string of 1 to {limits.max_id_chars}"
-                            f" characters, got {show(call_id)}"
-                        )
+                    call_id = _call_id(f"{at}.id", block.get("id"), limits)
                     if call_id in seen_ids:
                         raise invalid(f"{at}.id: {show(call_id)} is given twice")
                     seen_ids.add(call_id)
