@@ -36,8 +36,6 @@ from . import access
 from .doors import ClientIdentity, anthropic_error, from_anthropic
 from .exchange import Exchange
 from .http_types import (
-    Handler,
-    HTTPError,
     HTTPRequest,
     RequestHead,
     Response,
@@ -45,28 +43,14 @@ from .http_types import (
     StreamingResponse,
     event_stream,
 )
+from .routes import http_errors
 
-__all__ = ["AnthropicRoutes", "anthropic_errors", "api_error_body"]
+__all__ = ["AnthropicRoutes", "api_error_body"]
 
 log = logging.getLogger("trioserve.routes")
 
 #: Seconds between ``ping`` events while a stream waits for text.
 PING_SECONDS = 10.0
-
-
-def anthropic_errors(handler: Handler) -> Handler:
-    """``handler`` with its API errors turned into the HTTP layer's, in
-    Anthropic's shape."""
-
-    async def wrapped(request: HTTPRequest) -> Response | StreamingResponse:
-        try:
-            return await handler(request)
-        except an.AnthropicError as exc:
-            raise HTTPError(
-                exc.status, exc.message, headers=exc.headers(), body=exc.body()
-            ) from None
-
-    return wrapped
 
 
 def api_error_body(head: RequestHead, status: int, message: str) -> bytes | None:
@@ -98,8 +82,12 @@ class AnthropicRoutes:
         return self.generations.info.model_name
 
     def install(self, router: Router) -> None:
-        router.add("POST", "/v1/messages", anthropic_errors(self.messages))
-        router.add("POST", "/v1/messages/count_tokens", anthropic_errors(self.count_tokens))
+        router.add("POST", "/v1/messages", http_errors(self.messages, an.AnthropicError))
+        router.add(
+            "POST",
+            "/v1/messages/count_tokens",
+            http_errors(self.count_tokens, an.AnthropicError),
+        )
 
     async def count_tokens(self, http: HTTPRequest) -> Response:
         """Counted as a generation of its client while it runs (its limit,

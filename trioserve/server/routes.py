@@ -26,6 +26,7 @@ from typing import Any, Literal
 import attrs
 import trio
 
+from trioserve import anthropic as an
 from trioserve import openai as oa
 from trioserve._version import __version__
 from trioserve.generation import (
@@ -124,14 +125,17 @@ class OpsRoutes:
 # The OpenAI routes
 
 
-def http_errors(handler: Handler) -> Handler:
-    """``handler`` with its API errors turned into the HTTP layer's: the
-    front door knows no API, only :class:`HTTPError` (with OpenAI's body)."""
+def http_errors(
+    handler: Handler, kind: type[oa.OpenAIError] | type[an.AnthropicError] = oa.OpenAIError
+) -> Handler:
+    """``handler`` with its API's errors (``kind``: OpenAI's by default)
+    turned into the HTTP layer's, their body in the API's own shape: the
+    front door knows no API, only :class:`HTTPError`."""
 
     async def wrapped(request: HTTPRequest) -> Response | StreamingResponse:
         try:
             return await handler(request)
-        except oa.OpenAIError as exc:
+        except kind as exc:
             raise HTTPError(
                 exc.status, exc.message, headers=exc.headers(), body=exc.body()
             ) from None
