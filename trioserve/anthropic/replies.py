@@ -21,11 +21,11 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import attrs
 
-from trioserve.vocabulary.results import FailureCause, Finished
+from trioserve.vocabulary.results import Finished, GenerationState
 from trioserve.vocabulary.tools import (
     CallArguments,
     CallEnd,
@@ -34,7 +34,6 @@ from trioserve.vocabulary.tools import (
     ToolCall,
     ToolCallReader,
     ToolEvent,
-    ToolFormat,
 )
 
 from .errors import OVERLOADED, AnthropicError
@@ -48,38 +47,6 @@ StopReason = Literal[
 
 #: The message of a reply whose generation the server's shutdown interrupted.
 SHUTTING_DOWN = "the server is shutting down"
-
-
-class GenerationState(Protocol):
-    """What a reply reads of its generation as it goes (the server's
-    :class:`~trioserve.generation.Generation` is one)."""
-
-    @property
-    def response(self) -> str: ...
-
-    @property
-    def outcome(self) -> str | None: ...
-
-    @property
-    def finished(self) -> Finished | None: ...
-
-    @property
-    def failure(self) -> str | None: ...
-
-    @property
-    def failure_cause(self) -> FailureCause: ...
-
-    @property
-    def tool_format(self) -> ToolFormat | None: ...
-
-    @property
-    def prompt_tokens(self) -> int: ...
-
-    @property
-    def generated_tokens(self) -> int: ...
-
-    @property
-    def cached_tokens(self) -> int: ...
 
 
 def new_message_id() -> str:

@@ -21,7 +21,7 @@ from typing import Any, Literal, Protocol
 
 import attrs
 
-from trioserve.vocabulary.results import FailureCause, Finished, TokenLogprob
+from trioserve.vocabulary.results import Finished, GenerationState, TokenLogprob
 from trioserve.vocabulary.tools import (
     CallArguments,
     CallStart,
@@ -53,12 +53,9 @@ __all__ = ["SHUTTING_DOWN", "ChoiceState", "Reply"]
 SHUTTING_DOWN = "the server is shutting down"
 
 
-class ChoiceState(Protocol):
-    """What a reply reads of one choice's generation, as it goes."""
-
-    @property
-    def response(self) -> str:
-        """The text released so far."""
+class ChoiceState(GenerationState, Protocol):
+    """What a reply reads of one choice's generation, as it goes: what
+    every API's reply reads, and the log probabilities and the prompt."""
 
     @property
     def logprobs(self) -> Sequence[TokenLogprob]:
@@ -69,37 +66,8 @@ class ChoiceState(Protocol):
         """The prompt's entries (set at the end)."""
 
     @property
-    def outcome(self) -> str | None:
-        """Set when the choice has ended, however it ended."""
-
-    @property
-    def finished(self) -> Finished | None:
-        """Set when the choice ended normally."""
-
-    @property
-    def failure(self) -> str | None:
-        """Why the choice failed, when the engine failed it."""
-
-    @property
-    def failure_cause(self) -> FailureCause:
-        """Whose the failure is: the engine's or the request's."""
-
-    @property
-    def tool_format(self) -> ToolFormat | None:
-        """How the model writes tool calls, when it may call tools."""
-
-    @property
     def util_text(self) -> str:
         """The prompt as the model read it (rendered, trimmed)."""
-
-    @property
-    def prompt_tokens(self) -> int: ...
-
-    @property
-    def generated_tokens(self) -> int: ...
-
-    @property
-    def cached_tokens(self) -> int: ...
 
 
 Request = CompletionRequest | ChatCompletionRequest

@@ -6,9 +6,12 @@ report."""
 
 from __future__ import annotations
 
-from typing import Final, Literal, TypeAlias
+from typing import TYPE_CHECKING, Final, Literal, Protocol, TypeAlias
 
 import attrs
+
+if TYPE_CHECKING:
+    from .tools import ToolFormat
 
 __all__ = [
     "MAX_TOP_LOGPROBS",
@@ -16,6 +19,7 @@ __all__ = [
     "FailureCause",
     "FinishReason",
     "Finished",
+    "GenerationState",
     "TextUpdate",
     "TokenLogprob",
     "Update",
@@ -116,3 +120,41 @@ class Failed:
 
 
 Update: TypeAlias = TextUpdate | Finished | Failed
+
+
+class GenerationState(Protocol):
+    """What an API's reply reads of a generation as it goes (the server's
+    ``Generation`` is one; each API's reply takes what it needs of it)."""
+
+    @property
+    def response(self) -> str:
+        """The text released so far."""
+
+    @property
+    def outcome(self) -> str | None:
+        """Set when the generation has ended, however it ended."""
+
+    @property
+    def finished(self) -> Finished | None:
+        """Set when it ended normally."""
+
+    @property
+    def failure(self) -> str | None:
+        """Why it failed, when it failed."""
+
+    @property
+    def failure_cause(self) -> FailureCause:
+        """Whose the failure is: the engine's or the request's."""
+
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        """How the model writes tool calls, when it may call tools."""
+
+    @property
+    def prompt_tokens(self) -> int: ...
+
+    @property
+    def generated_tokens(self) -> int: ...
+
+    @property
+    def cached_tokens(self) -> int: ...
