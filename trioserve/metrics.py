@@ -56,6 +56,7 @@ ACTIONS: Final = (
     "chat_completions",
     "models",
     "messages",
+    "responses",
 )
 #: How it ended. Generation ends ``eos`` (a stop token or stop string),
 #: ``num_tokens`` (max tokens reached) or ``interrupted``; any request may end

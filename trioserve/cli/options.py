@@ -502,6 +502,22 @@ OPTIONS: Final[tuple[Option, ...]] = (
         metavar="N",
     ),
     Option(
+        "responses_store_mib",
+        LIMITS,
+        "MiB the stored responses of /v1/responses may take (for previous_response_id, GET and"
+        " DELETE); over it, the least recently used response of the client holding the most goes;"
+        " 0 stores none",
+        S,
+        metavar="MIB",
+    ),
+    Option(
+        "responses_ttl",
+        LIMITS,
+        "seconds a stored response is kept after its last use",
+        S,
+        metavar="SECONDS",
+    ),
+    Option(
         "max_running_per_client",
         LIMITS,
         "engine slots one client may hold while others wait",

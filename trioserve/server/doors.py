@@ -26,6 +26,7 @@ import attrs
 from trioserve import anthropic as an
 from trioserve import openai as oa
 from trioserve import protocol as p
+from trioserve import responses as rs
 from trioserve.generation import Generation, GenerationRequest, InvalidGeneration
 
 from .http_types import Network, RequestHead, client_address
@@ -35,16 +36,19 @@ __all__ = [
     "COMPLETION",
     "INFER",
     "MESSAGES",
+    "RESPONSES",
     "ClientIdentity",
     "Door",
     "anthropic_error",
     "from_anthropic",
     "from_infer",
     "from_openai",
+    "from_responses",
     "infer_error",
     "infer_final",
     "openai_error",
     "openai_param",
+    "responses_error",
     "websocket_path",
 ]
 
@@ -170,6 +174,22 @@ MESSAGES: Final = Door(
 )
 
 
+#: OpenAI's ``/v1/responses``: the conversation under its instructions, a
+#: prompt that does not fit refused, ``max_output_tokens`` an upper bound
+#: (a reply it or the context cuts short is ``incomplete``).
+RESPONSES: Final = Door(
+    reads={
+        "messages": lambda r: r.template_messages(),
+        "max_new_tokens": _fixed(None),
+        "default_max_new_tokens": "max_output_tokens",
+        "fit": _fixed("refuse"),
+        "sampling": lambda r: r.sampling_settings(),
+        "constraint": "constraint",
+        "tools": "tools",
+    }
+)
+
+
 def from_infer(request: p.InferRequest) -> GenerationRequest:
     """The generation of a WebSocket ``infer``."""
     return INFER.request(request)
@@ -178,6 +198,26 @@ def from_infer(request: p.InferRequest) -> GenerationRequest:
 def from_openai(request: oa.CompletionRequest | oa.ChatCompletionRequest) -> GenerationRequest:
     """The generation of an OpenAI completion or chat completion."""
     return (CHAT if isinstance(request, oa.ChatCompletionRequest) else COMPLETION).request(request)
+
+
+def from_responses(request: rs.ResponsesRequest) -> GenerationRequest:
+    """The generation of a Responses API request."""
+    return RESPONSES.request(request)
+
+
+def responses_error(error: InvalidGeneration) -> oa.OpenAIError:
+    """``error`` as the Responses door answers it: OpenAI's shape, the
+    fields under this API's names."""
+    exc = openai_error(error)
+    renamed = (
+        ("max_tokens", "max_output_tokens"),
+        ("messages", "input"),
+        (".function.parameters", ".parameters"),
+    )
+    param, message = exc.param or "", exc.message
+    for old, new in renamed:
+        param, message = param.replace(old, new), message.replace(old, new)
+    return oa.OpenAIError(400, message, param=param or None, code=exc.code)
 
 
 def from_anthropic(request: an.MessagesRequest) -> GenerationRequest:

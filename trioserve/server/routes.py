@@ -53,7 +53,7 @@ from .http_types import (
 )
 from .page import chat_page
 
-__all__ = ["OpenAIRoutes", "OpsRoutes", "Readiness", "http_errors"]
+__all__ = ["OpenAIRoutes", "OpsRoutes", "Readiness", "http_errors", "not_admitted"]
 
 log = logging.getLogger("trioserve.routes")
 
@@ -156,6 +156,14 @@ def _outcome(status: int) -> str:
 
 def _overloaded(exc: Overloaded) -> oa.OpenAIError:
     return oa.OpenAIError(503, exc.message, code="overloaded", retry_after=1)
+
+
+def not_admitted(exc: Overloaded) -> oa.OpenAIError:
+    """A request the pipeline would not take: the server's shutdown (503),
+    or the client's own limit (429: a rate limit, not the server's fullness)."""
+    if exc.draining:
+        return _overloaded(exc)
+    return oa.OpenAIError(429, exc.message, code="rate_limit_exceeded", retry_after=1)
 
 
 @attrs.define
@@ -262,12 +270,7 @@ class OpenAIRoutes:
         except InvalidGeneration as exc:
             raise openai_error(exc) from None
         except Overloaded as exc:
-            if exc.draining:
-                raise _overloaded(exc) from None
-            # The client's own limit: a rate limit, not the server's fullness.
-            raise oa.OpenAIError(
-                429, exc.message, code="rate_limit_exceeded", retry_after=1
-            ) from None
+            raise not_admitted(exc) from None
 
     def _finish(
         self,

@@ -37,6 +37,7 @@ from trioserve.generation.engine_thread import EngineThread, open_loaded_engine
 from trioserve.generation.scheduler import Scheduler, SchedulerStatistics, StepRecord
 from trioserve.metrics import Metrics
 from trioserve.openai import OpenAILimits
+from trioserve.responses import ResponseStore
 from trioserve.vocabulary.tools import TOOL_FORMATS
 
 from .anthropic_routes import AnthropicRoutes, api_error_body
@@ -44,6 +45,7 @@ from .connection import Connection, ConnectionServices, ConnectionSettings
 from .doors import ClientIdentity
 from .front_door import FrontDoor, serve_front_door
 from .http_types import AccessPolicy, HTTPLimits, Reject, RequestHead, Router, parse_networks
+from .responses_routes import ResponsesRoutes
 from .routes import OpenAIRoutes, OpsRoutes, Readiness
 from .tokenizer_routes import TokenizerRoutes
 
@@ -62,6 +64,14 @@ def _leaf_oserror(error: BaseException) -> OSError | None:
     while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
         error = error.exceptions[0]
     return error if isinstance(error, OSError) else None
+
+
+def _not_negative(name: str) -> Any:
+    def check(instance: object, attribute: object, value: float) -> None:
+        if not value >= 0:
+            raise ConfigError(f"{name} must be >= 0, got {value!r}")
+
+    return check
 
 
 def _positive(name: str) -> Any:
@@ -107,6 +117,13 @@ class ServerConfig:
     #: of its client, counted against ``max_requests_per_client`` (which
     #: caps ``n`` too when it is lower).
     max_n: int = attrs.field(default=8, validator=_positive("max n"))
+    #: MiB the stored responses of ``/v1/responses`` may take (0: none is
+    #: stored; ``previous_response_id`` then finds nothing).
+    responses_store_mib: int = attrs.field(
+        default=64, validator=_not_negative("responses store mib")
+    )
+    #: Seconds a stored response is kept after its last use.
+    responses_ttl: float = attrs.field(default=24 * 3600.0, validator=_positive("responses ttl"))
     #: Engine slots one client may hold while others wait; None: all but
     #: one of the engine's slots (so a newcomer always finds one).
     max_running_per_client: int | None = None
@@ -311,6 +328,12 @@ class Server:
         self._openai_routes.install(router)
         TokenizerRoutes(self.generations).install(router)
         AnthropicRoutes(self.generations, self.identity, metrics=self.metrics).install(router)
+        self.responses_store = ResponseStore(
+            max_bytes=config.responses_store_mib << 20, ttl_s=config.responses_ttl
+        )
+        ResponsesRoutes(
+            self.generations, self.identity, store=self.responses_store, metrics=self.metrics
+        ).install(router)
         self.front_door = FrontDoor(
             router,
             policy=AccessPolicy(
