@@ -81,6 +81,7 @@ def install_project(session: nox.Session, *groups: str) -> None:
 
 #: Claude Code as tests/test_claude_code.py runs it (npm).
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
+CODEX = "@openai/codex@0.169.0"
 
 
 @nox.session
@@ -288,9 +289,10 @@ def scale_out(session: nox.Session) -> None:
 def clients(session: nox.Session) -> None:
     """Client programs run unchanged against ``python -m trioserve`` that are too
     heavy for the test group: lm-evaluation-harness on two local tasks, every
-    loglikelihood checked against the engine (tests/test_lm_eval.py, docs/openai.md), and
-    Claude Code against the Messages door (tests/test_claude_code.py, where npm is there).
-    Installs the ``clients`` group (lm-eval[api]: about 45 packages, 620 MB) and Claude Code.
+    loglikelihood checked against the engine (tests/test_lm_eval.py, docs/openai.md),
+    Claude Code against the Messages door (tests/test_claude_code.py) and Codex CLI against
+    the Responses door (tests/test_codex.py), where npm is there. Installs the ``clients``
+    group (lm-eval[api]: about 45 packages, 620 MB), Claude Code and Codex CLI.
     Arguments go to pytest."""
     install_project(session, "clients")
     env = {}
@@ -309,6 +311,12 @@ def clients(session: nox.Session) -> None:
             external=True,
         )
         env["TRIOSERVE_CLAUDE_CODE"] = str(prefix / "node_modules" / ".bin" / "claude")
+        # Codex CLI, pinned, beside it (a native binary, 80 MB).
+        prefix = Path(session.cache_dir).resolve() / "codex"
+        session.run(
+            npm, "install", "--prefix", str(prefix), "--no-audit", "--no-fund", CODEX, external=True
+        )
+        env["TRIOSERVE_CODEX"] = str(prefix / "node_modules" / ".bin" / "codex")
     session.run(
         "pytest",
         "-p",
@@ -316,6 +324,7 @@ def clients(session: nox.Session) -> None:
         "-rA",
         "tests/test_lm_eval.py",
         "tests/test_claude_code.py",
+        "tests/test_codex.py",
         *session.posargs,
         env=env,
     )

@@ -208,6 +208,48 @@ async def test_json_schema_output_validates_over_seeds(cpu_engine: CpuEngine) ->
         await trio.to_thread.run_sync(flow)
 
 
+async def test_tools_beside_an_answer_format_give_calls_or_a_valid_answer(
+    cpu_engine: CpuEngine,
+) -> None:
+    """OpenAI's structured output beside tools (what Codex CLI's
+    ``--output-schema`` and an agent with tools and an output type send):
+    with ``tool_choice`` auto, each reply is calls that validate, or an
+    answer that does."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 30}, "sunny": {"type": "boolean"}},
+        "required": ["city", "sunny"],
+        "additionalProperties": False,
+    }
+    fmt = {"format": {"type": "json_schema", "name": "report", "schema": schema, "strict": True}}
+    async with running_server(cpu_engine) as listening:
+
+        def flow() -> set[str]:
+            sdk = client(listening.port)
+            kinds = set()
+            for seed in range(6):
+                reply = sdk.responses.create(
+                    model="m",
+                    input="Is it sunny in Paris?",
+                    tools=[WEATHER],
+                    text=fmt,
+                    temperature=1.0,
+                    max_output_tokens=120,
+                    extra_body={"seed": seed},
+                )
+                assert reply.status == "completed"
+                for item in reply.output:
+                    kinds.add(item.type)
+                    if item.type == "function_call":
+                        jsonschema.validate(json.loads(item.arguments), WEATHER["parameters"])
+                    else:
+                        jsonschema.validate(json.loads(reply.output_text), schema)
+            return kinds
+
+        kinds = await trio.to_thread.run_sync(flow)
+        assert kinds <= {"function_call", "message"} and kinds
+
+
 async def test_errors_come_as_the_sdk_classes(cpu_engine: CpuEngine) -> None:
     async with running_server(cpu_engine) as listening:
 

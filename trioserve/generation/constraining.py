@@ -29,10 +29,13 @@ class ConstraintRefused(Exception):
         self.wire_name = wire_name
 
 
-def tools_constraint(use: ToolUse, fmt: ToolFormat, *, special_trigger: bool) -> Constraint | None:
-    """The grammar that keeps the calls of ``use`` valid, or None when it
+def tools_constraint(
+    use: ToolUse, fmt: ToolFormat, *, special_trigger: bool, answer: Constraint | None = None
+) -> Constraint | None:
+    """The grammar that keeps the calls of ``use`` valid (and, with
+    ``answer``, a reply that calls none to that format), or None when it
     allows none (``tool_choice: "none"``)."""
-    grammar = tool_grammar(use, fmt, special_trigger=special_trigger)
+    grammar = tool_grammar(use, fmt, special_trigger=special_trigger, answer=answer)
     return None if grammar is None else Constraint("grammar", grammar, "tools")
 
 
@@ -43,6 +46,7 @@ async def compile_constraint(
     limiter: trio.CapacityLimiter,
     observer: Any,
     tools: ToolUse | None = None,
+    answer: Constraint | None = None,
 ) -> CompiledGrammar:
     """``constraint`` compiled for the model. Raises :class:`ConstraintRefused`
     (a tools grammar that fails is traced to the tool whose parameters are to
@@ -59,7 +63,7 @@ async def compile_constraint(
         if observer is not None:
             observer.constraint(constraint.kind, "refused", trio.current_time() - started)
         if tools is not None:
-            raise await _blame(tools, grammars, limiter, str(exc)) from None
+            raise await _blame(tools, grammars, limiter, str(exc), answer) from None
         raise ConstraintRefused(
             f"the {constraint.kind.replace('_', ' ')} cannot be used: {exc}",
             "constraint",
@@ -71,9 +75,14 @@ async def compile_constraint(
 
 
 async def _blame(
-    tools: ToolUse, grammars: Grammars, limiter: trio.CapacityLimiter, reason: str
+    tools: ToolUse,
+    grammars: Grammars,
+    limiter: trio.CapacityLimiter,
+    reason: str,
+    answer: Constraint | None = None,
 ) -> ConstraintRefused:
-    """The first tool whose parameters do not compile alone, or the whole."""
+    """The first tool whose parameters do not compile alone, the answer's
+    format beside them, or the whole."""
     for index, tool in enumerate(tools.tools):
         parameters = dict(tool.parameters or {"type": "object"})
         options = {"lenient": schema_options(tool)["lenient"]}
@@ -84,6 +93,15 @@ async def _blame(
             where = f"tools[{index}].function.parameters"
             return ConstraintRefused(
                 f"{where} cannot be used as a JSON schema: {exc}", "tools", where
+            )
+    if answer is not None:
+        try:
+            await trio.to_thread.run_sync(grammars.compile, answer, limiter=limiter)
+        except ConstraintError as exc:
+            return ConstraintRefused(
+                f"the {answer.kind.replace('_', ' ')} cannot be used: {exc}",
+                "constraint",
+                answer.field,
             )
     return ConstraintRefused(
         f"the {len(tools.tools)} tools cannot be constrained together: {reason}",

@@ -34,7 +34,13 @@ from trioserve.vocabulary.results import (
     TextUpdate,
     TokenLogprob,
 )
-from trioserve.vocabulary.tools import ToolFormat, format_for, prompt_messages, takes_tools
+from trioserve.vocabulary.tools import (
+    ANSWER_KINDS,
+    ToolFormat,
+    format_for,
+    prompt_messages,
+    takes_tools,
+)
 
 from .constraining import ConstraintRefused, compile_constraint, tools_constraint
 from .request import (
@@ -396,13 +402,19 @@ class Generation:
         request = self.request
         constraint = request.constraint
         tools = request.tools
+        answer = None
         if tools is not None and tools.calls_allowed:
-            if constraint is not None:
-                raise InvalidGeneration(
-                    "give tools or a constraint on the answer, not both",
-                    "constraint",
-                    wire_name=constraint.field,
-                )
+            if constraint is not None and tools.choice == "auto" and tools.named is None:
+                # The reply is the calls, or the answer in its format.
+                if constraint.kind not in ANSWER_KINDS:
+                    raise InvalidGeneration(
+                        f"a {constraint.kind.replace('_', ' ')} constraint cannot stand beside"
+                        " tools: only a JSON schema or choices can (or set tool_choice to none)",
+                        "constraint",
+                        wire_name=constraint.field,
+                    )
+                answer = constraint
+            # A turn that must call writes no answer: its format waits for a later turn.
             fmt = self.tool_format = format_for(
                 None
                 if self.generations.chat_template is None
@@ -410,7 +422,7 @@ class Generation:
                 self.generations.tool_call_format,
             )
             special = len(await self.generations.tokenizing.encode(fmt.trigger)) == 1
-            constraint = tools_constraint(tools, fmt, special_trigger=special)
+            constraint = tools_constraint(tools, fmt, special_trigger=special, answer=answer)
         grammars = self.generations.grammars
         if constraint is None:
             return None
@@ -425,6 +437,7 @@ class Generation:
                 limiter=self.generations.compiling,
                 observer=self.generations.observer,
                 tools=tools if constraint.field == "tools" else None,
+                answer=answer,
             )
         except ConstraintRefused as exc:
             raise InvalidGeneration(exc.message, exc.field, wire_name=exc.wire_name) from None

@@ -178,14 +178,16 @@ def _parts(where: str, value: Any, limits: ResponsesLimits, final: bool, role: s
         at = f"{where}[{index}]"
         part = _object(at, item)
         kind = part.get("type")
-        if kind in _TEXT_PARTS:
+        # A type that is not a string is no known one (and may be unhashable).
+        known = kind if isinstance(kind, str) else None
+        if known in _TEXT_PARTS:
             _keys(at, part, frozenset({"type", "text"}) | _TEXT_EXTRAS)
             texts.append(_text(f"{at}.text", part.get("text")))
         elif kind == "refusal" and role == "assistant":
             _keys(at, part, frozenset({"type", "refusal"}))
             texts.append(_text(f"{at}.refusal", part.get("refusal")))
-        elif kind in _MEDIA:
-            texts.append(_media(at, kind, final))
+        elif known in _MEDIA:
+            texts.append(_media(at, known, final))
         else:
             raise _invalid(
                 f"{at}.type must be 'input_text' or 'output_text'"
@@ -327,7 +329,7 @@ def read_input(value: Any, history: Turns, limits: ResponsesLimits) -> Turns:
                 f"{where}.type",
                 UNSUPPORTED,
             )
-        elif kind in _BUILT_IN:
+        elif isinstance(kind, str) and kind in _BUILT_IN:
             raise _invalid(
                 f"{where}.type: {kind} items belong to tools this server does not run",
                 f"{where}.type",

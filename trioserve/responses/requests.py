@@ -262,7 +262,7 @@ def _tools(
         tool = _object(where, item)
         kind = tool.get("type")
         if kind != "function":
-            if kind in _SKIPPED_TOOLS:
+            if isinstance(kind, str) and kind in _SKIPPED_TOOLS:
                 name = tool.get("name")
                 skipped.append(name if isinstance(name, str) and len(name) <= 128 else kind)
                 continue
@@ -466,14 +466,14 @@ def _reasoning(value: Any) -> dict[str, Any] | None:
     reasoning = _object("reasoning", value)
     _keys("reasoning", reasoning, frozenset({"effort", "summary", "generate_summary"}))
     effort = reasoning.get("effort")
-    if effort is not None and effort not in _EFFORTS:
+    if effort is not None and (not isinstance(effort, str) or effort not in _EFFORTS):
         raise _invalid(
             f"reasoning.effort must be one of {', '.join(sorted(_EFFORTS))}, got {show(effort)}",
             "reasoning.effort",
         )
     for key in ("summary", "generate_summary"):
         summary = reasoning.get(key)
-        if summary is not None and summary not in _SUMMARIES:
+        if summary is not None and (not isinstance(summary, str) or summary not in _SUMMARIES):
             raise _invalid(
                 f"reasoning.{key} must be one of {', '.join(sorted(_SUMMARIES))},"
                 f" got {show(summary)}",
@@ -500,7 +500,7 @@ def _include(value: Any, limits: ResponsesLimits) -> None:
                 f"include[{index}]",
                 UNSUPPORTED,
             )
-        if entry not in _INCLUDABLE:
+        if not isinstance(entry, str) or entry not in _INCLUDABLE:
             raise _invalid(
                 f"include[{index}] must be one of {', '.join(sorted(_INCLUDABLE))},"
                 f" got {show(entry)}",

@@ -32,7 +32,10 @@ from typing import Any, Final, Literal, TypeAlias
 
 import attrs
 
+from .constraint import Constraint
+
 __all__ = [
+    "ANSWER_KINDS",
     "TOOL_FORMATS",
     "CallArguments",
     "CallEnd",
@@ -44,6 +47,7 @@ __all__ = [
     "ToolEvent",
     "ToolFormat",
     "ToolUse",
+    "answer_rule",
     "format_for",
     "prompt_messages",
     "schema_options",
@@ -286,12 +290,38 @@ def schema_options(tool: Tool) -> dict[str, Any]:
     return {**_COMPACT, "lenient": not tool.strict}
 
 
-def tool_grammar(use: ToolUse, fmt: ToolFormat, *, special_trigger: bool = False) -> str | None:
+#: Constraints that can stand as the answer beside tools (a Lark rule of
+#: their own): the kinds the grammar can embed.
+ANSWER_KINDS: Final = ("json_schema", "choice")
+
+
+def answer_rule(answer: Constraint) -> str:
+    """``answer``'s Lark rule body: a JSON schema (compact, as structured
+    output writes it, unless the schema says otherwise) or literal choices."""
+    if answer.kind == "json_schema":
+        schema = json.loads(answer.text)
+        if isinstance(schema, dict):
+            schema = {**schema, "x-guidance": {**_COMPACT, **schema.get("x-guidance", {})}}
+        return f"%json {json.dumps(schema, ensure_ascii=False)}"
+    if answer.kind == "choice":
+        return " | ".join(_lit(choice) or '""' for choice in json.loads(answer.text))
+    raise ValueError(f"a {answer.kind} constraint cannot stand beside tools")
+
+
+def tool_grammar(
+    use: ToolUse,
+    fmt: ToolFormat,
+    *,
+    special_trigger: bool = False,
+    answer: Constraint | None = None,
+) -> str | None:
     """A Lark grammar (llguidance's) for ``use``, or None when nothing is
     constrained (``none``). ``special_trigger``: the trigger is one special
     token of the model's tokenizer (Qwen's ``<tool_call>``, Mistral's
     ``[TOOL_CALLS]``), which the grammar then names as a token rather than
-    as text."""
+    as text. ``answer`` (of :data:`ANSWER_KINDS`): with ``auto``, the reply
+    is either calls or an answer that matches it (OpenAI's structured
+    output beside tools); a turn that must call ignores it."""
     if not use.calls_allowed:
         return None
 
@@ -317,6 +347,12 @@ def tool_grammar(use: ToolUse, fmt: ToolFormat, *, special_trigger: bool = False
     more = "" if single else f"({_lit(fmt.separator)} call)*"
     if use.choice == "required" or use.named is not None:
         lines.append("start: " + _seq(text(fmt.open), "call", more, _lit(fmt.close)))
+        return "\n".join(lines)
+    if answer is not None:
+        # auto with an answer's format: the calls, or the answer itself.
+        lines.append(f"answer: {answer_rule(answer)}")
+        calls = _seq(text(fmt.open), "call", more, _lit(fmt.close))
+        lines.append(f"start: answer | {calls}")
         return "\n".join(lines)
     # auto: free text; once the trigger is written, calls only (a lazy
     # lexeme: the shortest text that ends with the trigger).
