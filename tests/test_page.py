@@ -347,7 +347,8 @@ async def test_the_json_answer_for_other_clients_is_unchanged() -> None:
         "model": "scripted-bytes",
         "engine": "scripted",
         "websocket": "/ (the ExLlamaV2 WebSocket protocol: docs/protocol.md)",
-        "openai": "/v1 (models, completions, chat/completions: docs/openai.md)",
+        "openai": "/v1 (models, completions, chat/completions: docs/openai.md;"
+        " responses: docs/responses.md)",
         "anthropic": "/v1/messages, /v1/messages/count_tokens (docs/anthropic.md)",
         "tokenizer": "/tokenize, /detokenize, /tokenizer_info (vLLM's: docs/openai.md)",
         "health": "/health",

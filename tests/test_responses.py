@@ -614,3 +614,34 @@ def test_the_store_keeps_at_most_its_entries() -> None:
     for i in range(20):
         store.put(f"r{i}", "a", b"{}", ())
     assert len(store) == 5 and store.get("r19", "a") is not None and store.get("r14", "a") is None
+
+
+# --------------------------------------------------------------------------
+# The documentation's table
+
+
+def test_the_docs_table_lists_every_field_as_the_parser_takes_it() -> None:
+    from pathlib import Path
+
+    from trioserve.responses import requests
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "responses.md").read_text("utf-8")
+    table = doc[doc.index("## The request") : doc.index("Any other field is a 400")]
+    rows: dict[str, str] = {}
+    for line in table.splitlines():
+        if line.startswith("| `"):
+            names, kind = (cell.strip() for cell in line.strip("|").split("|")[:2])
+            for name in names.split(", "):
+                rows[name.strip("`")] = kind
+    for name in requests._FIELDS:
+        kinds = {kind for row, kind in rows.items() if row.split(".")[0] == name}
+        assert kinds & {"required", ""}, name
+    for name in requests._IGNORED:
+        assert rows.get(name) == "ignored", name
+    for name in requests._REFUSED:
+        assert rows.get(name) == "refused", name
+    # And the parser agrees: ignored fields pass, refused ones are 400s.
+    for name in requests._IGNORED:
+        parse(**{name: "anything"})
+    for name in requests._REFUSED:
+        assert refused(**{name: "x"}).param == name

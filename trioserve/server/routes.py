@@ -104,7 +104,8 @@ class OpsRoutes:
                 "version": __version__,
                 **self.info(),
                 "websocket": "/ (the ExLlamaV2 WebSocket protocol: docs/protocol.md)",
-                "openai": "/v1 (models, completions, chat/completions: docs/openai.md)",
+                "openai": "/v1 (models, completions, chat/completions: docs/openai.md;"
+                " responses: docs/responses.md)",
                 "anthropic": "/v1/messages, /v1/messages/count_tokens (docs/anthropic.md)",
                 "tokenizer": "/tokenize, /detokenize, /tokenizer_info (vLLM's: docs/openai.md)",
                 "health": "/health",
