@@ -686,3 +686,18 @@ def test_the_docs_table_lists_every_field_as_the_parser_takes_it() -> None:
         parse(**{name: "anything"})
     for name in requests._REFUSED:
         assert name in refused(body(**{name: "x"})).message
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"messages": [{"role": "user", "content": [{"type": []}]}]},
+        {"messages": [{"role": "assistant", "content": [{"type": {}}]}, *USER]},
+        {"output_config": {"effort": []}},
+        {"thinking": {"type": {}}},
+    ],
+)
+def test_a_list_or_object_where_a_type_name_goes_is_a_400(fields: dict[str, Any]) -> None:
+    """Found by the Responses door's hostile tests: a value that cannot be
+    hashed, looked up among the known names, was the server's 500."""
+    refused(body(**fields))

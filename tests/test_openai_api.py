@@ -668,3 +668,22 @@ def test_every_sdk_parameter_is_known_and_documented(route: str) -> None:
         except OpenAIError as exc:
             code = exc.code
         assert code != "unknown_parameter", param
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"response_format": {"type": []}}, "response_format.type"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": {}}]}]},
+            "messages[0].content[0].type",
+        ),
+    ],
+)
+def test_a_list_or_object_where_a_type_name_goes_is_a_400(
+    fields: dict[str, Any], param: str
+) -> None:
+    """Found by the Responses door's hostile tests: a value that cannot be
+    hashed, looked up among the known names, was the server's 500."""
+    fields.setdefault("messages", [{"role": "user", "content": "hi"}])
+    assert refused(parse_chat_request, body(**fields)).param == param

@@ -1,10 +1,13 @@
 """The API doors against each other: the same streamed request through
-Anthropic's ``/v1/messages`` and OpenAI's ``/v1/chat/completions`` on one
-server, in one run, the sides alternating round by round; per round the ratio
-of their decode rates (tokens after the first over the time from the first
-content delta to the end), and the medians (docs/performance.md, "The API
-doors"). Greedy, with ``min_tokens`` equal to ``max_tokens``, so both make exactly
-``max_tokens`` tokens.
+OpenAI's ``/v1/responses``, Anthropic's ``/v1/messages`` and OpenAI's
+``/v1/chat/completions`` on one server, in one run, the order rotating round
+by round; per round the ratio of each door's decode rate (tokens after the
+first over the time from the first content delta to the end) to chat
+completions', and the medians (docs/performance.md, "The API doors").
+Greedy, with ``min_tokens`` equal to the token bound, so every door makes
+exactly that many tokens. And the response store's memory at its bound:
+stored responses of a real size, filled past the bound, the store's
+accounted bytes against what tracemalloc sees the entries take.
 
     python tests/bench/run.py --only doors
     python -m tests.bench.doors_bench [--rounds 7] [--tokens 128]
@@ -32,6 +35,18 @@ __all__ = ["DoorsResult", "format_doors_table", "run_doors_bench"]
 
 #: Each door's route and body for the same request.
 DOORS: dict[str, tuple[str, Callable[[int], dict[str, Any]]]] = {
+    "responses": (
+        "/v1/responses",
+        lambda tokens: {
+            "model": "any",
+            "input": CHAT_MESSAGE,
+            "max_output_tokens": tokens,
+            "temperature": 0,
+            "stream": True,
+            "store": False,
+            "min_tokens": tokens,
+        },
+    ),
     "chat_completions": (
         "/v1/chat/completions",
         lambda tokens: {
@@ -66,14 +81,16 @@ class StreamRun:
 
 
 def _content(event: dict[str, Any]) -> bool:
-    """Whether an event carries generated text (either API's)."""
-    if event.get("type") == "content_block_delta":
+    """Whether an event carries generated text (any API's)."""
+    if event.get("type") in ("content_block_delta", "response.output_text.delta"):
         return True
     choices = event.get("choices") or []
     return bool(choices and choices[0].get("delta", {}).get("content"))
 
 
 def _tokens(event: dict[str, Any]) -> int | None:
+    if event.get("type") in ("response.completed", "response.incomplete"):
+        return int(event["response"]["usage"]["output_tokens"])
     usage = event.get("usage")
     if not usage:
         return None
@@ -106,8 +123,9 @@ class DoorsResult:
     tokens: int
     rates: dict[str, tuple[float, ...]]
     first_tokens: dict[str, tuple[float, ...]]
-    #: Per round: messages' decode rate / chat completions'.
-    ratios: tuple[float, ...]
+    #: Per door but chat completions, per round: its decode rate / chat completions'.
+    ratios: dict[str, tuple[float, ...]]
+    store: StoreMemory | None = None
 
 
 async def run_doors_bench(
@@ -134,7 +152,8 @@ async def _alternate(
         for door in DOORS:  # warm both
             await stream_once(listening.port, door, 4)
         for round_ in range(rounds):
-            order = list(DOORS) if round_ % 2 == 0 else list(reversed(DOORS))
+            shift = round_ % len(DOORS)
+            order = list(DOORS)[shift:] + list(DOORS)[:shift]
             for door in order:
                 run = await stream_once(listening.port, door, tokens)
                 rates[door].append(run.decode_tps)
@@ -144,7 +163,12 @@ async def _alternate(
                 + ", ".join(f"{d} {rates[d][-1]:.1f} tok/s" for d in DOORS)
             )
         nursery.cancel_scope.cancel()
-    ratios = tuple(m / c for m, c in zip(rates["messages"], rates["chat_completions"], strict=True))
+    chat = rates["chat_completions"]
+    ratios = {
+        door: tuple(r / c for r, c in zip(rates[door], chat, strict=True))
+        for door in DOORS
+        if door != "chat_completions"
+    }
     return DoorsResult(
         tokens=tokens,
         rates={d: tuple(v) for d, v in rates.items()},
@@ -169,14 +193,73 @@ def format_doors_table(result: DoorsResult) -> str:
             f"| `{DOORS[door][0]}` | {med(rates):.1f} ({min(rates):.1f} to {max(rates):.1f}) "
             f"| {med(result.first_tokens[door]) * 1000:.0f} ms |"
         )
-    r = result.ratios
-    lines += [
-        "",
-        f"messages / chat completions, per round: median {med(r):.3f} "
-        f"({min(r):.3f} to {max(r):.3f}), goal >= 0.97: "
-        + ("met" if med(r) >= 0.97 else "**missed**"),
-    ]
+    lines.append("")
+    for door, r in result.ratios.items():
+        lines.append(
+            f"{door} / chat completions, per round: median {med(r):.3f} "
+            f"({min(r):.3f} to {max(r):.3f}), goal >= 0.97: "
+            + ("met" if med(r) >= 0.97 else "**missed**")
+        )
+    if result.store is not None:
+        m = result.store
+        lines += [
+            "",
+            f"Response store at its bound ({m.bound_mib} MiB): {m.entries} responses of"
+            f" {m.entry_chars} characters kept, {m.evicted} evicted; accounted"
+            f" {m.accounted / 2**20:.1f} MiB, traced {m.traced / 2**20:.1f} MiB"
+            f" (traced / bound {m.traced / (m.bound_mib << 20):.2f})",
+        ]
     return "\n".join(lines)
+
+
+@attrs.frozen
+class StoreMemory:
+    bound_mib: int
+    entries: int
+    entry_chars: int
+    evicted: int
+    accounted: int
+    traced: int
+
+
+def measure_store(bound_mib: int = 64, entry_chars: int = 6000, puts: int = 20000) -> StoreMemory:
+    """Fill a store past its bound with responses of a realistic size (a
+    conversation of a few thousand characters and its response object), and
+    compare the bytes it accounts with the memory tracemalloc sees it hold."""
+    import gc
+    import secrets
+    import tracemalloc
+
+    from trioserve.responses import ResponseStore
+    from trioserve.vocabulary.tools import ToolCall
+
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    store = ResponseStore(max_bytes=bound_mib << 20)
+    for i in range(puts):
+        text = secrets.token_hex(entry_chars // 4)
+        turns = (
+            {"role": "user", "content": text},
+            {
+                "role": "assistant",
+                "content": text[: entry_chars // 4],
+                "tool_calls": (ToolCall(f"call_{i}", "get_weather", '{"city": "Paris"}'),),
+            },
+            {
+                "role": "tool",
+                "content": "sunny",
+                "tool_call_id": f"call_{i}",
+                "name": "get_weather",
+            },
+            {"role": "assistant", "content": text[: entry_chars // 4]},
+        )
+        body = json.dumps({"id": f"resp_{i}", "output_text": text[: entry_chars // 2]}).encode()
+        store.put(f"resp_{i}", ("key", i % 7), body, turns)
+    gc.collect()
+    traced = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return StoreMemory(bound_mib, len(store), entry_chars, store.evicted, store.nbytes, traced)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -185,6 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=128)
     args = parser.parse_args(argv)
     result = trio.run(lambda: run_doors_bench(rounds=args.rounds, tokens=args.tokens))
+    result = attrs.evolve(result, store=measure_store())
     print(format_doors_table(result))
     return 0
 

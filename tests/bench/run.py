@@ -13,7 +13,7 @@ top of the output. Progress goes to stderr, the tables to stdout.
     python tests/bench/run.py --only choices   # n choices against n requests (docs/performance.md)
     python tests/bench/run.py --only speculative  # drafts by prompt lookup against plain decoding
     python tests/bench/run.py --only fairness  # one client's 8 streams; a newcomer beside a flood
-    python tests/bench/run.py --only doors     # /v1/messages against /v1/chat/completions
+    python tests/bench/run.py --only doors     # /v1/responses, /v1/messages against chat
     python tests/bench/run.py --only llama-server  # trioserve against llama.cpp's llama-server
 """
 
@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import attrs  # noqa: E402
 import torch  # noqa: E402
 import trio  # noqa: E402
 
@@ -215,11 +216,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n## Fairness that uses the whole machine\n")
         print(fairness_bench.markdown(fairness))
     if "doors" in parts:
-        say("the API doors: /v1/messages against /v1/chat/completions")
+        say("the API doors: /v1/responses and /v1/messages against /v1/chat/completions")
         doors = trio.run(
             lambda: doors_bench.run_doors_bench(rounds=3 if args.quick else 7, tokens=128, say=say)
         )
         print("\n## The API doors\n")
+        doors = attrs.evolve(doors, store=doors_bench.measure_store())
         print(doors_bench.format_doors_table(doors))
     if "llama-server" in parts:
         say("trioserve against llama-server (skipped, saying why, without the binary)")

@@ -109,6 +109,8 @@ def _text_block(where: str, block: Mapping[str, Any]) -> str:
 
 
 def _refuse_block(where: str, kind: Any) -> AnthropicError:
+    if not isinstance(kind, str):
+        return invalid(f"{where}.type: must be a string, got {show(kind)}")
     if kind in _MEDIA:
         return invalid(f"{where}.type: {kind} blocks are not supported: this model reads text only")
     if kind in _SERVER_RESULTS:
@@ -144,7 +146,7 @@ def _media_or_refuse(where: str, kind: Any, final: bool) -> str:
     """A media block of an earlier turn as a placeholder (a coding agent's
     history keeps a file it once read; refusing it would end the session),
     of the final turn a 400 (the question is about it)."""
-    if final or kind not in _MEDIA:
+    if final or not isinstance(kind, str) or kind not in _MEDIA:
         raise _refuse_block(where, kind)
     return MEDIA_PLACEHOLDER.format(kind=kind)
 

@@ -321,7 +321,7 @@ def _output(obj: Mapping[str, Any]) -> Constraint | None:
         config = _object("output_config", config)
         _keys("output_config", config, frozenset({"format", "effort"}))
         effort = config.get("effort")
-        if effort is not None and effort not in _EFFORTS:
+        if effort is not None and (not isinstance(effort, str) or effort not in _EFFORTS):
             raise invalid(
                 f"output_config.effort: must be one of {', '.join(sorted(_EFFORTS))},"
                 f" got {show(effort)}"
@@ -341,7 +341,7 @@ def _thinking(value: Any) -> None:
     thinking = _object("thinking", value)
     _keys("thinking", thinking, frozenset({"type", "budget_tokens", "display"}))
     kind = thinking.get("type")
-    if kind not in _THINKING:
+    if not isinstance(kind, str) or kind not in _THINKING:
         raise invalid(
             f"thinking.type: must be one of {', '.join(sorted(_THINKING))}, got {show(kind)}"
         )

@@ -115,7 +115,7 @@ def _response_format(param: str, value: Any) -> list[Constraint]:
         "json_object": ["type", "schema"],
         "json_schema": ["type", "json_schema"],
     }
-    if kind not in allowed:
+    if not isinstance(kind, str) or kind not in allowed:
         raise _invalid(
             f"{param}.type must be one of 'text', 'json_object', 'json_schema'; got {show(kind)}",
             f"{param}.type",

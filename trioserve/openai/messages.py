@@ -252,7 +252,7 @@ def _content(value: Any, path: str, role: str, limits: OpenAILimits) -> str:
             raise BadParam(
                 f"{where}.type",
                 f"{where}.type must be 'text' (this model reads text only), got {show(kind)}",
-                UNSUPPORTED if kind in _MEDIA_PARTS else None,
+                UNSUPPORTED if isinstance(kind, str) and kind in _MEDIA_PARTS else None,
             )
         extra = set(part) - {"type", "text"}
         if extra:
