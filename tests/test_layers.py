@@ -23,8 +23,9 @@ ENGINE_LOADER = "trioserve.engine (loader)"
 #: the vocabulary is the floor (no torch, no trio); the wire formats stand on
 #: it alone, protocol/ beside the engines (neither knows the other) and
 #: openai/ and anthropic/ below generation/ (they never see the trio
-#: scheduler), neither importing the other; server/
-#: routes and moves bytes above them all.
+#: scheduler), neither importing the other; responses/ (OpenAI's Responses
+#: API) on openai/ (its errors and field rules), still below generation/;
+#: server/ routes and moves bytes above them all.
 RANKS = {
     "trioserve": 7,  # the public __init__ re-exports every layer
     "trioserve.__main__": 8,
@@ -34,6 +35,7 @@ RANKS = {
     "trioserve.generation": 4,
     "trioserve.openai": 3,
     "trioserve.anthropic": 3,
+    "trioserve.responses": 3.5,
     "trioserve.protocol": 2,
     "trioserve.metrics": 2,
     "trioserve.chat_template": 2,
@@ -103,6 +105,12 @@ WIRE_FLOOR = {
     "trioserve.protocol": {"trioserve.vocabulary", "trioserve.errors"},
     "trioserve.openai": {"trioserve.vocabulary", "trioserve.errors", "trioserve.protocol"},
     "trioserve.anthropic": {"trioserve.vocabulary", "trioserve.errors", "trioserve.protocol"},
+    "trioserve.responses": {
+        "trioserve.vocabulary",
+        "trioserve.errors",
+        "trioserve.protocol",
+        "trioserve.openai",
+    },
 }
 
 

@@ -28,6 +28,7 @@ class State:
     """A choice as a generation would show it, moved by hand."""
 
     response: str = ""
+    reasoning: str = ""
     logprobs: list[TokenLogprob] = attrs.Factory(list)
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     outcome: str | None = None

@@ -322,6 +322,7 @@ class State:
     """A generation as the server would show it, moved by hand."""
 
     response: str = ""
+    reasoning: str = ""
     outcome: str | None = None
     finished: Finished | None = None
     failure: str | None = None

@@ -75,6 +75,12 @@ def _input(call: ToolCall) -> Any:
     return value if isinstance(value, dict) else {}
 
 
+def _thinking_block(text: str) -> dict[str, Any]:
+    """A ``thinking`` block: the signature is empty (Anthropic signs its own
+    models' thinking; a local model's is not signed)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def stop_reason(finished: Finished, called: bool, max_tokens: int | None = None) -> StopReason:
     """How a reply ended, in Anthropic's words. ``max_tokens`` is an upper
     bound here: a reply cut before it, by the context's room or the server's
@@ -101,6 +107,7 @@ class MessageReply:
     id: str = attrs.Factory(new_message_id)
     _reader: ToolCallReader | None = attrs.field(init=False, default=None)
     _sent: int = attrs.field(init=False, default=0)
+    _thought: int = attrs.field(init=False, default=0)
     #: The open block's kind and index (-1: none yet).
     _block: str | None = attrs.field(init=False, default=None)
     _index: int = attrs.field(init=False, default=-1)
@@ -166,6 +173,8 @@ class MessageReply:
         if finished is None:
             raise ValueError("a whole reply needs its generation finished")
         content: list[dict[str, Any]] = []
+        if self.state.reasoning:
+            content.append(_thinking_block(self.state.reasoning))
         events: list[ToolEvent] = [Content(self.state.response)]
         if self._reader is not None:
             reader = ToolCallReader(self._reader.fmt)
@@ -270,9 +279,17 @@ class MessageReply:
             return b""
         state = self.state
         ended = state.outcome is not None
+        out = b""
+        thought = state.reasoning[self._thought :]
+        if thought:
+            # The thinking comes first: no answer is released before it ends.
+            self._thought += len(thought)
+            if self._block != "thinking":
+                out += self._open("thinking", _thinking_block(""))
+            out += self._delta({"type": "thinking_delta", "thinking": thought})
         text = state.response[self._sent :]
         self._sent += len(text)
-        out = self._feed(text) if text else b""
+        out += self._feed(text) if text else b""
         if not ended:
             return out
         self._ended = True

@@ -107,6 +107,10 @@ class MessagesRequest:
     #: The names of Anthropic's server tools the request listed (skipped).
     skipped_tools: tuple[str, ...] = ()
     constraint: Constraint | None = None
+    #: ``thinking``: enabled (True, with its ``budget_tokens``), disabled
+    #: (False), adaptive or absent (None: the template's default).
+    thinking: bool | None = None
+    thinking_budget: int | None = None
 
     def sampling_settings(self) -> SamplingSettings:
         return api_settings(MESSAGES_DEFAULTS, self.sampler)
@@ -128,7 +132,6 @@ _IGNORED: Final = frozenset(
         "user_profile_id",
         "workspace_id",
         "anthropic_version",
-        "thinking",
         # Claude Code sends {"edits": [{"type": "clear_thinking_..."}]}:
         # edits Anthropic makes to a long context. Nothing is edited here
         # (no thinking is kept); a prompt too long is refused by name.
@@ -153,10 +156,20 @@ _MESSAGES_FIELDS: Final = frozenset(
         "tool_choice",
         "output_config",
         "output_format",
+        "thinking",
     }
 )
 _COUNT_FIELDS: Final = frozenset(
-    {"model", "messages", "system", "tools", "tool_choice", "output_config", "output_format"}
+    {
+        "model",
+        "messages",
+        "system",
+        "tools",
+        "tool_choice",
+        "output_config",
+        "output_format",
+        "thinking",
+    }
 )
 
 _EFFORTS: Final = frozenset({"low", "medium", "high", "xhigh", "max"})
@@ -334,10 +347,11 @@ def _output(obj: Mapping[str, Any]) -> Constraint | None:
     return given[0] if given else None
 
 
-def _thinking(value: Any) -> None:
-    """Accepted and checked; this model writes no thinking section."""
+def _thinking(value: Any) -> tuple[bool | None, int | None]:
+    """On or off, and a budget: a thinking template's section (others
+    ignore it)."""
     if value is None:
-        return
+        return None, None
     thinking = _object("thinking", value)
     _keys("thinking", thinking, frozenset({"type", "budget_tokens", "display"}))
     kind = thinking.get("type")
@@ -351,6 +365,9 @@ def _thinking(value: Any) -> None:
             "thinking.budget_tokens: must be a positive integer,"
             f" got {show(thinking.get('budget_tokens'))}"
         )
+    if kind == "enabled":
+        return True, budget
+    return (False if kind == "disabled" else None), None
 
 
 def _sampler(obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -381,7 +398,7 @@ def _parse(
         max_tokens = _read("max_tokens", _rule("max_new_tokens"), obj["max_tokens"])
         if max_tokens < 1:
             raise invalid(f"max_tokens: must be at least 1, got {show(obj['max_tokens'])}")
-    _thinking(obj.get("thinking"))
+    thinking, budget = _thinking(obj.get("thinking"))
     system = read_system(obj.get("system"), limits)
     messages, prefix = read_messages(obj.get("messages"), system, limits)
     tools, skipped = _tools(obj.get("tools"), limits)
@@ -416,6 +433,8 @@ def _parse(
         tools=tool_use,
         skipped_tools=skipped,
         constraint=constraint,
+        thinking=thinking,
+        thinking_budget=budget,
     )
 
 

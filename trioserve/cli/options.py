@@ -326,6 +326,15 @@ OPTIONS: Final[tuple[Option, ...]] = (
         choices=("auto", "hermes", "llama3", "mistral"),
     ),
     Option(
+        "reasoning_format",
+        MODEL,
+        "a thinking chat template's reasoning (<think> ... </think> and the like): auto keeps it"
+        " apart from the answer (reasoning_content, reasoning items, thinking blocks), none"
+        " leaves it in the answer",
+        S,
+        choices=("auto", "none"),
+    ),
+    Option(
         "weights",
         MODEL,
         "cpu engine: what the linear layers run on: auto (the model's own 4-bit weights where "

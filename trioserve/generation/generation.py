@@ -27,6 +27,7 @@ import trio
 
 from trioserve.chat_template import ChatTemplate, ChatTemplateError
 from trioserve.engine.base import EngineInfo
+from trioserve.vocabulary.reasoning import ReasoningFormat, ReasoningSplitter
 from trioserve.vocabulary.results import (
     Failed,
     FailureCause,
@@ -56,6 +57,7 @@ from .request import (
     with_seed_offset,
 )
 from .scheduler import Job, QueueFull, Scheduler, SchedulerClosed
+from .thinking import after_thinking, find_thinking
 from .tokenizing import Tokenizing
 
 if TYPE_CHECKING:  # llguidance and torch load with the engine, not with this module
@@ -124,6 +126,10 @@ class Generations:
     #: How tool calls are written: ``auto`` (from the chat template) or a
     #: format of :data:`~trioserve.vocabulary.tools.TOOL_FORMATS`.
     tool_call_format: str = "auto"
+    #: The chat template's thinking markers: a generation's reasoning is kept
+    #: apart from its answer (None: ``--reasoning-format none``, or a
+    #: template that does not think).
+    reasoning: ReasoningFormat | None = None
     _in_flight: collections.Counter[Hashable] = attrs.field(factory=collections.Counter, init=False)
 
     @property
@@ -198,8 +204,14 @@ class Generations:
         assert template is not None  # check_request refused it otherwise
         native = takes_tools(template.source)
         messages, tools = prompt_messages(request.messages, request.tools, native=native)
+        variables = {}
+        if request.thinking is not None:
+            # Qwen3's and its kin's switch; templates without it ignore it.
+            variables["enable_thinking"] = request.thinking
         try:
-            prompt = await self.tokenizing.render(template, messages, tools=tools)
+            prompt = await self.tokenizing.render(
+                template, messages, tools=tools, variables=variables
+            )
         except ChatTemplateError as exc:
             raise InvalidGeneration(str(exc), "messages", code="chat_template_error") from None
         return prompt + request.assistant_prefix
@@ -294,6 +306,10 @@ class Generation:
     on_text: Callable[[str], None] = attrs.field(default=lambda _text: None, repr=False)
     #: How the model writes tool calls, when the request lets it call tools.
     tool_format: ToolFormat | None = None
+    #: A thinking template's reasoning so far, apart from ``response``.
+    reasoning: str = ""
+    _splitter: ReasoningSplitter | None = attrs.field(default=None, init=False, repr=False)
+    _rendered: str | None = attrs.field(default=None, init=False, repr=False)
     _prompt_ids: list[int] = attrs.field(factory=list, init=False, repr=False)
     _max_new_tokens: int = attrs.field(default=0, init=False, repr=False)
     _compiled: CompiledGrammar | None = attrs.field(default=None, init=False, repr=False)
@@ -329,6 +345,8 @@ class Generation:
         self.prompt_tokens = first.prompt_tokens
         self.trimmed_tokens = first.trimmed_tokens
         self.tool_format = first.tool_format
+        if first._splitter is not None:
+            self._splitter = ReasoningSplitter(first._splitter.fmt, first._splitter.start)
         self._prompt_ids = first._prompt_ids
         self._max_new_tokens = first._max_new_tokens
         self._compiled = first._compiled
@@ -402,6 +420,11 @@ class Generation:
         request = self.request
         constraint = request.constraint
         tools = request.tools
+        generations = self.generations
+        # A thinking template's prompt is rendered now (thinking.py).
+        self._rendered, self._splitter = await find_thinking(
+            generations.reasoning, generations.render_prompt, request
+        )
         answer = None
         if tools is not None and tools.calls_allowed:
             if constraint is not None and tools.choice == "auto" and tools.named is None:
@@ -409,7 +432,8 @@ class Generation:
                 if constraint.kind not in ANSWER_KINDS:
                     raise InvalidGeneration(
                         f"a {constraint.kind.replace('_', ' ')} constraint cannot stand beside"
-                        " tools: only a JSON schema or choices can (or set tool_choice to none)",
+                        " tools: only a JSON schema, a regex or choices can (or set"
+                        " tool_choice to none)",
                         "constraint",
                         wire_name=constraint.field,
                     )
@@ -423,6 +447,9 @@ class Generation:
             )
             special = len(await self.generations.tokenizing.encode(fmt.trigger)) == 1
             constraint = tools_constraint(tools, fmt, special_trigger=special, answer=answer)
+        constraint = await after_thinking(
+            constraint, self._splitter, request, generations.tokenizing.encode
+        )
         grammars = self.generations.grammars
         if constraint is None:
             return None
@@ -452,7 +479,8 @@ class Generation:
             ids = list(request.prompt_ids)
             prompt = ""
         else:
-            prompt = await generations.render_prompt(request)
+            rendered = self._rendered
+            prompt = rendered if rendered is not None else await generations.render_prompt(request)
             ids = await self._encode(prompt, request, info)
         fitted, self._max_new_tokens = fit_prompt(
             request, ids, info, max_new_tokens=generations.max_new_tokens
@@ -495,7 +523,7 @@ class Generation:
         self.held = ""
         self.prompt_tokens = update.prompt_tokens
         self.cached_tokens = update.cached_tokens
-        self._release(update.text)
+        self._release(update.text, final=True)
         self.finished = update
         self._settle("finished")
         return True
@@ -517,9 +545,14 @@ class Generation:
         self.last_token_at = now
         self.generated_tokens = generated
 
-    def _release(self, text: str) -> None:
-        if text:
+    def _release(self, text: str, *, final: bool = False) -> None:
+        if self._splitter is None:
             self.response += text
+        else:
+            thought, answer = self._splitter.split(text, final=final)
+            self.reasoning += thought
+            self.response += answer
+        if text:
             self.on_text(text)
 
     def _settle(

@@ -58,14 +58,15 @@ class Tokenizing:
         template: ChatTemplate,
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
-        """``messages`` (and ``tools``) through ``template``; raises
-        :class:`ChatTemplateError`."""
+        """``messages`` (and ``tools``, and the template's own ``variables``)
+        through ``template``; raises :class:`ChatTemplateError`."""
         listed = [dict(m) for m in messages]
         size = sum(len(str(m.get("content") or "")) for m in listed) + len(str(tools or ""))
 
         def render() -> str:
-            return template.render(listed, tools=tools)
+            return template.render(listed, tools=tools, **(variables or {}))
 
         if size <= self.inline_chars:
             return render()

@@ -134,6 +134,7 @@ class _Sent:
     #: The legacy completions ``logprobs`` objects, their offsets counted on.
     legacy: LegacyLogprobs = attrs.Factory(LegacyLogprobs)
     text: int = 0
+    reasoning: int = 0
     entries: int = 0
     ended: bool = False
 
@@ -270,6 +271,7 @@ class Reply:
             finish_reason=reason,
             tool_calls=calls,
             logprobs=self._logprobs(state.logprobs, LegacyLogprobs()),
+            reasoning=state.reasoning,
         )
 
     def _completion_choice(self, index: int, state: ChoiceState) -> CompletionChoice:
@@ -315,8 +317,18 @@ class Reply:
         return b"".join(self._advance(sent) for sent in self._sent if not sent.ended)
 
     def _advance(self, sent: _Sent) -> bytes:
-        state, calls = sent.state, sent.calls
+        state = sent.state
         ended = state.outcome is not None
+        # The thinking comes first: no answer is released before it ends.
+        thought = state.reasoning[sent.reasoning :]
+        sent.reasoning += len(thought)
+        out = b""
+        if thought and isinstance(self._stream, ChatCompletionStream):
+            out = self._stream.reasoning(thought, index=sent.index)
+        return out + self._answer(sent, ended)
+
+    def _answer(self, sent: _Sent, ended: bool) -> bytes:
+        state, calls = sent.state, sent.calls
         text = state.response[sent.text :]
         sent.text += len(text)
         if not ended:

@@ -156,6 +156,10 @@ class ChatCompletionRequest(_Generation):
     messages: tuple[ChatMessage, ...]
     #: The tools the model may call, and how (:mod:`trioserve.openai.tools`).
     tools: ToolUse | None = None
+    #: A thinking template's section: off with ``reasoning_effort: "none"``
+    #: or ``chat_template_kwargs: {"enable_thinking": false}``, on with the
+    #: latter true, else the template's default (None).
+    thinking: bool | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.as_template_input() for m in self.messages]
@@ -556,17 +560,67 @@ def parse_completion_request(
     return attrs.evolve(request, constraint=constraint, logprobs=asked, max_tokens=max_tokens)
 
 
+#: OpenAI's reasoning efforts; ``none`` turns a thinking template's section off.
+_EFFORTS: Final = frozenset({"none", "minimal", "low", "medium", "high", "xhigh"})
+
+
+def _read_thinking(obj: dict[str, Any]) -> bool | None:
+    """``reasoning_effort`` and vLLM's ``chat_template_kwargs`` (only its
+    ``enable_thinking``), taken out of the body."""
+    thinking = None
+    effort = obj.get("reasoning_effort")
+    if effort is not None:
+        if not isinstance(effort, str) or effort not in _EFFORTS:
+            raise _invalid(
+                f"reasoning_effort must be one of {', '.join(sorted(_EFFORTS))}, got"
+                f" {_show(effort)}",
+                "reasoning_effort",
+            )
+        if effort == "none":
+            thinking = False
+    kwargs = obj.pop("chat_template_kwargs", None)
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise _invalid(
+                f"chat_template_kwargs must be an object, got {_show(kwargs)}",
+                "chat_template_kwargs",
+            )
+        for key, value in kwargs.items():
+            if key != "enable_thinking":
+                raise _invalid(
+                    f"chat_template_kwargs: only enable_thinking is taken here, got {_show(key)}",
+                    "chat_template_kwargs",
+                    UNSUPPORTED,
+                )
+            if not isinstance(value, bool):
+                raise _invalid(
+                    f"chat_template_kwargs.enable_thinking must be true or false, got"
+                    f" {_show(value)}",
+                    "chat_template_kwargs.enable_thinking",
+                )
+            if thinking is not None and thinking != value:
+                raise _invalid(
+                    "give reasoning_effort none or enable_thinking true, not both",
+                    "chat_template_kwargs.enable_thinking",
+                )
+            thinking = value
+    return thinking
+
+
 def parse_chat_request(body: bytes, limits: OpenAILimits = DEFAULT_LIMITS) -> ChatCompletionRequest:
     """The body of ``POST /v1/chat/completions`` as a typed request; raises
     :class:`OpenAIError` (400, naming the field) for anything wrong."""
     obj = _parse_body(body)
     asked = read_chat_logprobs(obj)
+    thinking = _read_thinking(obj)
     payload = _preprocess(obj, _FIELDS_COMMON | {"messages"})
     constraint = read_constraint(payload.pop(_CONSTRAINTS, {}))
     tools = _read_tools(payload.pop(_TOOLS, {}))
     request: ChatCompletionRequest = _structure(payload, _parsers(limits).chat, "messages")
     _check_best_of(request)
-    return attrs.evolve(request, constraint=constraint, tools=tools, logprobs=asked)
+    return attrs.evolve(
+        request, constraint=constraint, tools=tools, logprobs=asked, thinking=thinking
+    )
 
 
 def _check_best_of(request: _Generation) -> None:

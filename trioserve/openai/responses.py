@@ -103,6 +103,9 @@ class ChatChoice:
     index: int = 0
     tool_calls: Sequence[ToolCall] = ()
     logprobs: dict[str, Any] | None = None
+    #: A thinking model's reasoning, apart from ``content`` (vLLM's and
+    #: llama-server's ``reasoning_content``); absent when there is none.
+    reasoning: str = ""
 
     def as_json(self) -> dict[str, Any]:
         message: dict[str, Any] = {
@@ -110,6 +113,8 @@ class ChatChoice:
             "content": self.content if self.content or not self.tool_calls else None,
             "refusal": None,
         }
+        if self.reasoning:
+            message["reasoning_content"] = self.reasoning
         if self.tool_calls:
             message["tool_calls"] = [tool_call_json(call) for call in self.tool_calls]
         return {
@@ -286,6 +291,10 @@ class ChatCompletionStream(_Stream):
 
     def text(self, text: str, logprobs: dict[str, Any] | None = None, *, index: int = 0) -> bytes:
         return self._delta(index, {"content": text}, logprobs)
+
+    def reasoning(self, text: str, *, index: int = 0) -> bytes:
+        """A piece of a thinking model's reasoning (``reasoning_content``)."""
+        return self._delta(index, {"reasoning_content": text})
 
     def tool_call(
         self, call_index: int, *, id: str = "", name: str = "", arguments: str = "", index: int = 0

@@ -162,6 +162,9 @@ class InferFinal:
     timing: Timing
     #: With the request's ``logprobs``: the entries of ``response``'s tokens.
     logprobs: tuple[Mapping[str, Any], ...] | None = None
+    #: A thinking chat template's reasoning, apart from ``response`` (an
+    #: extension; absent when there is none).
+    reasoning: str | None = None
     echoed: Mapping[str, Any] = _echoed_field()
 
 

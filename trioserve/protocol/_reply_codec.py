@@ -73,7 +73,10 @@ for _cls in (*_REPLY_HEADS, ErrorReply):
             "logprobs": override(omit_if_default=True),
         }
     elif _cls is InferFinal:
-        _extra = {"logprobs": override(omit_if_default=True)}
+        _extra = {
+            "logprobs": override(omit_if_default=True),
+            "reasoning": override(omit_if_default=True),
+        }
     elif _cls is InfoReply:
         _extra = {"status": override(omit_if_default=True)}
     elif _cls is ErrorReply:

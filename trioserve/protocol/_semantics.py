@@ -93,6 +93,7 @@ def infer_final(
     first_token_s: float | None,
     total_s: float,
     logprobs: Sequence[TokenLogprob] = (),
+    reasoning: str = "",
 ) -> InferFinal:
     """The final frame of ``request``: ``finished`` says how its generation
     ended (None: it was interrupted, by a stop, a disconnect or a shutdown)."""
@@ -121,5 +122,6 @@ def infer_final(
             total_s=round(total_s, 6),
         ),
         logprobs=None if request.logprobs is None else logprob_entries(logprobs),
+        reasoning=reasoning or None,
         echoed=request.echoed,
     )

@@ -56,7 +56,7 @@ def new_response_id() -> str:
     return "resp_" + secrets.token_hex(24)
 
 
-def _item_id(kind: Literal["msg", "fc"]) -> str:
+def _item_id(kind: Literal["msg", "fc", "rs"]) -> str:
     return f"{kind}_{secrets.token_hex(24)}"
 
 
@@ -70,13 +70,21 @@ def sse(data: dict[str, Any]) -> bytes:
 class _Item:
     """One output item as it is written."""
 
-    kind: Literal["message", "function_call"]
+    kind: Literal["message", "function_call", "reasoning"]
     id: str
     text: str = ""
     call_id: str = ""
     name: str = ""
 
     def object(self, status: str) -> dict[str, Any]:
+        if self.kind == "reasoning":
+            return {
+                "type": "reasoning",
+                "id": self.id,
+                "summary": [],
+                "content": [] if status == "in_progress" else [_reasoning_part(self.text)],
+                "status": status,
+            }
         if self.kind == "message":
             content = [] if status == "in_progress" else [_text_part(self.text)]
             return {
@@ -100,6 +108,21 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
+def _part(item: _Item, text: str) -> dict[str, Any]:
+    return _reasoning_part(text) if item.kind == "reasoning" else _text_part(text)
+
+
+#: The delta and done events of an item's text, by its kind.
+_TEXT_EVENTS: dict[str, str] = {
+    "message": "response.output_text",
+    "reasoning": "response.reasoning_text",
+}
+
+
 @attrs.define(eq=False)
 class ResponseReply:
     """The answer to one started request: whole (:meth:`body`) or streamed
@@ -115,6 +138,7 @@ class ResponseReply:
     created_at: int = attrs.Factory(lambda: int(time.time()))
     _reader: ToolCallReader | None = attrs.field(init=False, default=None)
     _sent: int = attrs.field(init=False, default=0)
+    _thought: int = attrs.field(init=False, default=0)
     _sequence: int = attrs.field(init=False, default=0)
     #: Items done, and the one being written.
     _done: list[_Item] = attrs.field(init=False, factory=list)
@@ -163,6 +187,9 @@ class ResponseReply:
                 reader = ToolCallReader(self._reader.fmt)
                 events = reader.feed(self.state.response) + reader.finish()
             self._whole = _collect(events)
+            if self.state.reasoning:
+                thought = _Item("reasoning", _item_id("rs"), text=self.state.reasoning)
+                self._whole.insert(0, thought)
         return self._whole
 
     def response(self, error: OpenAIError | None = None) -> dict[str, Any]:
@@ -281,14 +308,14 @@ class ResponseReply:
                 "item": item.object("in_progress"),
             }
         )
-        if item.kind == "message":
+        if item.kind != "function_call":
             out += self._event(
                 {
                     "type": "response.content_part.added",
                     "item_id": item.id,
                     "output_index": index,
                     "content_index": 0,
-                    "part": _text_part(""),
+                    "part": _part(item, ""),
                 }
             )
         return out
@@ -301,24 +328,24 @@ class ResponseReply:
         index = len(self._done)
         self._done.append(item)
         out = b""
-        if item.kind == "message":
-            out += self._event(
-                {
-                    "type": "response.output_text.done",
-                    "item_id": item.id,
-                    "output_index": index,
-                    "content_index": 0,
-                    "text": item.text,
-                    "logprobs": [],
-                }
-            )
+        if item.kind != "function_call":
+            done: dict[str, Any] = {
+                "type": _TEXT_EVENTS[item.kind] + ".done",
+                "item_id": item.id,
+                "output_index": index,
+                "content_index": 0,
+                "text": item.text,
+            }
+            if item.kind == "message":
+                done["logprobs"] = []
+            out += self._event(done)
             out += self._event(
                 {
                     "type": "response.content_part.done",
                     "item_id": item.id,
                     "output_index": index,
                     "content_index": 0,
-                    "part": _text_part(item.text),
+                    "part": _part(item, item.text),
                 }
             )
         else:
@@ -382,6 +409,27 @@ class ResponseReply:
                 out += self._finish_item()
         return out
 
+    def _thinking(self, thought: str) -> bytes:
+        """The events of new reasoning: it comes first, in an item of its own
+        (no answer is released before it ends)."""
+        if not thought:
+            return b""
+        self._thought += len(thought)
+        out = b""
+        if self._open is None or self._open.kind != "reasoning":
+            out += self._start(_Item("reasoning", _item_id("rs")))
+        assert self._open is not None
+        self._open.text += thought
+        return out + self._event(
+            {
+                "type": "response.reasoning_text.delta",
+                "item_id": self._open.id,
+                "output_index": len(self._done),
+                "content_index": 0,
+                "delta": thought,
+            }
+        )
+
     def advance(self) -> bytes:
         """The events of what was released since the last call; when the
         generation has ended, the last item's ``done`` events."""
@@ -389,12 +437,13 @@ class ResponseReply:
             return b""
         state = self.state
         ended = state.outcome is not None
+        out = self._thinking(state.reasoning[self._thought :])
         text = state.response[self._sent :]
         self._sent += len(text)
         if self._reader is None:
-            out = self._events([Content(text)]) if text else b""
+            out += self._events([Content(text)]) if text else b""
         else:
-            out = self._events(self._reader.feed(text)) if text else b""
+            out += self._events(self._reader.feed(text)) if text else b""
         if not ended:
             return out
         self._ended = True

@@ -112,6 +112,14 @@ class ResponsesRequest:
     def sampling_settings(self) -> SamplingSettings:
         return api_settings(OPENAI_DEFAULTS, self.sampler)
 
+    @property
+    def thinking(self) -> bool | None:
+        """``reasoning.effort: "none"`` turns a thinking template's section
+        off; otherwise the template's default."""
+        if self.reasoning is not None and self.reasoning.get("effort") == "none":
+            return False
+        return None
+
     def template_messages(self) -> Turns:
         from .items import with_instructions
 

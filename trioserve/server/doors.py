@@ -140,7 +140,12 @@ _OPENAI: Final[Mapping[str, Read]] = {
 }
 #: OpenAI's ``/v1/chat/completions``.
 CHAT: Final = Door(
-    reads={**_OPENAI, "messages": lambda r: tuple(r.template_messages()), "tools": "tools"}
+    reads={
+        **_OPENAI,
+        "messages": lambda r: tuple(r.template_messages()),
+        "tools": "tools",
+        "thinking": "thinking",
+    }
 )
 #: OpenAI's ``/v1/completions``: a prompt of text or of token ids, 16 new
 #: tokens by default, and with ``echo`` the prompt's tokens scored.
@@ -170,6 +175,8 @@ MESSAGES: Final = Door(
         "stop_strings": "stop_sequences",
         "constraint": "constraint",
         "tools": "tools",
+        "thinking": "thinking",
+        "thinking_budget": "thinking_budget",
     }
 )
 
@@ -186,6 +193,7 @@ RESPONSES: Final = Door(
         "sampling": lambda r: r.sampling_settings(),
         "constraint": "constraint",
         "tools": "tools",
+        "thinking": "thinking",
     }
 )
 
@@ -273,6 +281,7 @@ def infer_final(request: p.InferRequest, generation: Generation) -> p.InferFinal
         first_token_s=generation.first_token_s,
         total_s=generation.total_s,
         logprobs=generation.logprobs,
+        reasoning=generation.reasoning,
     )
 
 

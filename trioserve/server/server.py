@@ -38,6 +38,7 @@ from trioserve.generation.scheduler import Scheduler, SchedulerStatistics, StepR
 from trioserve.metrics import Metrics
 from trioserve.openai import OpenAILimits
 from trioserve.responses import ResponseStore
+from trioserve.vocabulary.reasoning import ReasoningFormat, reasoning_format
 from trioserve.vocabulary.tools import TOOL_FORMATS
 
 from .anthropic_routes import AnthropicRoutes, api_error_body
@@ -64,6 +65,10 @@ def _leaf_oserror(error: BaseException) -> OSError | None:
     while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
         error = error.exceptions[0]
     return error if isinstance(error, OSError) else None
+
+
+def _thinking_markers(template: ChatTemplate | None) -> ReasoningFormat | None:
+    return None if template is None else reasoning_format(template.source)
 
 
 def _not_negative(name: str) -> Any:
@@ -152,6 +157,10 @@ class ServerConfig:
     #: How the model writes tool calls: ``auto`` (from its chat template) or
     #: one of ``hermes``, ``llama3``, ``mistral`` (docs/openai.md, "Tool calls").
     tool_call_format: str = "auto"
+    #: A thinking template's reasoning: ``auto`` keeps it apart from the
+    #: answer (``reasoning_content``, ``reasoning`` items, ``thinking``
+    #: blocks), ``none`` leaves it in the answer (docs/reasoning.md).
+    reasoning_format: str = "auto"
 
     def __attrs_post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -164,6 +173,10 @@ class ServerConfig:
             raise ConfigError(
                 f"tool call format must be auto or one of {', '.join(TOOL_FORMATS)},"
                 f" got {self.tool_call_format!r}"
+            )
+        if self.reasoning_format not in ("auto", "none"):
+            raise ConfigError(
+                f"reasoning format must be auto or none, got {self.reasoning_format!r}"
             )
         if self.max_running_per_client is not None and self.max_running_per_client < 1:
             raise ConfigError(
@@ -294,6 +307,7 @@ class Server:
             max_requests_per_client=config.max_requests_per_client,
             grammars=grammars_of(engine),
             tool_call_format=config.tool_call_format,
+            reasoning=self._reasoning_format(config),
         )
         self.identity = ClientIdentity(
             keyed=config.api_key is not None,
@@ -515,6 +529,19 @@ class Server:
         work.cancel()
 
     # -- the front door's parts -------------------------------------------------------
+
+    def _reasoning_format(self, config: ServerConfig) -> ReasoningFormat | None:
+        """The template's thinking markers, unless ``--reasoning-format none``."""
+        found = _thinking_markers(self.chat_template)
+        if found is not None:
+            kept = "apart from the answer" if config.reasoning_format == "auto" else "in the answer"
+            log.info(
+                "the chat template thinks (%s ... %s): its reasoning is kept %s",
+                found.start,
+                found.end,
+                kept,
+            )
+        return found if config.reasoning_format == "auto" else None
 
     def readiness(self) -> Readiness:
         """``/ready``: ready once listening, until the shutdown begins."""

@@ -40,6 +40,11 @@ class GenerationRequest:
     #: final assistant message, Anthropic's "prefill"). The prompt ends with
     #: it and the model goes on from there; the reply holds only what follows.
     assistant_prefix: str = ""
+    #: A thinking template's section on (True) or off (False: the template's
+    #: ``enable_thinking`` false), or the template's default (None).
+    thinking: bool | None = None
+    #: At most this many tokens of thinking, then the section is closed.
+    thinking_budget: int | None = None
     prompt_ids: tuple[int, ...] | None = None
     #: None: as many as the context leaves, up to the server's cap (and up
     #: to ``default_max_new_tokens`` when that is set).

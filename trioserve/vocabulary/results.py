@@ -128,7 +128,12 @@ class GenerationState(Protocol):
 
     @property
     def response(self) -> str:
-        """The text released so far."""
+        """The text released so far (the answer: a thinking template's
+        reasoning is apart, in :attr:`reasoning`)."""
+
+    @property
+    def reasoning(self) -> str:
+        """The thinking released so far ("" unless the template thinks)."""
 
     @property
     def outcome(self) -> str | None:

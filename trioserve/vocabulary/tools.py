@@ -292,7 +292,7 @@ def schema_options(tool: Tool) -> dict[str, Any]:
 
 #: Constraints that can stand as the answer beside tools (a Lark rule of
 #: their own): the kinds the grammar can embed.
-ANSWER_KINDS: Final = ("json_schema", "choice")
+ANSWER_KINDS: Final = ("json_schema", "choice", "regex")
 
 
 def answer_rule(answer: Constraint) -> str:
@@ -305,7 +305,9 @@ def answer_rule(answer: Constraint) -> str:
         return f"%json {json.dumps(schema, ensure_ascii=False)}"
     if answer.kind == "choice":
         return " | ".join(_lit(choice) or '""' for choice in json.loads(answer.text))
-    raise ValueError(f"a {answer.kind} constraint cannot stand beside tools")
+    if answer.kind == "regex":
+        return "/" + answer.text.replace("/", "\\/") + "/"
+    raise ValueError(f"a {answer.kind} constraint cannot stand as an answer's rule")
 
 
 def tool_grammar(

@@ -1,0 +1,70 @@
+"""A generation's thinking section (a thinking chat template's, with
+``Generations.reasoning``): where the generation starts in it, read from the
+prompt rendered early, the splitter that keeps its reasoning apart from its
+answer, and the constraint that holds the answer after the thinking, not
+the thinking (:func:`~trioserve.vocabulary.reasoning.thinking_grammar`)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from trioserve.vocabulary.constraint import Constraint
+from trioserve.vocabulary.reasoning import ReasoningFormat, ReasoningSplitter, thinking_grammar
+from trioserve.vocabulary.request import GenerationRequest
+from trioserve.vocabulary.tools import answer_rule
+
+from .request import InvalidGeneration
+
+__all__ = ["after_thinking", "find_thinking"]
+
+
+async def find_thinking(
+    fmt: ReasoningFormat | None,
+    render: Callable[[GenerationRequest], Awaitable[str]],
+    request: GenerationRequest,
+) -> tuple[str | None, ReasoningSplitter | None]:
+    """The prompt, rendered by ``render`` (None when nothing was rendered here), and the
+    splitter of the generation's text: None when the template does not
+    think, when the prompt closed the section (thinking off), or when a
+    prefill continues the answer itself."""
+    if fmt is None or request.messages is None or request.prompt_ids is not None:
+        return None, None
+    rendered = await render(request)
+    if request.assistant_prefix:
+        return rendered, None
+    section = fmt.section(rendered)
+    if section == "after":
+        return rendered, None
+    return rendered, ReasoningSplitter(fmt, section)
+
+
+async def after_thinking(
+    constraint: Constraint | None,
+    splitter: ReasoningSplitter | None,
+    request: GenerationRequest,
+    encode: Callable[[str], Awaitable[list[int]]],
+) -> Constraint | None:
+    """The constraint that holds the answer after the thinking, not the
+    thinking (and a thinking budget, even without a constraint). A grammar of
+    the client's own cannot be set after the thinking: a 400 naming it."""
+    if splitter is None or (constraint is None and request.thinking_budget is None):
+        return constraint
+    fmt = splitter.fmt
+    if constraint is None:
+        answer = "start: /(.|\\n)*/"
+    elif constraint.field == "tools":
+        answer = constraint.text
+    elif constraint.kind in ("json_schema", "choice", "regex"):
+        answer = "%llguidance {}\nstart: " + answer_rule(constraint)
+    else:
+        raise InvalidGeneration(
+            "a grammar cannot follow this model's thinking section: give a JSON schema, a"
+            " regex or choices, or turn thinking off (reasoning_effort: none)",
+            "constraint",
+            wire_name=constraint.field,
+        )
+    special = all([len(await encode(marker)) == 1 for marker in (fmt.start, fmt.end)])
+    grammar = thinking_grammar(
+        answer, fmt, splitter.start, budget=request.thinking_budget, special=special
+    )
+    return Constraint("grammar", grammar, "constraint" if constraint is None else constraint.field)
