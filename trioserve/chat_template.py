@@ -382,14 +382,18 @@ def _pick_named(templates: Sequence[Any], where: Path) -> str:
     raise ModelError(f"{where}: chat_template lists named templates but none named 'default'")
 
 
-def load_chat_template(model_dir: str | Path, **bounds: Any) -> ChatTemplate:
+def load_chat_template(
+    model_dir: str | Path, *, source_file: str | Path | None = None, **bounds: Any
+) -> ChatTemplate:
     """The chat template of the Hugging Face model directory ``model_dir``.
 
     Looks, in transformers' order of preference, for ``chat_template.jinja``,
     then ``chat_template.json`` (``{"chat_template": ...}``), then the
     ``chat_template`` entry of ``tokenizer_config.json`` (a string, or a list
     of named templates of which ``default`` is used). Special tokens come from
-    ``tokenizer_config.json``. ``bounds`` go to :meth:`ChatTemplate.from_string`.
+    ``tokenizer_config.json``. ``source_file`` (``--chat-template``) replaces
+    the model's own template, its special tokens kept. ``bounds`` go to
+    :meth:`ChatTemplate.from_string`.
 
     Raises :class:`NoChatTemplate` when the model has none, and
     :class:`~trioserve.errors.ModelError` when a file is unreadable or the
@@ -411,6 +415,12 @@ def load_chat_template(model_dir: str | Path, **bounds: Any) -> ChatTemplate:
     }
 
     source: str | None = None
+    if source_file is not None:
+        try:
+            source = Path(source_file).read_text(encoding="utf-8")
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot read the chat template {source_file}: {exc}") from None
+        return ChatTemplate.from_string(source, special_tokens=special_tokens, **bounds)
     jinja_path = root / "chat_template.jinja"
     json_path = root / "chat_template.json"
     try:

@@ -326,6 +326,14 @@ OPTIONS: Final[tuple[Option, ...]] = (
         choices=("auto", "hermes", "llama3", "mistral"),
     ),
     Option(
+        "chat_template",
+        MODEL,
+        "a Jinja chat template file to use instead of the model's own (its special tokens kept)",
+        S,
+        metavar="FILE",
+        shown_default="the model's",
+    ),
+    Option(
         "reasoning_format",
         MODEL,
         "a thinking chat template's reasoning (<think> ... </think> and the like): auto keeps it"
@@ -333,6 +341,15 @@ OPTIONS: Final[tuple[Option, ...]] = (
         " leaves it in the answer",
         S,
         choices=("auto", "none"),
+    ),
+    Option(
+        "reasoning_budget",
+        MODEL,
+        "at most this many tokens of a thinking template's reasoning per reply, then its section"
+        " is closed and the answer follows (a request's own budget, when lower, wins)",
+        S,
+        metavar="TOKENS",
+        shown_default="no bound",
     ),
     Option(
         "weights",

@@ -130,6 +130,8 @@ class Generations:
     #: apart from its answer (None: ``--reasoning-format none``, or a
     #: template that does not think).
     reasoning: ReasoningFormat | None = None
+    #: The most tokens of reasoning per reply (``--reasoning-budget``).
+    reasoning_budget: int | None = None
     _in_flight: collections.Counter[Hashable] = attrs.field(factory=collections.Counter, init=False)
 
     @property
@@ -252,6 +254,12 @@ class Generations:
         self._in_flight[client] -= 1
         if self._in_flight[client] <= 0:
             del self._in_flight[client]
+
+
+def _budget(*budgets: int | None) -> int | None:
+    """The lowest of the budgets that are set."""
+    given = [budget for budget in budgets if budget is not None]
+    return min(given) if given else None
 
 
 @attrs.define(eq=False)
@@ -448,7 +456,10 @@ class Generation:
             special = len(await self.generations.tokenizing.encode(fmt.trigger)) == 1
             constraint = tools_constraint(tools, fmt, special_trigger=special, answer=answer)
         constraint = await after_thinking(
-            constraint, self._splitter, request, generations.tokenizing.encode
+            constraint,
+            self._splitter,
+            _budget(request.thinking_budget, generations.reasoning_budget),
+            generations.tokenizing.encode,
         )
         grammars = self.generations.grammars
         if constraint is None:

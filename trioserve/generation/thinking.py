@@ -41,13 +41,14 @@ async def find_thinking(
 async def after_thinking(
     constraint: Constraint | None,
     splitter: ReasoningSplitter | None,
-    request: GenerationRequest,
+    budget: int | None,
     encode: Callable[[str], Awaitable[list[int]]],
 ) -> Constraint | None:
     """The constraint that holds the answer after the thinking, not the
-    thinking (and a thinking budget, even without a constraint). A grammar of
-    the client's own cannot be set after the thinking: a 400 naming it."""
-    if splitter is None or (constraint is None and request.thinking_budget is None):
+    thinking, and closes the thinking after ``budget`` tokens (even without
+    a constraint). A grammar of the client's own cannot be set after the
+    thinking: a 400 naming it."""
+    if splitter is None or (constraint is None and budget is None):
         return constraint
     fmt = splitter.fmt
     if constraint is None:
@@ -64,7 +65,5 @@ async def after_thinking(
             wire_name=constraint.field,
         )
     special = all([len(await encode(marker)) == 1 for marker in (fmt.start, fmt.end)])
-    grammar = thinking_grammar(
-        answer, fmt, splitter.start, budget=request.thinking_budget, special=special
-    )
+    grammar = thinking_grammar(answer, fmt, splitter.start, budget=budget, special=special)
     return Constraint("grammar", grammar, "constraint" if constraint is None else constraint.field)

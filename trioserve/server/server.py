@@ -161,6 +161,11 @@ class ServerConfig:
     #: answer (``reasoning_content``, ``reasoning`` items, ``thinking``
     #: blocks), ``none`` leaves it in the answer (docs/reasoning.md).
     reasoning_format: str = "auto"
+    #: A Jinja chat template file used instead of the model's own.
+    chat_template: str | None = None
+    #: At most this many tokens of a thinking template's reasoning per reply,
+    #: then its section is closed (None: no bound but the request's).
+    reasoning_budget: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -174,6 +179,8 @@ class ServerConfig:
                 f"tool call format must be auto or one of {', '.join(TOOL_FORMATS)},"
                 f" got {self.tool_call_format!r}"
             )
+        if self.reasoning_budget is not None and self.reasoning_budget < 0:
+            raise ConfigError(f"reasoning budget must be >= 0, got {self.reasoning_budget!r}")
         if self.reasoning_format not in ("auto", "none"):
             raise ConfigError(
                 f"reasoning format must be auto or none, got {self.reasoning_format!r}"
@@ -296,7 +303,7 @@ class Server:
         self.metrics = Metrics()
         self.metrics.set_model(model=info.model_name, engine=info.engine)
         self.scheduler.on_step = self._on_step
-        self.chat_template = _load_template(info)
+        self.chat_template = _load_template(info, config.chat_template)
         self.generations = Generations(
             scheduler=self.scheduler,
             tokenizing=self.tokenizing,
@@ -308,6 +315,7 @@ class Server:
             grammars=grammars_of(engine),
             tool_call_format=config.tool_call_format,
             reasoning=self._reasoning_format(config),
+            reasoning_budget=config.reasoning_budget,
         )
         self.identity = ClientIdentity(
             keyed=config.api_key is not None,
@@ -595,8 +603,15 @@ class Server:
         return {"model": info.model_name, "engine": info.engine}
 
 
-def _load_template(info: EngineInfo) -> ChatTemplate | None:
-    """The model's chat template, or None (chat routes then answer 400)."""
+def _load_template(info: EngineInfo, source_file: str | None = None) -> ChatTemplate | None:
+    """The model's chat template (or ``--chat-template``'s), or None (chat
+    routes then answer 400). A template file given that cannot be read or
+    compiled is a :class:`ConfigError`: the operator asked for it."""
+    if source_file is not None:
+        try:
+            return load_chat_template(info.model_dir or ".", source_file=source_file)
+        except TrioserveError as exc:
+            raise ConfigError(f"--chat-template: {exc}") from None
     if info.model_dir is None:
         return None
     try:

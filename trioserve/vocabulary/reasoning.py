@@ -98,7 +98,7 @@ class ReasoningSplitter:
     streams. Text that may be the start of a marker is held until the next
     piece says; :meth:`finish` gives what is held. Whitespace between the
     end marker and the answer is dropped, as is whitespace before the start
-    marker."""
+    marker and before the first words of the thinking."""
 
     fmt: ReasoningFormat
     #: Where the generation starts.
@@ -106,6 +106,8 @@ class ReasoningSplitter:
     #: Where the text is now: a section's place, or in the answer.
     where: str = attrs.field(init=False)
     _held: str = attrs.field(init=False, default="")
+    #: Whether any reasoning has been given yet.
+    _thought: bool = attrs.field(init=False, default=False)
 
     def __attrs_post_init__(self) -> None:
         self.where = self.start
@@ -127,9 +129,15 @@ class ReasoningSplitter:
                 self.where = "content"
                 continue
             if self.where == "inside":
+                if not self._thought:
+                    # The thinking's first words, not the newlines before them.
+                    text = text.lstrip()
+                    if not text:
+                        return out
                 index = text.find(self.fmt.end)
                 if index >= 0:
                     if index:
+                        self._thought = True
                         out.append(("reasoning", text[:index]))
                     self.where = "after"
                     text = text[index + len(self.fmt.end) :]
@@ -139,6 +147,7 @@ class ReasoningSplitter:
                     self._held = text[-keep:]
                     text = text[:-keep]
                 if text:
+                    self._thought = True
                     out.append(("reasoning", text))
                 return out
             if self.where == "after":
