@@ -687,3 +687,33 @@ def test_a_list_or_object_where_a_type_name_goes_is_a_400(
     hashed, looked up among the known names, was the server's 500."""
     fields.setdefault("messages", [{"role": "user", "content": "hi"}])
     assert refused(parse_chat_request, body(**fields)).param == param
+
+
+def test_thinking_is_switched_by_reasoning_effort_or_enable_thinking() -> None:
+    assert chat().thinking is None
+    assert chat(reasoning_effort="none").thinking is False
+    assert chat(reasoning_effort="high").thinking is None
+    assert chat(chat_template_kwargs={"enable_thinking": False}).thinking is False
+    assert chat(chat_template_kwargs={"enable_thinking": True}).thinking is True
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+        ({"reasoning_effort": ["none"]}, "reasoning_effort"),
+        ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"tools_in_user_message": True}}, "chat_template_kwargs"),
+        (
+            {"chat_template_kwargs": {"enable_thinking": "no"}},
+            "chat_template_kwargs.enable_thinking",
+        ),
+        (
+            {"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}},
+            "chat_template_kwargs.enable_thinking",
+        ),
+    ],
+)
+def test_a_bad_thinking_switch_is_a_400_naming_it(fields: dict[str, Any], param: str) -> None:
+    fields.setdefault("messages", [{"role": "user", "content": "hi"}])
+    assert refused(parse_chat_request, body(**fields)).param == param
