@@ -38,7 +38,7 @@ from trioserve.generation.scheduler import Scheduler, SchedulerStatistics, StepR
 from trioserve.metrics import Metrics
 from trioserve.openai import OpenAILimits
 from trioserve.responses import ResponseStore
-from trioserve.vocabulary.reasoning import ReasoningFormat, reasoning_format
+from trioserve.vocabulary.reasoning import KNOWN_MARKERS, ReasoningFormat, reasoning_format
 from trioserve.vocabulary.tools import TOOL_FORMATS
 
 from .anthropic_routes import AnthropicRoutes, api_error_body
@@ -67,8 +67,18 @@ def _leaf_oserror(error: BaseException) -> OSError | None:
     return error if isinstance(error, OSError) else None
 
 
-def _thinking_markers(template: ChatTemplate | None) -> ReasoningFormat | None:
-    return None if template is None else reasoning_format(template.source)
+def _thinking_markers(template: ChatTemplate | None, engine: Engine) -> ReasoningFormat | None:
+    """The template's thinking markers; of several pairs, the one whose
+    markers are single tokens of the model's tokenizer."""
+    if template is None:
+        return None
+    vocabulary = [
+        marker
+        for pair in KNOWN_MARKERS
+        for marker in pair
+        if marker in template.source and len(engine.encode(marker)) == 1
+    ]
+    return reasoning_format(template.source, vocabulary)
 
 
 def _not_negative(name: str) -> Any:
@@ -540,7 +550,7 @@ class Server:
 
     def _reasoning_format(self, config: ServerConfig) -> ReasoningFormat | None:
         """The template's thinking markers, unless ``--reasoning-format none``."""
-        found = _thinking_markers(self.chat_template)
+        found = _thinking_markers(self.chat_template, self.engine)
         if found is not None:
             kept = "apart from the answer" if config.reasoning_format == "auto" else "in the answer"
             log.info(
