@@ -185,6 +185,15 @@ async def test_anthropics_thinking_budget_and_blocks(cpu_engine: CpuEngine) -> N
             assert [block.type for block in final.content] == ["thinking", "text"]
             assert final.content[0].thinking == thinking.thinking
             assert final.content[1].text == text.text
+            # A budget past any context bounds nothing (and is no error).
+            huge = sdk.messages.create(
+                model="m",
+                max_tokens=4,
+                messages=ask,
+                thinking={"type": "enabled", "budget_tokens": 10**30},
+            )
+            assert [block.type for block in huge.content] == ["thinking"]
+            assert huge.stop_reason == "max_tokens"
             off = sdk.messages.create(
                 model="m",
                 max_tokens=20,

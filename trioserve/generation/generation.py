@@ -256,10 +256,12 @@ class Generations:
             del self._in_flight[client]
 
 
-def _budget(*budgets: int | None) -> int | None:
-    """The lowest of the budgets that are set."""
+def _budget(request: GenerationRequest, generations: Generations) -> int | None:
+    """The lowest of the request's and the server's thinking budgets; one
+    the context cannot reach bounds nothing."""
+    budgets = (request.thinking_budget, generations.reasoning_budget)
     given = [budget for budget in budgets if budget is not None]
-    return min(given) if given else None
+    return min(given) if given and min(given) < generations.info.context_length else None
 
 
 @attrs.define(eq=False)
@@ -458,7 +460,7 @@ class Generation:
         constraint = await after_thinking(
             constraint,
             self._splitter,
-            _budget(request.thinking_budget, generations.reasoning_budget),
+            _budget(request, generations),
             generations.tokenizing.encode,
         )
         grammars = self.generations.grammars
