@@ -86,6 +86,18 @@ async def test_every_door_keeps_the_thinking_apart(cpu_engine: CpuEngine) -> Non
                     content += delta.content
             assert (thinking, content) == (thought, said)
             assert "".join(kinds).lstrip("r").count("r") == 0
+            # Several choices: each its own thinking, apart.
+            several = sdk.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": QUESTION}],
+                temperature=1.0,
+                n=2,
+                seed=1,
+                max_tokens=40,
+            )
+            assert len(several.choices) == 2
+            thoughts = [choice.message.reasoning_content for choice in several.choices]
+            assert all(thoughts) and thoughts[0] != thoughts[1]
             # reasoning_effort none: the template's section is closed, no reasoning.
             off = sdk.chat.completions.create(
                 model="m",
