@@ -449,6 +449,9 @@ async def test_models_report_the_same_limits_as_info(cpu_engine: CpuEngine) -> N
             reply = await client.response("GET")
         assert reply is not None and reply.status == 200
         (model,) = reply.json()["data"]
+        # And llama-server's models array (Ollama's shape), for the clients that read it.
+        (listed,) = reply.json()["models"]
+        assert listed["name"] == listed["model"] == model["id"]
         assert model["max_model_len"] == info["model"]["context_length"]
         assert model["limits"] == info["limits"]
         # Which kernels run the model, the same words on both doors and in the log.

@@ -370,10 +370,26 @@ def models_response(
     kernels: str | None = None,
 ) -> bytes:
     """The body of ``GET /v1/models``: the one served model (and the
-    paging fields of Anthropic's list)."""
+    paging fields of Anthropic's list, and llama-server's ``models`` array
+    in Ollama's shape, which some clients read instead of ``data``)."""
     model = model_object(
         name, created, context_length=context_length, limits=limits, kernels=kernels
     )
+    listed = {
+        "name": name,
+        "model": name,
+        "type": "model",
+        "description": "",
+        "tags": [],
+        "capabilities": ["completion"],
+    }
     return _dumps(
-        {"object": "list", "data": [model], "has_more": False, "first_id": name, "last_id": name}
+        {
+            "object": "list",
+            "data": [model],
+            "models": [listed],
+            "has_more": False,
+            "first_id": name,
+            "last_id": name,
+        }
     )
