@@ -278,3 +278,24 @@ def test_responses_give_a_reasoning_item_first(fmt: ToolFormat | None) -> None:
     assert whole["output"][0]["content"] == reasoning["content"]
     # The conversation a stored response leaves keeps the answer, not the thinking.
     assert rs.ResponseReply(request, "m", state).history()[-1]["content"] == "It is 4."
+
+
+async def test_tools_in_auto_are_guarded_where_the_model_may_open_the_section() -> None:
+    """The tools grammar's free text must not open the section either: the
+    splitter would take the reply for thinking, the calls unparsed."""
+    from trioserve.generation.constraining import tools_constraint
+    from trioserve.generation.thinking import after_thinking
+    from trioserve.vocabulary.tools import Tool, ToolUse
+
+    async def encode(text: str) -> list[int]:
+        return list(range(len(text)))  # text markers: several tokens each
+
+    use = ToolUse(tools=(Tool(name="f", description=None, parameters=None),), choice="auto")
+    tools = tools_constraint(use, HERMES, special_trigger=False)
+    assert tools is not None
+    wrapped = await after_thinking(tools, ReasoningSplitter(THINK, "before"), None, encode)
+    assert wrapped is not None and "& ~/\\s*<think>" in wrapped.text
+    _compiles(wrapped.text)
+    inside = await after_thinking(tools, ReasoningSplitter(THINK, "inside"), None, encode)
+    assert inside is not None and "~/\\s*<think>" not in inside.text
+    _compiles(inside.text)

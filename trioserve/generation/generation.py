@@ -600,8 +600,9 @@ class Generation:
                     return
         if job is not None:
             self.generations.scheduler.cancel(job)
-        if self.held:
-            self._release(self.held)
+        if self.held or self._splitter is not None:
+            # The splitter's held text too (the start of a marker): the last release.
+            self._release(self.held, final=True)
             self.held = ""
         self._settle("interrupted")
 

@@ -9,7 +9,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from trioserve.vocabulary.constraint import Constraint
-from trioserve.vocabulary.reasoning import ReasoningFormat, ReasoningSplitter, thinking_grammar
+from trioserve.vocabulary.reasoning import (
+    ReasoningFormat,
+    ReasoningSplitter,
+    not_opening,
+    thinking_grammar,
+)
 from trioserve.vocabulary.request import GenerationRequest
 from trioserve.vocabulary.tools import answer_rule
 
@@ -51,11 +56,20 @@ async def after_thinking(
     if splitter is None or (constraint is None and budget is None):
         return constraint
     fmt = splitter.fmt
+    # Where the model may open the section itself, a free answer must not
+    # open it: the splitter would take it all for thinking (the budget and
+    # the answer's format both bypassed).
+    guard = not_opening(fmt) if splitter.start == "before" else ""
     if constraint is None:
-        answer = "start: /(.|\\n)*/"
+        answer = f"start: ANSWER_TEXT\nANSWER_TEXT: /(.|\\n)*/{guard}"
     elif constraint.field == "tools":
-        answer = constraint.text
-    elif constraint.kind in ("json_schema", "choice", "regex"):
+        # The tools grammar's free text (auto), guarded alike.
+        answer = constraint.text.replace("TEXT: /(.|\\n)*/", "TEXT: /(.|\\n)*/" + guard)
+    elif constraint.kind == "regex":
+        answer = (
+            f"%llguidance {{}}\nstart: ANSWER_TEXT\nANSWER_TEXT: {answer_rule(constraint)}{guard}"
+        )
+    elif constraint.kind in ("json_schema", "choice"):
         answer = "%llguidance {}\nstart: " + answer_rule(constraint)
     else:
         raise InvalidGeneration(

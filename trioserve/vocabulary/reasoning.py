@@ -30,6 +30,7 @@ __all__ = [
     "ReasoningFormat",
     "ReasoningSplitter",
     "Section",
+    "not_opening",
     "reasoning_format",
     "thinking_grammar",
 ]
@@ -197,6 +198,14 @@ def _regex_literal(text: str) -> str:
     return re.escape(text).replace("/", "\\/")
 
 
+def not_opening(fmt: ReasoningFormat) -> str:
+    """A lexeme's ``& ~/.../`` operand: no text that opens the section
+    (after whitespace, as :class:`ReasoningSplitter` reads it). An answer
+    where the model may open the section must not: the splitter would take
+    it for thinking, held neither to the budget nor to the answer's format."""
+    return f" & ~/\\s*{_regex_literal(fmt.start)}(.|\\n)*/"
+
+
 def thinking_grammar(
     answer_grammar: str,
     fmt: ReasoningFormat,
@@ -214,7 +223,9 @@ def thinking_grammar(
     special tokens of the tokenizer, named as tokens."""
     lines = []
     renamed = False
-    for line in answer_grammar.splitlines():
+    # Split on newlines only: str.splitlines also breaks at U+2028, U+0085
+    # and the like, which JSON and Lark literals hold as they are.
+    for line in answer_grammar.split("\n"):
         if line.startswith("start:"):
             line = "answer_start:" + line[len("start:") :]
             renamed = True
@@ -229,10 +240,23 @@ def thinking_grammar(
     if special:
         # A special token is never text: no text of the thought can be it.
         lines.append("THOUGHT: /(.|\\n)*/")
+        lines.append(f"thought{attrs_}: THOUGHT")
+        lines.append(f"think: thought {marker(fmt.end)} SPACE")
+    elif budget is None:
+        # The shortest text that ends with the end marker (a lazy lexeme, as
+        # llguidance's docs write a thinking section of text markers): a
+        # greedy thought would take the marker's first characters for more
+        # thinking, and the model could never close the section itself.
+        lines.append(f"thought[lazy]: /(.|\\n)*{_regex_literal(fmt.end)}/")
+        lines.append("think: thought SPACE")
     else:
+        # llguidance bounds only a greedy lexeme by max_tokens (a lazy one
+        # runs on): so with text markers and a budget, the thinking runs to
+        # the budget, where the end marker is forced (the model cannot close
+        # it sooner, its first characters being taken for thinking).
         lines.append(f"THOUGHT: /(.|\\n)*/ & ~/(.|\\n)*{_regex_literal(fmt.end)}(.|\\n)*/")
-    lines.append(f"thought{attrs_}: THOUGHT")
-    lines.append(f"think: thought {marker(fmt.end)} SPACE")
+        lines.append(f"thought{attrs_}: THOUGHT")
+        lines.append(f"think: thought {marker(fmt.end)} SPACE")
     lines.append("SPACE: /[ \\t\\n]*/")
     if where == "inside":
         lines.append("start: think answer_start")

@@ -306,8 +306,38 @@ def answer_rule(answer: Constraint) -> str:
     if answer.kind == "choice":
         return " | ".join(_lit(choice) or '""' for choice in json.loads(answer.text))
     if answer.kind == "regex":
-        return "/" + answer.text.replace("/", "\\/") + "/"
+        return _lark_regex(answer.text)
     raise ValueError(f"a {answer.kind} constraint cannot stand as an answer's rule")
+
+
+def _lark_regex(pattern: str) -> str:
+    """``pattern`` as a Lark regex literal (``/.../``) that means the same
+    and cannot end early: a slash is escaped unless it is already, an
+    escape is kept whole (``\\/`` stays ``\\/``, where escaping its slash
+    again would close the literal on ``\\\\``), and line breaks are written
+    as escapes (a grammar's lines are its rules). A lone backslash at the
+    end is a literal backslash."""
+    out = []
+    index = 0
+    while index < len(pattern):
+        char = pattern[index]
+        if char == "\\":
+            escaped = pattern[index + 1 : index + 2] or "\\"
+            out.append("\\" + _LINE_BREAKS.get(escaped, escaped))
+            index += 2
+            continue
+        if char == "/":
+            out.append("\\/")
+        elif char in _LINE_BREAKS:
+            out.append("\\" + _LINE_BREAKS[char])
+        else:
+            out.append(char)
+        index += 1
+    return "/" + "".join(out) + "/"
+
+
+#: The line breaks a regex may hold, as the letters of their escapes.
+_LINE_BREAKS: Final = {"\n": "n", "\r": "r"}
 
 
 def tool_grammar(
