@@ -7,7 +7,10 @@ server and its nonessential traffic is off. Its default request is about
 embedded model's context is 8,192: the server answers ``prompt is too long``
 and Claude Code says so in its own words (it would compact a longer
 conversation). With its own tools and system prompt cut down (``--bare
---system-prompt ... --tools Read``) the same binary runs a whole turn.
+--system-prompt ... --tools ""``) the same binary runs a whole turn. (With
+a tool left on, the 135M model at Claude Code's temperature sometimes calls
+it with arguments thousands of tokens long, and the next turn is then too
+long for its context: a turn test that fails by chance.)
 
 The ``clients`` nox session installs it and sets ``TRIOSERVE_CLAUDE_CODE``
 to its executable; elsewhere these tests skip.
@@ -72,7 +75,7 @@ async def test_claude_code_runs_a_turn(cpu_engine: CpuEngine, tmp_path: Path) ->
             "--system-prompt",
             "You are a helpful assistant.",
             "--tools",
-            "Read",
+            "",
         )
         assert code == 0, output
         assert output.strip() and "API Error" not in output, output
