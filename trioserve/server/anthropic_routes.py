@@ -23,18 +23,12 @@ import attrs
 import trio
 
 from trioserve import anthropic as an
-from trioserve.generation import (
-    Generation,
-    Generations,
-    InvalidGeneration,
-    Overloaded,
-    start_choices,
-)
+from trioserve.generation import Generation, Generations, InvalidGeneration, Overloaded
 from trioserve.metrics import Metrics
 
 from . import access
 from .doors import ClientIdentity, anthropic_error, from_anthropic
-from .exchange import Exchange
+from .exchange import Exchange, start_request
 from .http_types import (
     HTTPRequest,
     RequestHead,
@@ -121,8 +115,8 @@ class AnthropicRoutes:
     async def messages(self, http: HTTPRequest) -> Response | StreamingResponse:
         arrived = trio.current_time()
         client = self.identity.of(http.head)
-        choices: list[Generation] = []
-        try:
+
+        def open_request() -> tuple[an.MessagesRequest, list[Generation]]:
             try:
                 # Before the body is parsed: a client at its limit costs nothing more.
                 self.generations.admit(client)
@@ -135,23 +129,16 @@ class AnthropicRoutes:
                     " request's custom tools",
                     ", ".join(parsed.skipped_tools[:16]),
                 )
-            choices = self._open(parsed, client)
-            choices[0].received = arrived
-            try:
-                await start_choices(choices)
-            except InvalidGeneration as exc:
-                raise anthropic_error(exc) from None
-            except Overloaded as exc:
-                raise an.AnthropicError(an.OVERLOADED, exc.message, retry_after=1) from None
-        except an.AnthropicError as exc:
-            for choice in choices:
-                choice.close()
-            self._finish(http, choices, _outcome(exc.status), arrived)
-            raise
-        except BaseException:
-            for choice in choices:
-                choice.close()
-            raise
+            return parsed, self._open(parsed, client)
+
+        parsed, choices = await start_request(
+            open_request,
+            arrived=arrived,
+            invalid=anthropic_error,
+            overloaded=lambda exc: an.AnthropicError(an.OVERLOADED, exc.message, retry_after=1),
+            api_error=an.AnthropicError,
+            refused=lambda opened, exc: self._finish(http, opened, _outcome(exc.status), arrived),
+        )
         reply = an.MessageReply(parsed, self.model_name, choices[0])
         exchange = Exchange(
             reply,

@@ -13,16 +13,64 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import attrs
 import trio
 
-from trioserve.generation import Generation, follow_choices
+from trioserve.generation import (
+    Generation,
+    InvalidGeneration,
+    Overloaded,
+    follow_choices,
+    start_choices,
+)
 
 from .http_types import BodyWriter, Response
 
-__all__ = ["Exchange", "WireReply"]
+__all__ = ["Exchange", "WireReply", "start_request"]
+
+P = TypeVar("P")
+E = TypeVar("E", bound=Exception)
+
+
+async def start_request(
+    open_request: Callable[[], tuple[P, list[Generation]]],
+    *,
+    arrived: float,
+    invalid: Callable[[InvalidGeneration], Exception],
+    overloaded: Callable[[Overloaded], Exception],
+    api_error: type[E],
+    refused: Callable[[Sequence[Generation], E], None],
+) -> tuple[P, list[Generation]]:
+    """Every API door's start: ``open_request`` reads the request and opens
+    its generations (raising the API's own error, ``api_error``), then they
+    are started (the pipeline's errors in the API's terms: ``invalid``,
+    ``overloaded``). A request refused on the way has its generations
+    closed and ``refused`` counts and logs it; anything else (a disconnect)
+    closes them and goes on."""
+    choices: list[Generation] = []
+    try:
+        parsed, choices = open_request()
+        for choice in choices:
+            choice.received = arrived
+        try:
+            await start_choices(choices)
+        except InvalidGeneration as exc:
+            raise invalid(exc) from None
+        except Overloaded as exc:
+            raise overloaded(exc) from None
+    except api_error as exc:
+        for choice in choices:
+            choice.close()
+        refused(choices, exc)
+        raise
+    except BaseException:
+        for choice in choices:
+            choice.close()
+        raise
+    return parsed, choices
+
 
 log = logging.getLogger("trioserve.routes")
 

@@ -28,18 +28,12 @@ import trio
 
 from trioserve import openai as oa
 from trioserve import responses as rs
-from trioserve.generation import (
-    Generation,
-    Generations,
-    InvalidGeneration,
-    Overloaded,
-    start_choices,
-)
+from trioserve.generation import Generation, Generations, InvalidGeneration, Overloaded
 from trioserve.metrics import Metrics
 
 from . import access
 from .doors import ClientIdentity, from_responses, responses_error
-from .exchange import Exchange
+from .exchange import Exchange, start_request
 from .http_types import HTTPRequest, Response, Router, StreamingResponse, event_stream
 from .routes import _outcome, _overloaded, http_errors, not_admitted
 
@@ -118,31 +112,24 @@ class ResponsesRoutes:
     async def create(self, http: HTTPRequest) -> Response | StreamingResponse:
         arrived = trio.current_time()
         client = self.identity.of(http.head)
-        choices: list[Generation] = []
-        try:
+
+        def open_request() -> tuple[rs.ResponsesRequest, list[Generation]]:
             try:
                 # Before the body is parsed: a client at its limit costs nothing more.
                 self.generations.admit(client)
             except Overloaded as exc:
                 raise not_admitted(exc) from None
             parsed = self._parse(http, client)
-            choices = self._open(parsed, client)
-            choices[0].received = arrived
-            try:
-                await start_choices(choices)
-            except InvalidGeneration as exc:
-                raise responses_error(exc) from None
-            except Overloaded as exc:
-                raise _overloaded(exc) from None
-        except oa.OpenAIError as exc:
-            for choice in choices:
-                choice.close()
-            self._log(http, choices, _outcome(exc.status), arrived)
-            raise
-        except BaseException:
-            for choice in choices:
-                choice.close()
-            raise
+            return parsed, self._open(parsed, client)
+
+        parsed, choices = await start_request(
+            open_request,
+            arrived=arrived,
+            invalid=responses_error,
+            overloaded=_overloaded,
+            api_error=oa.OpenAIError,
+            refused=lambda opened, exc: self._log(http, opened, _outcome(exc.status), arrived),
+        )
         reply = rs.ResponseReply(parsed, self.model_name, choices[0])
 
         def finish(outcome: str) -> None:

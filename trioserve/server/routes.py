@@ -34,14 +34,13 @@ from trioserve.generation import (
     Generations,
     InvalidGeneration,
     Overloaded,
-    start_choices,
 )
 from trioserve.metrics import Metrics
 
 from . import access
 from .accept import prefers_html
 from .doors import ClientIdentity, from_openai, openai_error
-from .exchange import Exchange
+from .exchange import Exchange, start_request
 from .http_types import (
     Handler,
     HTTPError,
@@ -144,6 +143,10 @@ def http_errors(
     return wrapped
 
 
+#: An OpenAI request of either generation route.
+Request = oa.CompletionRequest | oa.ChatCompletionRequest
+
+
 def _outcome(status: int) -> str:
     """The metrics outcome of an error status."""
     return {
@@ -225,31 +228,25 @@ class OpenAIRoutes:
     ) -> Response | StreamingResponse:
         arrived = trio.current_time()
         client = self.identity.of(http.head)
-        choices: list[Generation] = []
-        try:
-            parsed: oa.CompletionRequest | oa.ChatCompletionRequest
+
+        def open_request() -> tuple[Request, list[Generation]]:
+            parsed: Request
             if action == "completions":
                 parsed = oa.parse_completion_request(http.body, self.limits)
             else:
                 parsed = oa.parse_chat_request(http.body, self.limits)
-            choices = self._open(parsed, client)
-            for choice in choices:
-                choice.received = arrived
-            try:
-                await start_choices(choices)
-            except InvalidGeneration as exc:
-                raise openai_error(exc) from None
-            except Overloaded as exc:
-                raise _overloaded(exc) from None
-        except oa.OpenAIError as exc:
-            for choice in choices:
-                choice.close()
-            self._finish(http, action, choices, _outcome(exc.status), arrived)
-            raise
-        except BaseException:
-            for choice in choices:
-                choice.close()
-            raise
+            return parsed, self._open(parsed, client)
+
+        parsed, choices = await start_request(
+            open_request,
+            arrived=arrived,
+            invalid=openai_error,
+            overloaded=_overloaded,
+            api_error=oa.OpenAIError,
+            refused=lambda opened, exc: self._finish(
+                http, action, opened, _outcome(exc.status), arrived
+            ),
+        )
         reply = oa.Reply(parsed, self.model_name, choices)
         exchange = Exchange(
             reply,
