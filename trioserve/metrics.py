@@ -232,8 +232,16 @@ class Metrics:
             namespace=ns,
             registry=r,
         )
+        self._kv_capacity = Gauge(
+            "engine_kv_cache_capacity_bytes",
+            "Bytes the KV cache holds with the engine's largest batch of full contexts"
+            " (CPU engine).",
+            namespace=ns,
+            registry=r,
+        )
         # The engine reports running totals; the counters advance by the change.
         self._engine_totals: dict[str, int] = {}
+        self._picker = _PickerMetrics(r)
         self._prompt_tokens = Counter(
             "prompt_tokens",
             "Prompt tokens of finished or interrupted requests.",
@@ -331,6 +339,7 @@ class Metrics:
     def set_model(self, *, model: str, engine: str) -> None:
         """Name the served model in ``trioserve_build_info``."""
         self._info.info({"version": __version__, "model": model, "engine": engine})
+        self._picker.set_model(model)
 
     def request_finished(
         self,
@@ -355,6 +364,7 @@ class Metrics:
             self._generated_tokens.labels(api).inc(generated_tokens)
         if cached_tokens > 0:
             self._cached_tokens.labels(api).inc(cached_tokens)
+        self._picker.prompt(prompt_tokens, cached_tokens)
         if duration is not None:
             self._request_duration.labels(api).observe(max(duration, 0.0))
 
@@ -402,11 +412,18 @@ class Metrics:
         """The scheduler's current running and waiting job counts."""
         self._running.set(running)
         self._waiting.set(waiting)
+        self._picker.jobs(running, waiting)
 
-    def engine_memory(self, *, kv_cache_bytes: int, weight_bytes: int) -> None:
-        """What the engine's KV cache and weights hold now."""
+    def engine_memory(
+        self, *, kv_cache_bytes: int, weight_bytes: int, kv_cache_capacity_bytes: int = 0
+    ) -> None:
+        """What the engine's KV cache and weights hold now, and what the KV
+        cache can hold (0: unknown)."""
         self._kv_bytes.set(kv_cache_bytes)
         self._weight_bytes.set(weight_bytes)
+        self._kv_capacity.set(kv_cache_capacity_bytes)
+        use = kv_cache_bytes / kv_cache_capacity_bytes if kv_cache_capacity_bytes > 0 else 0.0
+        self._picker.kv_cache(min(use, 1.0))
 
     def prefix_cache(
         self, *, size_bytes: int, capacity_bytes: int, hits: int, misses: int, evictions: int
@@ -456,3 +473,68 @@ class Metrics:
         Accept header) asks for it."""
         encoder, content_type = choose_encoder(accept or "")
         return encoder(self.registry), content_type
+
+
+class _PickerMetrics:
+    """The figures an endpoint picker reads, under the names it reads them
+    by: the model server protocol of Kubernetes' Gateway API Inference
+    Extension (llm-d's endpoint picker) names vLLM's. Labelled by model, as
+    vLLM's are, and there at 0 from the start (a picker reads them before
+    the first request)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self._model_name = ""
+        self._picker_running = Gauge(
+            "vllm:num_requests_running",
+            "Jobs the engine is working on (trioserve_jobs_running, in vLLM's name).",
+            ("model_name",),
+            registry=r,
+        )
+        self._picker_waiting = Gauge(
+            "vllm:num_requests_waiting",
+            "Jobs queued for the engine (trioserve_jobs_waiting, in vLLM's name).",
+            ("model_name",),
+            registry=r,
+        )
+        self._picker_kv = Gauge(
+            "vllm:kv_cache_usage_perc",
+            "The KV cache's use, 0 to 1: the running jobs' keys and values over the cache's"
+            " capacity (CPU engine; 0 where the engine does not report it).",
+            ("model_name",),
+            registry=r,
+        )
+        self._picker_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prompt tokens of finished requests, each looked up in the prefix cache.",
+            ("model_name",),
+            registry=r,
+        )
+        self._picker_hits = Counter(
+            "vllm:prefix_cache_hits",
+            "Prompt tokens served from the prefix cache (hits / queries is its hit rate).",
+            ("model_name",),
+            registry=r,
+        )
+
+    def set_model(self, model: str) -> None:
+        self._model_name = model
+        for metric in (
+            self._picker_running,
+            self._picker_waiting,
+            self._picker_kv,
+            self._picker_queries,
+            self._picker_hits,
+        ):
+            metric.labels(model)
+
+    def jobs(self, running: int, waiting: int) -> None:
+        self._picker_running.labels(self._model_name).set(running)
+        self._picker_waiting.labels(self._model_name).set(waiting)
+
+    def kv_cache(self, use: float) -> None:
+        self._picker_kv.labels(self._model_name).set(use)
+
+    def prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
+        if prompt_tokens > 0:
+            self._picker_queries.labels(self._model_name).inc(prompt_tokens)
+            self._picker_hits.labels(self._model_name).inc(min(cached_tokens, prompt_tokens))

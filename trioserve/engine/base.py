@@ -129,6 +129,13 @@ class GenerationSpec:
     #: soon as it is prefilled, not only when the job ends. An engine that
     #: shares a prompt among running jobs by other means may ignore it.
     share_prompt: bool = False
+    #: The model's EOS ids are not in ``stop_token_ids``: the job runs to
+    #: ``max_new_tokens`` or a stop of the request's own (``ignore_eos``).
+    ignore_eos: bool = False
+    #: Leave special tokens' text out of the job's text, except the tokens
+    #: whose text is in ``kept_special`` (markers a reply is parsed by).
+    skip_special_tokens: bool = False
+    kept_special: frozenset[str] = frozenset()
 
 
 @runtime_checkable

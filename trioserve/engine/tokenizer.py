@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -195,6 +195,24 @@ class Tokenizer:
         if len(ids) > _GIL_FREE_IDS:
             return self._tok.decode_batch([ids], skip_special_tokens=False)[0]
         return self._tok.decode(ids, skip_special_tokens=False)
+
+    def decoder(
+        self, *, skip_special: bool, kept: Iterable[str] = ()
+    ) -> Callable[[Sequence[int]], str]:
+        """A decode for one job's text: :meth:`decode`, or with
+        ``skip_special`` one that leaves out special tokens' text (as
+        ``skip_special_tokens`` does in vLLM) except the tokens whose text is
+        in ``kept`` (a thinking template's and the tool calls' markers, which
+        the reply is parsed by)."""
+        if not skip_special or not self.special_ids:
+            return self.decode
+        keep = {self._tok.token_to_id(text) for text in kept}
+        skip = self.special_ids - keep
+
+        def decode(ids: Sequence[int]) -> str:
+            return self.decode([i for i in ids if i not in skip])
+
+        return decode
 
     @property
     def max_token_bytes(self) -> int:

@@ -57,7 +57,7 @@ from .request import (
     with_seed_offset,
 )
 from .scheduler import Job, QueueFull, Scheduler, SchedulerClosed
-from .thinking import after_thinking, find_thinking
+from .thinking import after_thinking, find_thinking, kept_markers
 from .tokenizing import Tokenizing
 
 if TYPE_CHECKING:  # llguidance and torch load with the engine, not with this module
@@ -256,6 +256,14 @@ class Generations:
             del self._in_flight[client]
 
 
+def _last_text(update: Finished, request: GenerationRequest) -> str:
+    """A finished job's last text, and with ``include_stop_str`` the stop
+    string that ended it."""
+    if request.include_stop_str and update.stop_string is not None:
+        return update.text + update.stop_string
+    return update.text
+
+
 def _budget(request: GenerationRequest, generations: Generations) -> int | None:
     """The lowest of the request's and the server's thinking budgets; one
     the context cannot reach bounds nothing."""
@@ -387,6 +395,7 @@ class Generation:
             max_new_tokens=self._max_new_tokens,
             constraint=self._compiled,
             share_prompt=share_prompt,
+            kept_special=kept_markers(generations.reasoning, self.tool_format),
         )
         if generations.is_draining():
             raise Overloaded("the server is shutting down and takes no new requests", draining=True)
@@ -536,7 +545,7 @@ class Generation:
         self.held = ""
         self.prompt_tokens = update.prompt_tokens
         self.cached_tokens = update.cached_tokens
-        self._release(update.text, final=True)
+        self._release(_last_text(update, self.request), final=True)
         self.finished = update
         self._settle("finished")
         return True

@@ -263,16 +263,20 @@ def build_spec(
     max_new_tokens: int,
     constraint: CompiledGrammar | None = None,
     share_prompt: bool = False,
+    kept_special: frozenset[str] = frozenset(),
 ) -> GenerationSpec:
     """The engine's job for ``request`` with its fitted prompt ids and
     ``max_new_tokens`` (:func:`fit_prompt`), and its constraint compiled;
-    ``share_prompt`` when other choices of the request will follow it."""
+    ``share_prompt`` when other choices of the request will follow it;
+    ``kept_special``: the markers the reply is parsed by, written even where
+    special tokens are skipped."""
+    eos = frozenset() if request.ignore_eos else frozenset(info.eos_token_ids)
     return GenerationSpec(
         job_id=job_id,
         prompt_ids=tuple(prompt_ids),
         max_new_tokens=max_new_tokens,
         sampling=request.sampling,
-        stop_token_ids=frozenset(info.eos_token_ids) | frozenset(request.stop_token_ids),
+        stop_token_ids=eos | frozenset(request.stop_token_ids),
         stop_strings=request.stop_strings,
         banned_ids=frozenset(request.banned_ids),
         token_healing=request.token_healing,
@@ -280,4 +284,7 @@ def build_spec(
         logprobs=request.logprobs,
         prompt_logprobs=request.prompt_logprobs,
         share_prompt=share_prompt,
+        ignore_eos=request.ignore_eos,
+        skip_special_tokens=request.skip_special_tokens,
+        kept_special=kept_special if request.skip_special_tokens else frozenset(),
     )

@@ -16,11 +16,11 @@ from trioserve.vocabulary.reasoning import (
     thinking_grammar,
 )
 from trioserve.vocabulary.request import GenerationRequest
-from trioserve.vocabulary.tools import answer_rule
+from trioserve.vocabulary.tools import ToolFormat, answer_rule
 
 from .request import InvalidGeneration
 
-__all__ = ["after_thinking", "find_thinking"]
+__all__ = ["after_thinking", "find_thinking", "kept_markers"]
 
 
 async def find_thinking(
@@ -30,9 +30,15 @@ async def find_thinking(
 ) -> tuple[str | None, ReasoningSplitter | None]:
     """The prompt, rendered by ``render`` (None when nothing was rendered here), and the
     splitter of the generation's text: None when the template does not
-    think, when the prompt closed the section (thinking off), or when a
-    prefill continues the answer itself."""
-    if fmt is None or request.messages is None or request.prompt_ids is not None:
+    think, when the request keeps the reasoning in the answer
+    (``separate_reasoning`` false), when the prompt closed the section
+    (thinking off), or when a prefill continues the answer itself."""
+    if (
+        fmt is None
+        or not request.separate_reasoning
+        or request.messages is None
+        or request.prompt_ids is not None
+    ):
         return None, None
     rendered = await render(request)
     if request.assistant_prefix:
@@ -81,3 +87,15 @@ async def after_thinking(
     special = all([len(await encode(marker)) == 1 for marker in (fmt.start, fmt.end)])
     grammar = thinking_grammar(answer, fmt, splitter.start, budget=budget, special=special)
     return Constraint("grammar", grammar, "constraint" if constraint is None else constraint.field)
+
+
+def kept_markers(fmt: ReasoningFormat | None, tools: ToolFormat | None) -> frozenset[str]:
+    """The texts a reply is parsed by (a thinking template's markers, the
+    tool calls'), written even where special tokens are skipped."""
+    markers: set[str] = set()
+    if fmt is not None:
+        markers.update((fmt.start, fmt.end))
+    if tools is not None:
+        markers.update((tools.trigger, tools.open, tools.begin, tools.end, tools.close))
+    markers.discard("")
+    return frozenset(markers)

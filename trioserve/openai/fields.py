@@ -19,9 +19,11 @@ __all__ = [
     "OPENAI_DEFAULTS",
     "OPENAI_NAMES",
     "OPENAI_RANGES",
+    "SAMPLER_ALIASES",
     "SHARED_FIELDS",
     "OpenAILimits",
     "field_table",
+    "normalized",
 ]
 
 
@@ -98,6 +100,20 @@ class OpenAILimits:
 _SAMPLER_FIELDS: Final[Mapping[str, str]] = {
     OPENAI_NAMES.get(name, name): name for name in _SAMPLER_NAMES
 }
+
+
+#: Other servers' names for sampler settings (vLLM's and transformers'),
+#: by engine name.
+SAMPLER_ALIASES: Final[Mapping[str, str]] = {"repetition_penalty": "rep_pen"}
+
+
+def normalized(name: str, value: Any) -> Any:
+    """A sampler setting's value in this server's terms: vLLM's and
+    SGLang's ``top_k: -1`` ("off", which SGLang's gateway sends by default)
+    is this server's 0."""
+    if name == "top_k" and type(value) is int and value == -1:
+        return 0
+    return value
 
 
 #: Where a setting means something else here than on the WebSocket.

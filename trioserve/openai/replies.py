@@ -177,6 +177,10 @@ class Reply:
         return isinstance(self.request, ChatCompletionRequest)
 
     @property
+    def _reasoning_streams(self) -> bool:
+        return self.request.extras.stream_reasoning
+
+    @property
     def echo(self) -> str:
         """What a completion echoes before its text (``echo``): token ids
         are echoed as their text (lm-evaluation-harness sends ids)."""
@@ -320,11 +324,14 @@ class Reply:
         state = sent.state
         ended = state.outcome is not None
         # The thinking comes first: no answer is released before it ends.
-        thought = state.reasoning[sent.reasoning :]
-        sent.reasoning += len(thought)
+        # With stream_reasoning false it goes out in one chunk, at its end
+        # (when the answer starts, or the choice ends).
         out = b""
-        if thought and isinstance(self._stream, ChatCompletionStream):
-            out = self._stream.reasoning(thought, index=sent.index)
+        if self._reasoning_streams or ended or state.response:
+            thought = state.reasoning[sent.reasoning :]
+            sent.reasoning += len(thought)
+            if thought and isinstance(self._stream, ChatCompletionStream):
+                out = self._stream.reasoning(thought, index=sent.index)
         return out + self._answer(sent, ended)
 
     def _answer(self, sent: _Sent, ended: bool) -> bytes:

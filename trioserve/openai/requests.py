@@ -60,6 +60,7 @@ from trioserve.vocabulary.tools import ToolUse
 from .constraints import CONSTRAINT_PARAMS, read_constraint
 from .errors import OpenAIError
 from .errors import invalid as _invalid
+from .extensions import EXTENSION_NAMES, Extras, read_extras
 from .fields import (
     _SAMPLER_FIELDS,
     OPENAI_DEFAULTS,
@@ -67,6 +68,7 @@ from .fields import (
     OPENAI_RANGES,
     OpenAILimits,
     _rule,
+    normalized,
 )
 from .logprobs import LogprobsAsked, read_chat_logprobs, read_completion_logprobs
 from .messages import ChatMessage, messages_rule
@@ -128,6 +130,8 @@ class _Generation:
     #: OpenAI's ``best_of``: only ``n`` (or absent) is served; ranking more
     #: candidates than are returned is not implemented.
     best_of: int | None = None
+    #: vLLM's and SGLang's fields (:mod:`trioserve.openai.extensions`).
+    extras: Extras = attrs.field(factory=Extras)
 
     def sampling_settings(self) -> SamplingSettings:
         return api_settings(OPENAI_DEFAULTS, self.sampler)
@@ -160,6 +164,9 @@ class ChatCompletionRequest(_Generation):
     #: or ``chat_template_kwargs: {"enable_thinking": false}``, on with the
     #: latter true, else the template's default (None).
     thinking: bool | None = None
+    #: ``continue_final_message``: the final assistant message, taken out of
+    #: ``messages``; the reply goes on from it.
+    prefix: str = ""
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.as_template_input() for m in self.messages]
@@ -173,6 +180,7 @@ class ChatCompletionRequest(_Generation):
 #: field names).
 _CONSTRAINTS: Final = " constraints"
 _TOOLS: Final = " tools"
+_EXTRAS: Final = " extras"
 
 
 def _parse_body(body: bytes) -> dict[str, Any]:
@@ -352,7 +360,9 @@ def _sampler_hook(value: Any, _: Any) -> dict[str, Any]:
         name = _SAMPLER_FIELDS[param]
         if given is None:
             continue  # null is "the default", as OpenAI reads it
-        out[name] = _declared_rule(param, _rule(name), given, OPENAI_RANGES.get(name))
+        out[name] = _declared_rule(
+            param, _rule(name), normalized(name, given), OPENAI_RANGES.get(name)
+        )
     return out
 
 
@@ -441,6 +451,9 @@ def _preprocess(obj: dict[str, Any], fields: frozenset[str]) -> dict[str, Any]:
             continue
         if key in TOOL_PARAMS:
             payload.setdefault(_TOOLS, {})[key] = value
+            continue
+        if key in EXTENSION_NAMES:
+            payload.setdefault(_EXTRAS, {})[key] = value
             continue
         if key in _ALIASES:
             target = _alias(obj, key)
@@ -551,13 +564,16 @@ def parse_completion_request(
     obj = _parse_body(body)
     asked = read_completion_logprobs(obj)
     payload = _preprocess(obj, _FIELDS_COMMON | {"prompt", "echo"})
+    extras = read_extras(payload.pop(_EXTRAS, {}), "completions")
     constraint = read_constraint(payload.pop(_CONSTRAINTS, {}))
     if _read_tools(payload.pop(_TOOLS, {})) is not None:
         raise _invalid("tools are for /v1/chat/completions", "tools", UNSUPPORTED)
     request: CompletionRequest = _structure(payload, _parsers(limits).completion, "prompt")
     _check_best_of(request)
     max_tokens = 0 if asked.score_only else request.max_tokens
-    return attrs.evolve(request, constraint=constraint, logprobs=asked, max_tokens=max_tokens)
+    return attrs.evolve(
+        request, constraint=constraint, logprobs=asked, max_tokens=max_tokens, extras=extras
+    )
 
 
 #: OpenAI's reasoning efforts; ``none`` turns a thinking template's section off.
@@ -614,13 +630,42 @@ def parse_chat_request(body: bytes, limits: OpenAILimits = DEFAULT_LIMITS) -> Ch
     asked = read_chat_logprobs(obj)
     thinking = _read_thinking(obj)
     payload = _preprocess(obj, _FIELDS_COMMON | {"messages"})
+    extras = read_extras(payload.pop(_EXTRAS, {}), "chat")
     constraint = read_constraint(payload.pop(_CONSTRAINTS, {}))
     tools = _read_tools(payload.pop(_TOOLS, {}))
     request: ChatCompletionRequest = _structure(payload, _parsers(limits).chat, "messages")
     _check_best_of(request)
-    return attrs.evolve(
-        request, constraint=constraint, tools=tools, logprobs=asked, thinking=thinking
+    request = attrs.evolve(
+        request,
+        constraint=constraint,
+        tools=tools,
+        logprobs=asked,
+        thinking=thinking,
+        extras=extras,
     )
+    if extras.continue_final_message:
+        request = _continued(request)
+    return request
+
+
+def _continued(request: ChatCompletionRequest) -> ChatCompletionRequest:
+    """``continue_final_message``: the final assistant message becomes the
+    start of the reply (the prompt ends with it, unclosed)."""
+    *before, last = request.messages
+    if last.role != "assistant" or last.tool_calls:
+        raise _invalid(
+            "continue_final_message needs the final message to be the assistant's, with text"
+            f" and no tool calls; messages[{len(before)}] is a {last.role!r} message",
+            f"messages[{len(before)}]",
+        )
+    tools = request.tools
+    if request.constraint is not None or (tools is not None and tools.choice == "required"):
+        raise _invalid(
+            "continue_final_message cannot continue a message under an output format or a"
+            " required tool: the answer must start where the constraint does",
+            "continue_final_message",
+        )
+    return attrs.evolve(request, messages=tuple(before), prefix=last.content)
 
 
 def _check_best_of(request: _Generation) -> None:

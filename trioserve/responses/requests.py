@@ -38,7 +38,15 @@ import attrs
 from cattrs.errors import ClassValidationError, IterableValidationError
 
 from trioserve.openai.errors import invalid as _invalid
-from trioserve.openai.fields import _SAMPLER_FIELDS, OPENAI_DEFAULTS, OPENAI_RANGES, _rule
+from trioserve.openai.extensions import EXTENSION_NAMES, Extras, read_extras
+from trioserve.openai.fields import (
+    _SAMPLER_FIELDS,
+    OPENAI_DEFAULTS,
+    OPENAI_RANGES,
+    SAMPLER_ALIASES,
+    _rule,
+    normalized,
+)
 from trioserve.openai.params import UNSUPPORTED, is_text, show
 from trioserve.vocabulary.constraint import Constraint
 from trioserve.vocabulary.rules import BadValue, Rule
@@ -108,6 +116,8 @@ class ResponsesRequest:
     text: Mapping[str, Any] = attrs.field(factory=lambda: {"format": {"type": "text"}}, hash=False)
     reasoning: Mapping[str, Any] | None = attrs.field(default=None, hash=False)
     user: str | None = None
+    #: vLLM's and SGLang's fields (:mod:`trioserve.openai.extensions`).
+    extras: Extras = attrs.field(factory=Extras)
 
     def sampling_settings(self) -> SamplingSettings:
         return api_settings(OPENAI_DEFAULTS, self.sampler)
@@ -522,8 +532,22 @@ def _sampler(obj: Mapping[str, Any]) -> dict[str, Any]:
         if obj[param] is None:
             continue
         name = _SAMPLER_FIELDS[param]
-        out[name] = _read(param, _rule(name), obj[param], OPENAI_RANGES.get(name))
+        out[name] = _read(param, _rule(name), normalized(name, obj[param]), OPENAI_RANGES.get(name))
+    for alias in SAMPLER_ALIASES.keys() & obj.keys():
+        name = SAMPLER_ALIASES[alias]
+        value = obj[alias]
+        if value is None:
+            continue
+        value = _read(alias, _rule(name), value, OPENAI_RANGES.get(name))
+        if name in out and out[name] != value:
+            raise _invalid(f"give {_name_of(name)} or {alias}, not both", alias)
+        out[name] = value
     return out
+
+
+def _name_of(name: str) -> str:
+    """The OpenAI name of the engine's setting ``name``."""
+    return next(param for param, engine in _SAMPLER_FIELDS.items() if engine == name)
 
 
 def previous_id(obj: Mapping[str, Any], limits: ResponsesLimits = DEFAULT_LIMITS) -> str | None:
@@ -542,7 +566,13 @@ def parse_responses_request(
             accepted, why = _REFUSED[key]
             if not accepted(value):
                 raise _invalid(f"{key}: {why}", key, UNSUPPORTED)
-        elif key not in _FIELDS and key not in _IGNORED and key not in _SAMPLER_FIELDS:
+        elif (
+            key not in _FIELDS
+            and key not in _IGNORED
+            and key not in _SAMPLER_FIELDS
+            and key not in SAMPLER_ALIASES
+            and key not in EXTENSION_NAMES
+        ):
             raise _invalid(
                 f"unrecognized request argument supplied: {show(key)}",
                 key if isinstance(key, str) and len(key) <= 64 else None,
@@ -576,6 +606,7 @@ def parse_responses_request(
         )
     _include(obj.get("include"), limits)
     user = _string("user", obj.get("user"), 256)
+    extras = read_extras({k: v for k, v in obj.items() if k in EXTENSION_NAMES}, "responses")
     return ResponsesRequest(
         model=model,
         turns=turns,
@@ -595,12 +626,15 @@ def parse_responses_request(
         text=text_echo,
         reasoning=_reasoning(obj.get("reasoning")),
         user=user,
+        extras=extras,
     )
 
 
 #: Each accepted field and what it does, for docs/responses.md's table.
 FIELD_KINDS: Final[Mapping[str, Callable[[], frozenset[str]]]] = {
-    "supported": lambda: _FIELDS | frozenset(_SAMPLER_FIELDS),
+    "supported": lambda: (
+        _FIELDS | frozenset(_SAMPLER_FIELDS) | frozenset(SAMPLER_ALIASES) | EXTENSION_NAMES
+    ),
     "ignored": lambda: _IGNORED,
     "refused": lambda: frozenset(_REFUSED),
 }

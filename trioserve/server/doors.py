@@ -137,14 +137,19 @@ _OPENAI: Final[Mapping[str, Read]] = {
     "token_healing": "token_healing",
     "constraint": "constraint",
     "logprobs": lambda r: r.logprobs.top,
+    "ignore_eos": lambda r: r.extras.ignore_eos,
+    "skip_special_tokens": lambda r: r.extras.skip_special_tokens,
+    "include_stop_str": lambda r: r.extras.include_stop,
 }
 #: OpenAI's ``/v1/chat/completions``.
 CHAT: Final = Door(
     reads={
         **_OPENAI,
         "messages": lambda r: tuple(r.template_messages()),
+        "assistant_prefix": "prefix",
         "tools": "tools",
         "thinking": "thinking",
+        "separate_reasoning": lambda r: r.extras.separate_reasoning,
     }
 )
 #: OpenAI's ``/v1/completions``: a prompt of text or of token ids, 16 new
@@ -177,6 +182,7 @@ MESSAGES: Final = Door(
         "tools": "tools",
         "thinking": "thinking",
         "thinking_budget": "thinking_budget",
+        "skip_special_tokens": _fixed(True),
     }
 )
 
@@ -194,6 +200,9 @@ RESPONSES: Final = Door(
         "constraint": "constraint",
         "tools": "tools",
         "thinking": "thinking",
+        "ignore_eos": lambda r: r.extras.ignore_eos,
+        "skip_special_tokens": lambda r: r.extras.skip_special_tokens,
+        "include_stop_str": lambda r: r.extras.include_stop,
     }
 )
 

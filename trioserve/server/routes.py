@@ -107,6 +107,8 @@ class OpsRoutes:
                 " responses: docs/responses.md)",
                 "anthropic": "/v1/messages, /v1/messages/count_tokens (docs/anthropic.md)",
                 "tokenizer": "/tokenize, /detokenize, /tokenizer_info (vLLM's: docs/openai.md)",
+                "sglang": "/model_info, /server_info (for SGLang's Model Gateway:"
+                " docs/scale-out.md)",
                 "health": "/health",
                 "ready": "/ready",
                 "metrics": "/metrics" if self.metrics is not None else None,
@@ -195,6 +197,10 @@ class OpenAIRoutes:
         router.add("GET", "/v1/models/{model}", http_errors(self.model))
         router.add("POST", "/v1/completions", http_errors(self.completions))
         router.add("POST", "/v1/chat/completions", http_errors(self.chat_completions))
+        # SGLang's: its Model Gateway reads the model's name from them when a
+        # worker registers (else it serves the worker as model "unknown").
+        router.add("GET", "/model_info", http_errors(self.model_info))
+        router.add("GET", "/server_info", http_errors(self.model_info))
 
     async def models(self, request: HTTPRequest) -> Response:
         return Response(200, oa.models_response(self.model_name, self.created, **self._model()))
@@ -209,6 +215,21 @@ class OpenAIRoutes:
                 code="model_not_found",
             )
         return Response.json(oa.model_object(name, self.created, **self._model()))
+
+    async def model_info(self, request: HTTPRequest) -> Response:
+        # A name, never a filesystem path (SGLang's model_path is the path
+        # it loaded; the gateway reads served_model_name first).
+        name = self.model_name
+        return Response.json(
+            {
+                "model_path": name,
+                "served_model_name": name,
+                "tokenizer_path": name,
+                "is_generation": True,
+                "context_length": self.generations.info.context_length,
+                "version": __version__,
+            }
+        )
 
     def _model(self) -> dict[str, Any]:
         return {

@@ -596,7 +596,9 @@ class Server:
         # import torch here); an engine whose statistics differ reports nothing.
         with contextlib.suppress(AttributeError):
             self.metrics.engine_memory(
-                kv_cache_bytes=engine.kv_cache_bytes, weight_bytes=engine.weight_bytes
+                kv_cache_bytes=engine.kv_cache_bytes,
+                weight_bytes=engine.weight_bytes,
+                kv_cache_capacity_bytes=engine.kv_cache_capacity_bytes,
             )
             prefix = engine.prefix_cache
             self.metrics.prefix_cache(

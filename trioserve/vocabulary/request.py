@@ -66,6 +66,17 @@ class GenerationRequest:
     logprobs: int | None = None
     #: Each prompt token's, with this many; ``max_new_tokens`` may then be 0.
     prompt_logprobs: int | None = None
+    #: Generate past the model's end-of-sequence tokens (up to the length
+    #: limit or a stop of the request's own).
+    ignore_eos: bool = False
+    #: Leave special tokens' text out of the reply (the API doors; the
+    #: WebSocket protocol writes it, as ExLlamaV2's server does).
+    skip_special_tokens: bool = False
+    #: End the reply with the stop string that ended it.
+    include_stop_str: bool = False
+    #: Give a thinking template's reasoning apart from the answer (false:
+    #: the answer holds it, as the model wrote it).
+    separate_reasoning: bool = True
 
     @property
     def prompt_field(self) -> str:

@@ -90,6 +90,9 @@ class CpuEngineStatistics:
     #: they keep outside the KV cache until they resume.
     paused_jobs: int = 0
     paused_bytes: int = 0
+    #: Bytes the KV cache holds with ``max_batch`` jobs of a full context
+    #: each: ``kv_cache_bytes`` over it is the cache's use, 0 to 1.
+    kv_cache_capacity_bytes: int = 0
 
 
 @attrs.define(eq=False)
@@ -204,6 +207,9 @@ class CpuEngine:
             running_jobs=len(self._slots),
             waiting_jobs=len(self._waiting),
             kv_cache_bytes=self._cache.nbytes,
+            kv_cache_capacity_bytes=self._cache.bytes_for(
+                self._info.max_batch, self._info.context_length
+            ),
             weight_bytes=0 if self._weights is None else self._weight_bytes,
             prefix_cache=self._prefix_cache.statistics(),
             prefill_deferrals=self._prefill_deferrals,

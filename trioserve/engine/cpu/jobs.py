@@ -432,7 +432,7 @@ def start_job(
     restore = [] if scored else prefix_cache.lookup(prompt, len(prompt) - 1)
     reused = sum(int(block.shape[2]) for block in restore)
     stream = TextStream(
-        tokenizer.decode,
+        tokenizer.decoder(skip_special=spec.skip_special_tokens, kept=spec.kept_special),
         spec.stop_strings,
         context_ids=prompt,
         skip_prefix=skip_prefix,

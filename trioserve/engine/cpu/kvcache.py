@@ -201,3 +201,11 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(int(layer.numel() * layer.element_size()) for layer, _ in self.layer_views)
+
+    def bytes_for(self, slots: int, length: int) -> int:
+        """Bytes the cache would hold with ``slots`` slots of ``length``
+        positions (rounded up to blocks, as it grows): its size with the
+        engine's ``max_batch`` full contexts is its capacity."""
+        length = -(-length // self.block) * self.block
+        element = torch.empty((), dtype=self.storage_dtype).element_size()
+        return self.n_layers * slots * 2 * self.n_kv_heads * length * self.row * element

@@ -357,7 +357,14 @@ class ExLlamaV2Engine:
         except (AssertionError, ValueError) as exc:
             return Failed(job_id=spec.job_id, message=f"exllamav2 refused the job: {exc}")
         self._jobs[spec.job_id] = _Running(
-            job=job, state=JobState.for_spec(spec, self._tokenizer.decode), mask=mask
+            job=job,
+            state=JobState.for_spec(
+                spec,
+                self._tokenizer.decoder(
+                    skip_special=spec.skip_special_tokens, kept=spec.kept_special
+                ),
+            ),
+            mask=mask,
         )
         return None
 

@@ -119,7 +119,8 @@ def stop_conditions(spec: GenerationSpec, eos_token_ids: frozenset[int]) -> list
     list of EOS ids, which is why Llama 3 instruct models never stop there
     (turboderp-org/exllamav2#803 on GitHub); the engine passes them all.
     """
-    ids: list[int | str] = sorted(spec.stop_token_ids | eos_token_ids)
+    eos = frozenset() if spec.ignore_eos else eos_token_ids
+    ids: list[int | str] = sorted(spec.stop_token_ids | eos)
     if spec.sampling.min_tokens:
         # ExLlamaV2 holds back only the stop tokens (min_new_tokens); the
         # job's TextStream finds the stop strings after min_tokens, and a job
