@@ -631,6 +631,12 @@ def test_stop_conditions_without_request_stops_are_the_eos_ids() -> None:
     assert stop_conditions(_spec(), frozenset({2})) == [2]
 
 
+def test_stop_conditions_with_ignore_eos_are_the_requests_own() -> None:
+    spec = _spec(stop_token_ids=frozenset({198}), stop_strings=("###",), ignore_eos=True)
+    assert stop_conditions(spec, frozenset({2, 0})) == [198, "###"]
+    assert stop_conditions(_spec(ignore_eos=True), frozenset({2})) == []
+
+
 def _refusal(spec: GenerationSpec, **overrides: int) -> str | None:
     limits = {"context_length": 512, "vocab_size": 1000, "page_size": 256, "max_pages": 2}
     limits.update(overrides)

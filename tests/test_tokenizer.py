@@ -39,6 +39,19 @@ def test_decode_writes_special_tokens_as_text(tokenizer: Tokenizer) -> None:
     assert tokenizer.decode([1, 2]) == "<|im_start|><|im_end|>"
 
 
+def test_a_skipping_decoder_leaves_out_special_tokens_but_the_kept_ones(
+    tokenizer: Tokenizer,
+) -> None:
+    ids = tokenizer.encode("<|im_start|>user\nHi<|im_end|> there")
+    assert tokenizer.decoder(skip_special=False)(ids) == tokenizer.decode(ids)
+    assert tokenizer.decoder(skip_special=True)(ids) == "user\nHi there"
+    kept = tokenizer.decoder(skip_special=True, kept={"<|im_end|>", "not a token"})
+    assert kept(ids) == "user\nHi<|im_end|> there"
+    # An ordinary token whose text names a special one is text, never skipped.
+    plain = tokenizer.encode("<|im_end|") + tokenizer.encode(">")
+    assert tokenizer.decoder(skip_special=True)(plain) == "<|im_end|>"
+
+
 # SmolLM2's byte-level vocabulary lacks a few bytes (six control characters
 # and the UTF-8 lead bytes 0xF1/0xF2 of planes 4-11); text made of them encodes
 # to the unknown token, as with the reference tokenizer. Everything else
