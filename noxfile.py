@@ -1,5 +1,5 @@
 """Developer sessions: ``nox -s tests`` (default), ``unit``, ``isa``, ``lint``, ``typecheck``,
-``bench``, ``fuzz``, ``soak``, ``scale-out``, ``clients``, ``gpu``.
+``bench``, ``fuzz``, ``soak``, ``scale-out``, ``gateway``, ``clients``, ``gpu``.
 
 Each session installs the project into its own virtual environment (reused by
 later runs), torch first: ``torch==2.13.0``, the version the project is tested
@@ -23,6 +23,7 @@ import subprocess
 from pathlib import Path
 
 import nox
+from nox.command import CommandFailed
 from packaging.requirements import Requirement
 
 nox.options.sessions = ["tests"]
@@ -116,9 +117,9 @@ def unit(session: nox.Session) -> None:
     session.run("pytest", "-m", "unit", "-p", "no:cacheprovider", *modules, *session.posargs)
 
 
-#: What the default session leaves out: GPU tests (their own session) and
-#: the nginx scale-out tests (``nox -s scale-out``).
-BASE_MARKERS = "not gpu and not scaleout"
+#: What the default session leaves out: GPU tests (their own session), the
+#: nginx scale-out tests (``nox -s scale-out``) and the gateway's (``nox -s gateway``).
+BASE_MARKERS = "not gpu and not scaleout and not gateway"
 
 
 def pytest_args(posargs: list[str]) -> list[str]:
@@ -281,6 +282,36 @@ def scale_out(session: nox.Session) -> None:
         "no:cacheprovider",
         "-rA",
         "tests/deploy",
+        *session.posargs,
+    )
+
+
+@nox.session(default=False)
+def gateway(session: nox.Session) -> None:
+    """Three ``python -m trioserve`` replicas behind SGLang's Model Gateway
+    (sglang-router, cache_aware) and nginx, as deploy/gateway/ ships them, on loopback
+    (tests/deploy/test_gateway.py, docs/scale-out.md): the OpenAI doors through the
+    gateway, a shared prefix kept on one replica, the key, the WebSocket and
+    /v1/messages through nginx, a replica drained while clients stream. Installs the
+    project's ``gateway`` extra (sglang-router, a wheel with a Rust binary) and Debian's
+    nginx with apt when it is missing (as root); skips, saying why, where either cannot
+    be installed. Arguments go to pytest."""
+    install_project(session, "test")
+    try:
+        session.install("-e", ".[gateway]")
+    except CommandFailed:
+        session.skip(
+            "sglang-router cannot be installed here (pip install -e '.[gateway]' failed: "
+            "a platform without its wheel, or no index): the gateway tests need it"
+        )
+    session.run(
+        "pytest",
+        "-m",
+        "gateway",
+        "-p",
+        "no:cacheprovider",
+        "-rA",
+        "tests/deploy/test_gateway.py",
         *session.posargs,
     )
 

@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -177,14 +177,21 @@ def _replace(text: str, old: str, new: str, count: int, source: Path) -> str:
 
 
 class Balancer:
-    """nginx running deploy/nginx/ on loopback, in a directory of its own."""
+    """nginx running deploy/nginx/ on loopback, in a directory of its own.
+
+    :attr:`conf` is the file installed as ``conf.d/trioserve.conf``, :attr:`snippets`
+    those installed in ``snippets/``; a subclass serves another shipped configuration
+    by naming its files and overriding :meth:`upstream_replacements`."""
+
+    conf: Path = NGINX_CONF
+    snippets: tuple[Path, ...] = (NGINX_PROXY_CONF,)
 
     def __init__(
         self,
         nginx: str,
         directory: Path,
         *,
-        upstreams: tuple[int, int],
+        upstreams: Sequence[int],
         http_port: int,
         tls_port: int,
         certificate: tuple[Path, Path],
@@ -206,13 +213,13 @@ class Balancer:
     def config(self) -> Path:
         return self.directory / "nginx.conf"
 
-    def _write_config(self, upstreams: tuple[int, int], certificate: tuple[Path, Path]) -> None:
-        d = self.directory
-        text = NGINX_CONF.read_text()
+    def replacements(
+        self, upstreams: Sequence[int], certificate: tuple[Path, Path]
+    ) -> list[tuple[str, str, int]]:
+        """(shipped text, the test's text, how often the shipped text occurs)."""
         cert, key = certificate
-        for old, new, count in [
-            ("server 127.0.0.1:7862 ", f"server 127.0.0.1:{upstreams[0]} ", 1),
-            ("server 127.0.0.1:7863 ", f"server 127.0.0.1:{upstreams[1]} ", 1),
+        return [
+            *self.upstream_replacements(upstreams),
             ("listen 443 ssl;", f"listen 127.0.0.1:{self.tls_port} ssl;", 1),
             # IPv6 may be off on a test machine; the IPv4 line above serves.
             ("listen [::]:443 ssl;", "# listen [::]:443 ssl;", 1),
@@ -220,14 +227,32 @@ class Balancer:
             ("/etc/ssl/certs/trioserve.example.com.pem", str(cert), 1),
             ("/etc/ssl/private/trioserve.example.com.key", str(key), 1),
             ("/var/log/nginx/trioserve.access.log", str(self.access_log), 2),
-        ]:
-            text = _replace(text, old, new, count, NGINX_CONF)
+        ]
+
+    def upstream_replacements(self, upstreams: Sequence[int]) -> list[tuple[str, str, int]]:
+        """The shipped upstream's two instances become the test's: its second line is
+        repeated for each instance beyond two."""
+        assert len(upstreams) >= 2, upstreams
+        first = "server 127.0.0.1:7862 max_fails=1 fail_timeout=10s;"
+        second = "server 127.0.0.1:7863 max_fails=1 fail_timeout=10s;"
+        rest = [second.replace(":7863 ", f":{port} ") for port in upstreams[1:]]
+        return [
+            (first, first.replace(":7862 ", f":{upstreams[0]} "), 1),
+            (second, "\n    ".join(rest), 1),
+        ]
+
+    def _write_config(self, upstreams: Sequence[int], certificate: tuple[Path, Path]) -> None:
+        d = self.directory
+        text = self.conf.read_text()
+        for old, new, count in self.replacements(upstreams, certificate):
+            text = _replace(text, old, new, count, self.conf)
         (d / "conf.d").mkdir()
         (d / "conf.d" / "trioserve.conf").write_text(text)
         # Relative includes resolve against the main file's directory, as
         # /etc/nginx/snippets/ does for /etc/nginx/nginx.conf.
         (d / "snippets").mkdir()
-        shutil.copy(NGINX_PROXY_CONF, d / "snippets" / "trioserve-proxy.conf")
+        for snippet in self.snippets:
+            shutil.copy(snippet, d / "snippets" / snippet.name)
         # Debian's nginx.conf, reduced to what a test needs. Two worker processes,
         # so that the upstream's shared zone is what makes least_conn global.
         built = subprocess.run([self.nginx, "-V"], capture_output=True, text=True).stderr

@@ -1,18 +1,26 @@
-"""The scale-out test runs only when asked for by its marker (``nox -s scale-out``,
-``pytest -m scaleout tests/deploy``): it installs nginx and starts three servers, so a
-plain ``pytest -m "not gpu"`` skips it rather than spend minutes on it."""
+"""The deployment tests run only when asked for by their marker: ``nox -s scale-out``
+(``pytest -m scaleout tests/deploy``) installs nginx and starts three servers, ``nox -s
+gateway`` (``pytest -m gateway tests/deploy``) installs nginx and SGLang's gateway and
+starts five, so a plain ``pytest -m "not gpu"`` skips them rather than spend minutes on
+them."""
 
 from __future__ import annotations
 
 import pytest
 
+#: Each opt-in marker and the session that runs its tests.
+OPT_IN = {
+    "scaleout": "scale-out test: run it with 'nox -s scale-out' (pytest -m scaleout tests/deploy)",
+    "gateway": "gateway test: run it with 'nox -s gateway' (pytest -m gateway tests/deploy)",
+}
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if "scaleout" in (config.option.markexpr or ""):
-        return
-    skip = pytest.mark.skip(
-        reason="scale-out test: run it with 'nox -s scale-out' (pytest -m scaleout tests/deploy)"
-    )
-    for item in items:
-        if item.get_closest_marker("scaleout") is not None:
-            item.add_marker(skip)
+    asked = config.option.markexpr or ""
+    for marker, reason in OPT_IN.items():
+        if marker in asked:
+            continue
+        skip = pytest.mark.skip(reason=reason)
+        for item in items:
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(skip)
