@@ -15,6 +15,12 @@ top of the output. Progress goes to stderr, the tables to stdout.
     python tests/bench/run.py --only fairness  # one client's 8 streams; a newcomer beside a flood
     python tests/bench/run.py --only doors     # /v1/responses, /v1/messages against chat
     python tests/bench/run.py --only llama-server  # trioserve against llama.cpp's llama-server
+    python tests/bench/run.py --only gateway   # nginx's least_conn against SGLang's gateway
+
+The gateway part runs only when named: it starts nginx (installing Debian's with apt,
+as root, when it is missing) and needs sglang-router (``pip install -e '.[gateway]'``,
+or ``SGLANG_ROUTER_PYTHON`` naming a Python that has it); ``--quick`` makes it one small
+round (about 3 minutes on two cores), the full one three rounds (about 13).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from tests.bench import (  # noqa: E402
     doors_bench,
     engine_bench,
     fairness_bench,
+    gateway_bench,
     hostile_bench,
     server_bench,
     server_vs_llama,
@@ -63,7 +70,11 @@ PARTS = (
     "fairness",
     "doors",
     "llama-server",
+    "gateway",
 )
+#: What runs without --only: everything but the parts that install and start other
+#: servers' software (the gateway bench: nginx and sglang-router).
+DEFAULT_PARTS = tuple(part for part in PARTS if part != "gateway")
 
 
 def cpu_model() -> str:
@@ -144,7 +155,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    parts = args.only or list(PARTS)
+    parts = args.only or list(DEFAULT_PARTS)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     begun = time.perf_counter()
@@ -229,6 +240,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         server_vs_llama.run(versus, say=say)
         print("\n## Against llama-server\n")
         print(server_vs_llama.markdown(versus))
+    if "gateway" in parts:
+        gateway_scale = gateway_bench.QUICK if args.quick else gateway_bench.FULL
+        say(f"gateway bench ({'quick' if args.quick else 'full'} scale)")
+        gateway = gateway_bench.run(gateway_scale, say=say, threads=args.threads)
+        print("\n## Replicas behind SGLang's Model Gateway\n")
+        print(gateway_bench.format_gateway_table(gateway))
     total = time.perf_counter() - begun
     print(f"\nLoad average at the end: {load_average()}; total {total:.0f} s.")
     return 0
