@@ -239,6 +239,7 @@ def test_the_openai_doors_go_through_the_gateway(stack: Stack) -> None:
 
 
 def test_the_responses_door_through_the_gateway(stack: Stack) -> None:
+    stack.wait_idle()
     client = stack.client()
     first = client.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=8)
     assert first.status in ("completed", "incomplete")
@@ -254,25 +255,70 @@ def test_the_responses_door_through_the_gateway(stack: Stack) -> None:
     assert "response.output_text.delta" in events
 
     # A stored response lives on the replica that made it. The gateway asks every
-    # replica for GET /v1/responses/ID, and sends a follow-up with
-    # previous_response_id where it is stored: each of these would be a 404 elsewhere.
+    # replica for GET /v1/responses/ID (one has it)...
     assert client.responses.retrieve(first.id).id == first.id
-    for n in range(4):
-        earlier = client.responses.create(
-            model=MODEL, input=f"Give me a word about the number {n}.", max_output_tokens=4
+    # ...but routes a follow-up by its text, not by previous_response_id. Make the
+    # storing replica busy with requests that share the stored one's text (so they go
+    # there too): a short follow-up matches nothing, goes to a less loaded replica, and
+    # is a 404 there (docs/scale-out.md: stateless requests instead).
+    stack.wait_idle()
+    question = "Name a famous lighthouse."
+    before = stack.served()
+    stored = client.responses.create(model=MODEL, input=question, max_output_tokens=6)
+    after = stack.served()
+    (holder,) = [p for p in stack.ports if after[p] > before[p]]
+
+    def busy(n: int) -> None:
+        list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[
+                    {"role": "user", "content": f"{question} Then tell its story, part {n}."}
+                ],
+                max_tokens=64,
+                extra_body={"ignore_eos": True},
+                stream=True,
+            )
         )
-        follow = client.responses.create(
-            model=MODEL, input="Another one.", previous_response_id=earlier.id, max_output_tokens=4
+
+    with ThreadPoolExecutor(3) as pool:
+        loads = [pool.submit(busy, n) for n in range(3)]
+        wait_for(
+            lambda: stack.pool.metrics(holder).value("trioserve_jobs_running") == 3,
+            f"the three requests on replica {holder}",
+            timeout=TIMEOUT,
         )
-        assert follow.previous_response_id == earlier.id
-        assert follow.usage is not None
-        assert follow.usage.input_tokens > earlier.usage.input_tokens  # type: ignore[union-attr]
+        with pytest.raises(openai.NotFoundError) as lost:
+            client.responses.create(
+                model=MODEL,
+                input="Another one.",
+                previous_response_id=stored.id,
+                max_output_tokens=4,
+            )
+        assert lost.value.code == "previous_response_not_found"
+        # The stateless form carries its history and goes anywhere.
+        stateless = client.responses.create(
+            model=MODEL,
+            input=[
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": stored.output_text},
+                {"role": "user", "content": "Another one."},
+            ],
+            store=False,
+            max_output_tokens=4,
+        )
+        assert stateless.status in ("completed", "incomplete")
+        for load in loads:
+            load.result(TIMEOUT)
 
     # DELETE is not implemented by sglang-router 0.3.2 (docs/scale-out.md says so).
     with pytest.raises(openai.APIStatusError) as refused:
         client.responses.delete(first.id)
     assert refused.value.status_code == 501
-    print(f"responses: {first.output_text!r}, events {len(events)}, DELETE 501 from the gateway")
+    print(
+        f"responses: {first.output_text!r}, {len(events)} events; previous_response_id to a "
+        f"busy replica {holder}: 404; DELETE: 501 from the gateway"
+    )
 
 
 def test_models_and_the_api_key(stack: Stack) -> None:
