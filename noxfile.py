@@ -221,9 +221,14 @@ def bench(session: nox.Session) -> None:
     release's sdist, with the same instruction sets, into
     ``~/.cache/trioserve-llama-server/`` (once; about 10 minutes on 2 cores)
     for the comparison of the two servers (tests/bench/server_vs_llama.py).
+    ``--only gateway`` (nginx's least_conn against SGLang's Model Gateway, opt-in)
+    first installs the project's ``gateway`` extra (sglang-router).
     """
     install_project(session, "test", "bench")
     args = list(session.posargs)
+    if "gateway" in args:
+        # --only gateway: three replicas behind nginx against SGLang's gateway.
+        session.install("-e", ".[gateway]")
     if "--llama-server" in args:
         args.remove("--llama-server")
         session.run("python", "-m", "tests.bench.llama_server", "build")
