@@ -225,8 +225,13 @@ def test_the_openai_doors_go_through_the_gateway(stack: Stack) -> None:
     assert "".join(c.choices[0].text for c in streamed if c.choices) == completion.choices[0].text
     print(f"chat {chat.choices[0].message.content!r}, completion {completion.choices[0].text!r}")
 
-    # Each went nginx -> gateway -> a replica.
-    lines = [line for line in stack.access_since(start) if '"POST /v1/' in line]
+    # Each went nginx -> gateway -> a replica (nginx writes a line once the client has
+    # its whole answer, so the last one may come a moment after the SDK returned).
+    def posted() -> list[str]:
+        return [line for line in stack.access_since(start) if '"POST /v1/' in line]
+
+    wait_for(lambda: len(posted()) >= 4, "nginx to log the four requests", timeout=30)
+    lines = posted()
     assert len(lines) == 4, lines
     for line in lines:
         assert stack.front.upstream_of(line) == f"127.0.0.1:{stack.pool.gateway_port}", line
@@ -413,9 +418,16 @@ def test_websocket_and_messages_go_to_the_replicas(stack: Stack) -> None:
     assert reply.stop_reason in ("end_turn", "max_tokens")
     assert reply.usage.output_tokens > 0
 
+    def logged() -> tuple[list[str], list[str]]:
+        lines = stack.access_since(start)
+        return (
+            [line for line in lines if '"GET / ' in line],
+            [line for line in lines if '"POST /v1/messages ' in line],
+        )
+
+    wait_for(lambda: all(logged()), "nginx to log the upgrade and the message", timeout=30)
+    upgrade, posted = logged()
     lines = stack.access_since(start)
-    upgrade = [line for line in lines if '"GET / ' in line]
-    posted = [line for line in lines if '"POST /v1/messages ' in line]
     assert len(upgrade) == 1 and len(posted) == 1, lines
     for line in (*upgrade, *posted):
         assert stack.front.upstream_of(line) in replicas, line
@@ -499,11 +511,13 @@ def test_a_drained_replica_loses_no_request(stack: Stack) -> None:
     system = _tenant_prompt("the Ferry Company")
     tokens = 48
     before = stack.served()
+    logged = len(stack.front.access_lines())
     client.chat.completions.create(
         model=MODEL, messages=_chat(system, "Hello?"), max_tokens=1, temperature=0
     )
     after = stack.served()
     (held,) = [p for p in stack.ports if after[p] > before[p]]
+    wait_for(lambda: len(stack.front.access_lines()) > logged, "nginx to log the first request")
     start = len(stack.front.access_lines())
     routed = stack.pool.gateway_metrics()
 
@@ -578,9 +592,6 @@ def test_a_drained_replica_loses_no_request(stack: Stack) -> None:
     )
     print(f"the gateway retried {retries:g} time(s); replica {held} failed {failures:g}")
     assert failures >= 1 and retries >= failures
-    # No client got an error from nginx or through it.
-    lines = stack.access_since(start)
-    assert [line for line in lines if _status_of(line) >= 500] == [], lines
 
     # run-replicas starts it again, and the gateway takes it back.
     wait_for(
@@ -600,4 +611,9 @@ def test_a_drained_replica_loses_no_request(stack: Stack) -> None:
 
     wait_for(healthy, f"the gateway to take replica {held} back", timeout=60)
     assert stack.pool.pid(held) != pid
+
+    # No client got an error from nginx or through it (all nine requests logged by now).
+    lines = [line for line in stack.access_since(start) if '"POST /v1/' in line]
+    assert len(lines) == 9, lines
+    assert [line for line in lines if _status_of(line) >= 500] == [], lines
     assert stack.pool.error_lines() == []
