@@ -199,9 +199,13 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict over the package, the tests, the doc examples and this file."""
+    """mypy --strict over the package, the tests, the doc examples, the deployment
+    scripts and this file."""
     install_project(session, "typing", "bench")
     session.run("mypy", "trioserve", "tests", "noxfile.py", "docs/examples")
+    # One at a time: a script without .py is module __main__ to mypy.
+    for script in ("deploy/gateway/run-replicas", "deploy/gateway/launch-gateway"):
+        session.run("mypy", script)
 
 
 #: llama-cpp-python for the engine bench's llama.cpp column (opt-in: it is
