@@ -635,7 +635,7 @@ def test_a_failed_or_interrupted_generation_ends_the_stream_with_an_error() -> N
         "message": "the engine failed: out of memory",
     }
     outcome, error = reply.failure(draining=True)
-    assert (outcome, error.status, error.type) == ("interrupted", 529, "overloaded_error")
+    assert (outcome, error.status, error.type) == ("interrupted", 503, "overloaded_error")
     # A failure the request caused (its constraint broke down) is its 400.
     state.failure_cause = "request"
     outcome, error = reply.failure(draining=False)

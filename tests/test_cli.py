@@ -211,6 +211,7 @@ def test_environment_sets_every_option_and_the_command_line_wins() -> None:
         "log_level": ("DEBUG", "debug"),
         "log_format": ("json", "json"),
         "log_prompts": ("on", True),
+        "public_metrics": ("yes", True),
     }
     assert set(values) == {option.name for option in OPTIONS}
     environ = {option.env: values[option.name][0] for option in OPTIONS}

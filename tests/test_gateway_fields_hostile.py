@@ -36,17 +36,15 @@ What each test plays, and what it checks:
 After every hostile request, a control request (the same every time, greedy)
 must get its usual answer.
 
-Tests marked ``xfail(strict=True)`` document defects found here (the
-server is left as it is), each reason with the request and the answer:
-special tokens' text skipped by default makes a stop string of it never
-match (a regression on ``/v1/completions``) and the logprobs disagree with
-the text; ``no_stop_trim``'s logprobs leave out the stop; ``ignore_eos``
-stops at the EOS token under tools or a thinking budget;
-``separate_reasoning: false`` lifts the server's thinking budget;
-``continue_final_message`` with a thinking template continues inside the
-thought; the ``vllm:`` series are torn apart in OpenMetrics; and, older than
-this change, a lone surrogate in a field name is a 500 and a bad
-``repetition_penalty`` is named ``rep_pen`` on the chat routes.
+The defects this file found, each now a plain test: special tokens' text
+skipped by default made a stop string of it never match and the logprobs
+disagree with the text; ``no_stop_trim``'s logprobs left out the stop;
+``ignore_eos`` stopped at the EOS token under tools or a thinking budget;
+``separate_reasoning: false`` lifted the server's thinking budget;
+``continue_final_message`` with a thinking template continued inside the
+thought; the ``vllm:`` series were torn apart in OpenMetrics; and, older
+than the fields, a lone surrogate in a field name was a 500 and a bad
+``repetition_penalty`` was named ``rep_pen`` on the chat routes.
 """
 
 from __future__ import annotations
@@ -59,7 +57,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
-import pytest
 import trio
 from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,
@@ -372,14 +369,6 @@ async def test_each_field_out_of_type_refused_or_misplaced_is_a_400_naming_it(
             await control.check((path, fields))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect (older than this change, where the alias was added to the chat routes):"
-    " on /v1/chat/completions and /v1/completions a repetition_penalty out of type or range"
-    " is refused naming rep_pen, a field the client did not send: {repetition_penalty:"
-    " true} gives 400 {message: 'rep_pen must be a number in [0.01, 100], got True',"
-    " param: 'rep_pen'}; /v1/responses names repetition_penalty",
-)
 async def test_a_bad_repetition_penalty_is_named_as_sent(cpu_engine: CpuEngine) -> None:
     async with serving(cpu_engine) as (server, listening):
         port = listening.port
@@ -439,14 +428,6 @@ async def test_names_near_the_fields_are_unknown_fields_refused_by_name(
             await control.check(("/v1/messages", name))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect (older than this change): an unknown field whose name holds a lone"
-    " surrogate ('ignore_eos\\ud800') is a 500 internal error on /v1/chat/completions and"
-    " /v1/completions: the 400's body echoes the name (message and param) and"
-    " openai/errors.py's json.dumps(ensure_ascii=False).encode('utf-8') raises"
-    " UnicodeEncodeError; /v1/responses refuses the body as invalid unicode (400)",
-)
 async def test_a_lone_surrogate_in_a_field_name_is_a_400(cpu_engine: CpuEngine) -> None:
     async with serving(cpu_engine) as (server, listening):
         port = listening.port
@@ -644,15 +625,6 @@ async def test_continue_final_message_serves_the_odd_cases(cpu_engine: CpuEngine
         await control.check("alone")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: with a thinking template, continue_final_message renders the generation"
-    " prompt, which opens the thinking section, and appends the final message after it"
-    " ('<|im_start|>assistant\\n<think>\\nThe capital of France is': 25 prompt tokens),"
-    " where vLLM renders the final message itself, unclosed ('<|im_start|>assistant\\n"
-    "The capital of France is': 21): the message to continue is put inside a thought the"
-    " reply never leaves, unsplit and outside the server's budget",
-)
 async def test_continue_final_message_with_a_thinking_template_continues_the_answer(
     cpu_engine: CpuEngine,
 ) -> None:
@@ -765,14 +737,6 @@ async def test_stops_straddling_tokens_are_kept_or_trimmed_alike_streamed_or_not
         await control.check("chat stops")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: with no_stop_trim the text ends with the stop string, but the logprobs"
-    " leave out the tokens that wrote it: POST /v1/completions {prompt: 'The capital of"
-    " France is', max_tokens: 16, temperature: 0, ignore_eos: true, stop: ['\\nT'],"
-    " no_stop_trim: true, logprobs: 0} gives text ' Paris.\\n\\nT' and tokens [' Paris',"
-    " '.', '\\n'] (text_offset [0, 6, 7]): two characters of the text have no token",
-)
 async def test_no_stop_trim_logprobs_cover_the_text(cpu_engine: CpuEngine) -> None:
     async with serving(cpu_engine) as (server, listening):
         port = listening.port
@@ -838,17 +802,6 @@ async def test_a_stop_that_is_a_special_tokens_text_with_special_tokens_written(
         await control.check("stop_token_ids")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect (a regression of this change): with skip_special_tokens at its new default"
-    " (true on every API door) stop strings are matched on the text without the special"
-    " tokens, so a stop that is a special token's text never matches and the generation"
-    " runs to max_tokens. POST /v1/completions {prompt: '<|im_start|>user\\nSay"
-    " hi<|im_end|>\\n', max_tokens: 8, temperature: 0, stop: ['<|im_start|>']} answered text"
-    " '' finish 'stop' before c8e7a55 and now \"assistant\\nI'm glad to\" finish 'length';"
-    " chat with ignore_eos and stop ['<|im_end|>'] runs past the turn's end to max_tokens,"
-    " though the docs say a request's stop still ends an ignore_eos generation",
-)
 async def test_a_stop_that_is_a_special_tokens_text_ends_the_generation_by_default(
     cpu_engine: CpuEngine,
 ) -> None:
@@ -990,16 +943,6 @@ async def test_skip_special_tokens_either_way_streamed_or_not(cpu_engine: CpuEng
         await control.check("responses")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: with skip_special_tokens true (the default) the text leaves the special"
-    " tokens out but the logprobs keep them: chat {messages: [Say hi], max_tokens: 40,"
-    " temperature: 0, ignore_eos: true, logprobs: true} lists '<|im_end|>', '\\n',"
-    " '<|im_start|>' tokens whose joined text is not the content ('...today?\\nuser\\n...');"
-    " on /v1/completions text_offset counts the skipped text ('<|im_start|>' at 0, 'ass'"
-    " at 12 for text 'assistant\\n...'), so every offset after a special token points past"
-    " its token",
-)
 async def test_logprobs_agree_with_the_text_when_special_tokens_are_skipped(
     cpu_engine: CpuEngine,
 ) -> None:
@@ -1042,15 +985,6 @@ async def test_logprobs_agree_with_the_text_when_special_tokens_are_skipped(
             assert text[offset:].startswith(token), (token, offset, text)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: ignore_eos is not honoured with tools: POST /v1/chat/completions"
-    " {messages: [What is the capital of France?], tools: [get_weather], tool_choice:"
-    " 'auto', max_tokens: 30, temperature: 0, ignore_eos: true} ends after 8 tokens with"
-    " finish_reason 'stop' ('The capital of France is Paris.'; with skip_special_tokens"
-    " false '...Paris.<|im_end|>'): the tools grammar's free text accepts the EOS token and"
-    " ends the job, whereas the docs say the reply goes on to max_tokens",
-)
 async def test_ignore_eos_with_tools_runs_to_max_tokens(cpu_engine: CpuEngine) -> None:
     async with serving(cpu_engine) as (server, listening):
         port = listening.port
@@ -1070,14 +1004,6 @@ async def test_ignore_eos_with_tools_runs_to_max_tokens(cpu_engine: CpuEngine) -
         assert doc["choices"][0]["finish_reason"] == "length", doc
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: ignore_eos is not honoured on a server with --reasoning-budget: the"
-    " grammar set after the thinking (thinking.after_thinking) accepts the EOS token and"
-    " ends the job: chat {messages: [What is the capital of France?], max_tokens: 40,"
-    " temperature: 0, ignore_eos: true} with chatml_thinking.jinja and budget 12 ends after"
-    " 24 tokens, finish_reason 'stop', the same as without ignore_eos",
-)
 async def test_ignore_eos_with_a_thinking_budget_runs_to_max_tokens(
     cpu_engine: CpuEngine,
 ) -> None:
@@ -1206,16 +1132,6 @@ async def test_a_stream_that_sends_nothing_while_it_thinks_frees_its_slot_when_l
         await control.check("left mid-thinking")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: separate_reasoning false escapes the server's --reasoning-budget: the"
-    " splitter is dropped (find_thinking returns none) and with it the grammar that closes"
-    " the thinking; with chatml_thinking.jinja and --reasoning-budget 0 ('0 closes it at"
-    " once'), chat {messages: [What is the capital of France?], max_tokens: 40,"
-    " temperature: 0, separate_reasoning: false} thinks 8 tokens and never writes"
-    " '</think>' (content 'The capital of France is Paris.'), where the split request's"
-    " thinking is closed at once: any client lifts the operator's bound",
-)
 async def test_separate_reasoning_false_keeps_the_servers_budget(cpu_engine: CpuEngine) -> None:
     async with serving(cpu_engine, chat_template=TEMPLATE, reasoning_budget=0) as (
         server,
@@ -1245,8 +1161,8 @@ async def test_model_info_whatever_the_method_body_key_or_path(cpu_engine: CpuEn
         for path in ("/model_info", "/server_info", "/model_info?model=../../etc/passwd"):
             doc = ok(await call(port, "GET", path, key))
             docs.append(doc)
-            assert doc["served_model_name"] == doc["model_path"] == SERVED_NAME, doc
-            assert "/" not in doc["model_path"] and doc["is_generation"] is True
+            assert doc["served_model_name"] == SERVED_NAME, doc
+            assert "model_path" not in doc and doc["is_generation"] is True
             assert isinstance(doc["context_length"], int) and doc["context_length"] > 0
             await control.check(path)
         assert docs[0] == docs[1] == docs[2]
@@ -1361,15 +1277,6 @@ async def test_vllm_series_have_one_label_value_whatever_clients_send(
         assert total(after, "vllm:num_requests_waiting") == 0.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: in OpenMetrics (GET /metrics with Accept: application/openmetrics-text;"
-    " version=1.0.0, Prometheus' default scrape protocol) prometheus_client 0.26 answers"
-    " 'escaping=underscores' and writes the samples as vllm_num_requests_running but their"
-    " # HELP and # TYPE lines as vllm:num_requests_running: the families have no samples"
-    " and the samples no family (an untyped vllm_num_requests_running), so a scraper that"
-    " negotiates OpenMetrics never sees the vLLM names the pickers read",
-)
 async def test_vllm_series_are_whole_in_openmetrics(cpu_engine: CpuEngine) -> None:
     async with serving(cpu_engine) as (server, listening):
         port = listening.port

@@ -484,7 +484,7 @@ BAD_FIELDS: Final[dict[str, list[Any]]] = {
     # Sampler settings beyond OpenAI's, under the server's names.
     "min_tokens": [-1, "x", 3],
     "seed": ["x", 1.5],
-    "top_k": ["x", -1, 1.5, 2**64],
+    "top_k": ["x", -2, 1.5, 2**64],
     "logit_bias": [5, "x", {"x": 1}],
     "frequency_penalty": ["x", []],
     # Fields of other APIs, and fields nobody knows.

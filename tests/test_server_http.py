@@ -162,3 +162,17 @@ async def test_the_api_key_guards_every_route_but_health() -> None:
             assert ok.status == 200, path
         models = await get(port, "/v1/models", headers={"Authorization": f"Bearer {key}"})
         assert [m["id"] for m in json.loads(models.body)["data"]] == ["scripted-bytes"]
+
+
+async def test_public_metrics_opens_metrics_alone() -> None:
+    key = "s3cret"
+    async with server_in_scope(ScriptedEngine(), api_key=key, public_metrics=True) as (
+        _,
+        listening,
+        _scope,
+    ):
+        port = listening.port
+        metrics = await get(port, "/metrics")
+        assert metrics.status == 200 and b"vllm:num_requests_waiting" in metrics.body
+        for path in ("/v1/models", "/model_info", "/", "/metrics/x"):
+            assert (await get(port, path)).status == 401, path

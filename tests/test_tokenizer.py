@@ -43,13 +43,17 @@ def test_a_skipping_decoder_leaves_out_special_tokens_but_the_kept_ones(
     tokenizer: Tokenizer,
 ) -> None:
     ids = tokenizer.encode("<|im_start|>user\nHi<|im_end|> there")
-    assert tokenizer.decoder(skip_special=False)(ids) == tokenizer.decode(ids)
-    assert tokenizer.decoder(skip_special=True)(ids) == "user\nHi there"
-    kept = tokenizer.decoder(skip_special=True, kept={"<|im_end|>", "not a token"})
-    assert kept(ids) == "user\nHi<|im_end|> there"
+    assert tokenizer.decoder()(ids) == tokenizer.decode(ids)
+    assert tokenizer.decoder(tokenizer.skipped_special())(ids) == "user\nHi there"
+    # Kept: a marker itself, or a special token within a stop string.
+    kept = tokenizer.skipped_special({"<|im_end|>", "not a token"})
+    assert tokenizer.decoder(kept)(ids) == "user\nHi<|im_end|> there"
+    within = tokenizer.skipped_special({"x<|im_start|>y"})
+    assert tokenizer.decoder(within)(ids) == "<|im_start|>user\nHi there"
+    assert 1 not in within and {0, 2} <= within
     # An ordinary token whose text names a special one is text, never skipped.
     plain = tokenizer.encode("<|im_end|") + tokenizer.encode(">")
-    assert tokenizer.decoder(skip_special=True)(plain) == "<|im_end|>"
+    assert tokenizer.decoder(tokenizer.skipped_special())(plain) == "<|im_end|>"
 
 
 # SmolLM2's byte-level vocabulary lacks a few bytes (six control characters

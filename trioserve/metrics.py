@@ -21,6 +21,7 @@ a few dict lookups and a lock, no I/O. Nothing here knows trio or torch.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Final
 
@@ -471,8 +472,24 @@ class Metrics:
         """The exposition of every metric and its content type: the
         Prometheus text format, or OpenMetrics when ``accept`` (the scrape's
         Accept header) asks for it."""
-        encoder, content_type = choose_encoder(accept or "")
-        return encoder(self.registry), content_type
+        accept = accept or ""
+        if "openmetrics" in accept and "escaping=" not in accept:
+            # prometheus_client escapes names with underscores by default,
+            # colons included (legal in OpenMetrics 1.0): the vllm: samples
+            # would lose their names while their HELP and TYPE lines keep
+            # them. allow-utf-8 leaves every name here as it is.
+            accept = ",".join(part + ";escaping=allow-utf-8" for part in accept.split(","))
+        encoder, content_type = choose_encoder(accept)
+        body = encoder(self.registry)
+        if "escaping=underscores" in content_type:
+            # The scraper asked for it: the metadata lines follow the samples.
+            body = _METADATA_COLON.sub(rb"\1vllm_", body)
+        return body, content_type
+
+
+#: The metadata lines of the vllm: families, whose samples an exposition
+#: with underscore escaping names vllm_.
+_METADATA_COLON: Final = re.compile(rb"^(# (?:HELP|TYPE|UNIT) )vllm:", re.MULTILINE)
 
 
 class _PickerMetrics:
@@ -498,8 +515,8 @@ class _PickerMetrics:
         )
         self._picker_kv = Gauge(
             "vllm:kv_cache_usage_perc",
-            "The KV cache's use, 0 to 1: the running jobs' keys and values over the cache's"
-            " capacity (CPU engine; 0 where the engine does not report it).",
+            "The KV cache's use, 0 to 1: its size now (grown in blocks for the running jobs)"
+            " over its capacity (CPU engine; 0 where the engine does not report it).",
             ("model_name",),
             registry=r,
         )

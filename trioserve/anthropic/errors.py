@@ -40,7 +40,11 @@ def error_type(status: int) -> str:
 def error_body(status: int, message: str) -> bytes:
     """The JSON body of an error answered with ``status``."""
     error = {"type": error_type(status), "message": message}
-    return json.dumps({"type": "error", "error": error}, ensure_ascii=False).encode("utf-8")
+    body = {"type": "error", "error": error}
+    try:
+        return json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate the client sent, echoed back
+        return json.dumps(body).encode("ascii")
 
 
 class AnthropicError(TrioserveError):

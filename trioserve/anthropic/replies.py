@@ -36,7 +36,7 @@ from trioserve.vocabulary.tools import (
     ToolEvent,
 )
 
-from .errors import OVERLOADED, AnthropicError
+from .errors import AnthropicError
 from .requests import MessagesRequest
 
 __all__ = ["GenerationState", "MessageReply", "StopReason", "new_message_id", "sse"]
@@ -148,7 +148,9 @@ class MessageReply:
             return "invalid_request", AnthropicError(400, message)
         if self.state.outcome == "failed" and not draining:
             return "internal", AnthropicError(500, self.state.failure or "the engine failed")
-        return "interrupted", AnthropicError(OVERLOADED, SHUTTING_DOWN, retry_after=1)
+        # 503, not 529: a proxy in front (nginx) passes a 503 on to another
+        # instance, and Anthropic's SDKs retry both.
+        return "interrupted", AnthropicError(503, SHUTTING_DOWN, retry_after=1)
 
     def _message(
         self, content: list[dict[str, Any]], reason: StopReason | None, stop: str | None

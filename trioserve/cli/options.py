@@ -271,6 +271,13 @@ OPTIONS: Final[tuple[Option, ...]] = (
         secret=True,
     ),
     Option(
+        "public_metrics",
+        NET,
+        "serve /metrics without the API key (for a scraper or an endpoint picker that sends "
+        "none); it shows counts and timings, never prompts or keys",
+        S,
+    ),
+    Option(
         "allowed_origins",
         NET,
         "browser origin allowed to connect besides the loopback origins (e.g. "

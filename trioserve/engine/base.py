@@ -132,10 +132,14 @@ class GenerationSpec:
     #: The model's EOS ids are not in ``stop_token_ids``: the job runs to
     #: ``max_new_tokens`` or a stop of the request's own (``ignore_eos``).
     ignore_eos: bool = False
-    #: Leave special tokens' text out of the job's text, except the tokens
-    #: whose text is in ``kept_special`` (markers a reply is parsed by).
+    #: Leave special tokens' text out of the job's text (and its entries'),
+    #: except the tokens whose text occurs in one of ``kept_special`` (the
+    #: markers a reply is parsed by, the stop strings).
     skip_special_tokens: bool = False
     kept_special: frozenset[str] = frozenset()
+    #: The stop string that ends the job is part of the reply: the entries
+    #: of its tokens are released with the rest.
+    include_stop_str: bool = False
 
 
 @runtime_checkable

@@ -196,21 +196,26 @@ class Tokenizer:
             return self._tok.decode_batch([ids], skip_special_tokens=False)[0]
         return self._tok.decode(ids, skip_special_tokens=False)
 
-    def decoder(
-        self, *, skip_special: bool, kept: Iterable[str] = ()
-    ) -> Callable[[Sequence[int]], str]:
-        """A decode for one job's text: :meth:`decode`, or with
-        ``skip_special`` one that leaves out special tokens' text (as
-        ``skip_special_tokens`` does in vLLM) except the tokens whose text is
-        in ``kept`` (a thinking template's and the tool calls' markers, which
-        the reply is parsed by)."""
-        if not skip_special or not self.special_ids:
+    def skipped_special(self, kept: Iterable[str] = ()) -> frozenset[int]:
+        """The special ids whose text a reply leaves out (vLLM's
+        ``skip_special_tokens``): every one but those whose text occurs in
+        one of ``kept`` (the markers a reply is parsed by, the request's stop
+        strings, which must still be seen to match)."""
+        kept = tuple(kept)
+        return frozenset(
+            i
+            for i in self.special_ids
+            if not any(self._token_bytes[i].decode("utf-8", "replace") in k for k in kept)
+        )
+
+    def decoder(self, skipped: frozenset[int] = frozenset()) -> Callable[[Sequence[int]], str]:
+        """A decode for one job's text: :meth:`decode`, leaving out the
+        text of the ids in ``skipped`` (:meth:`skipped_special`)."""
+        if not skipped:
             return self.decode
-        keep = {self._tok.token_to_id(text) for text in kept}
-        skip = self.special_ids - keep
 
         def decode(ids: Sequence[int]) -> str:
-            return self.decode([i for i in ids if i not in skip])
+            return self.decode([i for i in ids if i not in skipped])
 
         return decode
 

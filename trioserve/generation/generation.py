@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 
 import attrs
 import trio
@@ -198,25 +198,38 @@ class Generations:
 
     async def render_prompt(self, request: GenerationRequest) -> str:
         """The prompt text of a checked ``request`` that is not token ids:
-        its messages (and tools) through the chat template, the client's
-        ``assistant_prefix`` after them; else its text after ``custom_bos``."""
+        its messages (and tools) through the chat template, ending with the
+        client's ``assistant_prefix`` (:func:`_continued`); else its text
+        after ``custom_bos``."""
         if request.messages is None:
             return request.custom_bos + request.text
         template = self.chat_template
         assert template is not None  # check_request refused it otherwise
         native = takes_tools(template.source)
         messages, tools = prompt_messages(request.messages, request.tools, native=native)
-        variables = {}
+        variables: dict[str, Any] = {}
         if request.thinking is not None:
             # Qwen3's and its kin's switch; templates without it ignore it.
             variables["enable_thinking"] = request.thinking
+        prefix = request.assistant_prefix
         try:
+            if prefix:
+                final = [*messages, {"role": "assistant", "content": prefix}]
+                closed = await self.tokenizing.render(
+                    template,
+                    final,
+                    tools=tools,
+                    variables={**variables, "add_generation_prompt": False},
+                )
+                continued = _continued(closed, prefix)
+                if continued is not None:
+                    return continued
             prompt = await self.tokenizing.render(
                 template, messages, tools=tools, variables=variables
             )
         except ChatTemplateError as exc:
             raise InvalidGeneration(str(exc), "messages", code="chat_template_error") from None
-        return prompt + request.assistant_prefix
+        return prompt + prefix
 
     async def count_prompt_tokens(self, request: GenerationRequest, *, client: Hashable) -> int:
         """How many tokens ``request``'s prompt is, rendered and tokenized
@@ -254,6 +267,19 @@ class Generations:
         self._in_flight[client] -= 1
         if self._in_flight[client] <= 0:
             del self._in_flight[client]
+
+
+def _continued(closed: str, prefix: str) -> str | None:
+    """The prompt that continues a final assistant message ``prefix``: the
+    chat rendered with it as the last turn, cut where its text ends (its
+    end-of-turn dropped), as transformers' ``continue_final_message`` does,
+    so that the message stands where the template puts an assistant's words
+    (after an empty thinking section, for Qwen3's). None when the template
+    did not write the text as it was (then it follows the generation prompt)."""
+    where = closed.rfind(prefix)
+    if where < 0:
+        return None
+    return closed[: where + len(prefix)]
 
 
 def _last_text(update: Finished, request: GenerationRequest) -> str:
@@ -568,7 +594,7 @@ class Generation:
         self.generated_tokens = generated
 
     def _release(self, text: str, *, final: bool = False) -> None:
-        if self._splitter is None:
+        if self._splitter is None or not self.request.separate_reasoning:
             self.response += text
         else:
             thought, answer = self._splitter.split(text, final=final)

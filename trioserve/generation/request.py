@@ -286,5 +286,8 @@ def build_spec(
         share_prompt=share_prompt,
         ignore_eos=request.ignore_eos,
         skip_special_tokens=request.skip_special_tokens,
-        kept_special=kept_special if request.skip_special_tokens else frozenset(),
+        kept_special=kept_special | frozenset(request.stop_strings)
+        if request.skip_special_tokens
+        else frozenset(),
+        include_stop_str=request.include_stop_str,
     )

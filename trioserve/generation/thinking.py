@@ -30,15 +30,12 @@ async def find_thinking(
 ) -> tuple[str | None, ReasoningSplitter | None]:
     """The prompt, rendered by ``render`` (None when nothing was rendered here), and the
     splitter of the generation's text: None when the template does not
-    think, when the request keeps the reasoning in the answer
-    (``separate_reasoning`` false), when the prompt closed the section
-    (thinking off), or when a prefill continues the answer itself."""
-    if (
-        fmt is None
-        or not request.separate_reasoning
-        or request.messages is None
-        or request.prompt_ids is not None
-    ):
+    think, when the prompt closed the section (thinking off), or when a
+    prefill continues the answer itself. A request that keeps the reasoning
+    in its answer (``separate_reasoning`` false) has one too: the thinking's
+    budget and the answer's format hold all the same; only the text is not
+    split (:meth:`Generation._release`)."""
+    if fmt is None or request.messages is None or request.prompt_ids is not None:
         return None, None
     rendered = await render(request)
     if request.assistant_prefix:

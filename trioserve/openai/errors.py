@@ -47,7 +47,12 @@ def error_body(
             "code": code,
         }
     }
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    try:
+        return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate the client sent (in a field's name, echoed back):
+        # escaped, so that the error still reaches the client.
+        return json.dumps(payload, separators=(",", ":")).encode("ascii")
 
 
 class OpenAIError(TrioserveError):

@@ -94,7 +94,8 @@ EXTENSIONS: Final[tuple[Extension, ...]] = (
         False,
         "ignore_eos",
         "keep generating past the model's end-of-sequence token, up to the length limit"
-        " (a request's own `stop_token_ids` and `stop` still end it): for benchmarks",
+        " (a request's own `stop_token_ids` and `stop` still end it, and an output format's"
+        " complete value): for benchmarks",
         "vLLM, SGLang",
     ),
     Extension(
@@ -102,8 +103,9 @@ EXTENSIONS: Final[tuple[Extension, ...]] = (
         _ALL,
         True,
         "skip_special_tokens",
-        "leave special tokens' text (`<|im_start|>`, ...) out of the output; `false` writes"
-        " it. A thinking template's and the tool calls' markers are always written",
+        "leave special tokens' text (`<|im_start|>`, ...) out of the output and its logprobs'"
+        " `token`; `false` writes it. A thinking template's and the tool calls' markers, and a"
+        " special token a `stop` string holds, are always written",
         "vLLM, SGLang",
     ),
     Extension(
@@ -111,7 +113,7 @@ EXTENSIONS: Final[tuple[Extension, ...]] = (
         _ALL,
         False,
         "include_stop",
-        "end the output with the stop string (`stop`) that ended it",
+        "end the output with the stop string (`stop`) that ended it (its tokens' logprobs too)",
         "SGLang",
     ),
     Extension(
@@ -128,7 +130,8 @@ EXTENSIONS: Final[tuple[Extension, ...]] = (
         False,
         "continue_final_message",
         "the final message is the assistant's and is continued: the reply holds what"
-        " follows it (no new turn is opened)",
+        " follows it (no new turn is opened; the chat is rendered with it as its last turn,"
+        " cut where its text ends, as transformers' `continue_final_message` does)",
         "vLLM, SGLang",
     ),
     Extension(
@@ -147,7 +150,8 @@ EXTENSIONS: Final[tuple[Extension, ...]] = (
         True,
         "separate_reasoning",
         "a thinking template's reasoning apart, in `reasoning_content`; `false` leaves it"
-        " in `content` as the model wrote it",
+        " in `content` as the model wrote it, markers and all (the server's thinking budget"
+        " and an output format after the thinking hold all the same)",
         "SGLang",
     ),
     Extension(
@@ -155,7 +159,8 @@ EXTENSIONS: Final[tuple[Extension, ...]] = (
         _CHAT,
         True,
         "stream_reasoning",
-        "stream the reasoning as it is written; `false` sends it in one chunk when it ends",
+        "stream the reasoning as it is written; `false` sends it in one chunk when it ends"
+        " (nothing is sent meanwhile: mind a proxy's idle timeout)",
         "SGLang",
     ),
     Extension(

@@ -357,7 +357,7 @@ def _element_of(exc: BaseException) -> tuple[str, str]:
 def _sampler_hook(value: Any, _: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for param, given in value.items():
-        name = _SAMPLER_FIELDS[param]
+        name = _SAMPLER_FIELDS.get(param) or _SAMPLER_FIELDS[_ALIASES[param]]
         if given is None:
             continue  # null is "the default", as OpenAI reads it
         out[name] = _declared_rule(
@@ -459,6 +459,10 @@ def _preprocess(obj: dict[str, Any], fields: frozenset[str]) -> dict[str, Any]:
             target = _alias(obj, key)
             if target is None:
                 continue
+            if target in _SAMPLER_FIELDS:
+                # Read as the setting, named as the client sent it in errors.
+                payload.setdefault("sampler", {})[key] = value
+                continue
             key = target
         if key == "stream_options":
             continue
@@ -467,7 +471,9 @@ def _preprocess(obj: dict[str, Any], fields: frozenset[str]) -> dict[str, Any]:
             continue
         if key not in fields:
             raise _invalid(
-                f"unrecognized request argument supplied: {_show(key)}", key, "unknown_parameter"
+                f"unrecognized request argument supplied: {_show(key)}",
+                key if _text(key) and len(key) <= 256 else None,
+                "unknown_parameter",
             )
         payload[key] = value
     options = obj.get("stream_options")

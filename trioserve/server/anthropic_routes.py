@@ -3,7 +3,7 @@
 
 A request is parsed and bounded (400), turned into a
 :class:`~trioserve.generation.GenerationRequest`, checked against the model
-(400), admitted (529 ``overloaded_error`` while draining or full, 429
+(400), admitted (529 ``overloaded_error`` while full, 503 while draining, 429
 ``rate_limit_error`` over the client's request limit), rendered, tokenized
 and fitted (400 ``prompt is too long``), then followed to its end by an
 :class:`~trioserve.server.exchange.Exchange` that writes what
@@ -56,9 +56,20 @@ def api_error_body(head: RequestHead, status: int, message: str) -> bytes | None
 
 
 def _outcome(status: int) -> str:
-    return {400: "invalid_request", 429: "overloaded", an.OVERLOADED: "overloaded"}.get(
-        status, "internal"
-    )
+    return {
+        400: "invalid_request",
+        429: "overloaded",
+        503: "overloaded",
+        an.OVERLOADED: "overloaded",
+    }.get(status, "internal")
+
+
+def _full_or_draining(exc: Overloaded) -> an.AnthropicError:
+    """No room for the job: 529 while the server is full (Anthropic's
+    "overloaded"), 503 while it shuts down, which a proxy in front (nginx's
+    ``proxy_next_upstream``) passes on to another instance; Anthropic's SDKs
+    retry both."""
+    return an.AnthropicError(503 if exc.draining else an.OVERLOADED, exc.message, retry_after=1)
 
 
 @attrs.define
@@ -106,10 +117,10 @@ class AnthropicRoutes:
 
     @staticmethod
     def _overloaded(exc: Overloaded) -> an.AnthropicError:
-        """The server's fullness or shutdown (529, retry), or the client's own
+        """The server's shutdown (503, retry elsewhere), or the client's own
         limit (429)."""
         if exc.draining:
-            return an.AnthropicError(an.OVERLOADED, exc.message, retry_after=1)
+            return an.AnthropicError(503, exc.message, retry_after=1)
         return an.AnthropicError(429, exc.message, retry_after=1)
 
     async def messages(self, http: HTTPRequest) -> Response | StreamingResponse:
@@ -135,7 +146,7 @@ class AnthropicRoutes:
             open_request,
             arrived=arrived,
             invalid=anthropic_error,
-            overloaded=lambda exc: an.AnthropicError(an.OVERLOADED, exc.message, retry_after=1),
+            overloaded=_full_or_draining,
             api_error=an.AnthropicError,
             refused=lambda opened, exc: self._finish(http, opened, _outcome(exc.status), arrived),
         )

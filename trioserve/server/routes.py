@@ -217,14 +217,12 @@ class OpenAIRoutes:
         return Response.json(oa.model_object(name, self.created, **self._model()))
 
     async def model_info(self, request: HTTPRequest) -> Response:
-        # A name, never a filesystem path (SGLang's model_path is the path
-        # it loaded; the gateway reads served_model_name first).
-        name = self.model_name
+        # The name only: SGLang's model_path and tokenizer_path are the paths
+        # it loaded, which the gateway would try to fetch a tokenizer from
+        # (from huggingface.co, for a bare name); without them it does not.
         return Response.json(
             {
-                "model_path": name,
-                "served_model_name": name,
-                "tokenizer_path": name,
+                "served_model_name": self.model_name,
                 "is_generation": True,
                 "context_length": self.generations.info.context_length,
                 "version": __version__,

@@ -164,6 +164,9 @@ class ServerConfig:
     shutdown_grace: float = 10.0
     #: Log prompts in the per-request log lines (off: prompts are private).
     log_prompts: bool = False
+    #: ``/metrics`` without the API key (an endpoint picker, a scraper that
+    #: sends none); the other routes keep needing it.
+    public_metrics: bool = False
     #: How the model writes tool calls: ``auto`` (from its chat template) or
     #: one of ``hermes``, ``llama3``, ``mistral`` (docs/openai.md, "Tool calls").
     tool_call_format: str = "auto"
@@ -372,6 +375,9 @@ class Server:
                 api_key=config.api_key,
                 allowed_origins=config.allowed_origins,
                 allow_loopback_origins=config.allow_loopback_origins,
+                public_paths=frozenset(
+                    {"/health", "/ready", *(["/metrics"] if config.public_metrics else [])}
+                ),
             ),
             limits=HTTPLimits(
                 max_body_bytes=self.max_message_bytes,

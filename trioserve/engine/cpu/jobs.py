@@ -108,6 +108,12 @@ class CpuJob:
     matcher: JobMatcher | None = None
     #: With ``spec.logprobs``: the entries waiting for their text.
     entries: EntryQueue | None = None
+    #: Special ids whose text the job leaves out (``skip_special_tokens``):
+    #: their entries carry no text either.
+    skipped: frozenset[int] = frozenset()
+    #: With ``ignore_eos``: the model's EOS ids, which end neither the job
+    #: nor its constraint's free text.
+    skipped_ends: frozenset[int] = frozenset()
     #: Characters of text released so far.
     released: int = 0
     #: With ``spec.prompt_logprobs``: the prompt's entries computed so far.
@@ -164,9 +170,11 @@ class CpuJob:
         job asks for them."""
         self.allowed = None
         matcher = self.matcher
-        if matcher is not None and token not in self.spec.stop_token_ids:
+        ends = self.spec.stop_token_ids
+        if matcher is not None and token not in ends and token not in self.skipped_ends:
             # A stop token ends the job whatever the matcher says; it allowed
-            # one only in an accepting state.
+            # one only in an accepting state. With ignore_eos the model's EOS
+            # is neither: the matcher does not take it for its end either.
             matcher.consume(token)
         self.pending = token
         self.tokens.append(token)
@@ -185,6 +193,8 @@ class CpuJob:
         piece = self.stream.push([token])
         self.released += len(piece.text)
         if self.entries is not None and entry is not None:
+            if token in self.skipped:
+                entry = attrs.evolve(entry, text="", bytes=b"")
             self.entries.add(entry, self.released + self.stream.stop_pending)
         if piece.stop_string is not None:
             return self._finished(piece.text, "stop_string", stop_string=piece.stop_string)
@@ -217,8 +227,10 @@ class CpuJob:
     ) -> Finished:
         entries: tuple[TokenLogprob, ...] = ()
         if self.entries is not None:
-            stopped = reason == "stop_string"
-            entries = self.entries.cut(self.released) if stopped else self.entries.flush()
+            # With include_stop_str the stop string is part of the reply: its
+            # tokens' entries go with it.
+            cut = reason == "stop_string" and not self.spec.include_stop_str
+            entries = self.entries.cut(self.released) if cut else self.entries.flush()
         return Finished(
             job_id=self.spec.job_id,
             text=text,
@@ -431,8 +443,11 @@ def start_job(
     scored = spec.prompt_logprobs is not None
     restore = [] if scored else prefix_cache.lookup(prompt, len(prompt) - 1)
     reused = sum(int(block.shape[2]) for block in restore)
+    skipped = (
+        tokenizer.skipped_special(spec.kept_special) if spec.skip_special_tokens else frozenset()
+    )
     stream = TextStream(
-        tokenizer.decoder(skip_special=spec.skip_special_tokens, kept=spec.kept_special),
+        tokenizer.decoder(skipped),
         spec.stop_strings,
         context_ids=prompt,
         skip_prefix=skip_prefix,
@@ -466,4 +481,6 @@ def start_job(
         restore=restore,
         entries=None if spec.logprobs is None else EntryQueue(),
         prompt_entries=[texts.first(prompt[0])] if scored else [],
+        skipped=skipped,
+        skipped_ends=tokenizer.eos_token_ids if spec.ignore_eos else frozenset(),
     )

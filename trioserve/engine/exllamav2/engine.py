@@ -361,7 +361,9 @@ class ExLlamaV2Engine:
             state=JobState.for_spec(
                 spec,
                 self._tokenizer.decoder(
-                    skip_special=spec.skip_special_tokens, kept=spec.kept_special
+                    self._tokenizer.skipped_special(spec.kept_special)
+                    if spec.skip_special_tokens
+                    else frozenset()
                 ),
             ),
             mask=mask,
