@@ -29,7 +29,7 @@ from trioserve.engine.base import EngineInfo
 from trioserve.engine.cpu import native
 from trioserve.generation import GenerationRequest, InvalidGeneration
 from trioserve.generation.generation import build_spec, check_request, fit_prompt, trim_prompt
-from trioserve.openai.fields import OPENAI_RANGES, SHARED_FIELDS
+from trioserve.openai.fields import OPENAI_RANGES, OPENAI_SYNONYMS, SHARED_FIELDS
 from trioserve.server.doors import from_infer, from_openai, openai_param, websocket_path
 from trioserve.server.http_types import RequestHead, client_address, parse_networks
 from trioserve.vocabulary.constraint import CONSTRAINT_KINDS
@@ -102,10 +102,25 @@ def values() -> st.SearchStrategy[Any]:
     )
 
 
+def as_websocket(field: str, value: Any) -> Any:
+    """The WebSocket's value for what ``value`` means on the OpenAI door
+    (``OPENAI_SYNONYMS``: vLLM's ``top_k: -1`` is 0 there)."""
+    synonyms = OPENAI_SYNONYMS.get(field, {})
+    return synonyms.get(value, value) if type(value) is int else value
+
+
+def test_top_k_minus_one_is_off_on_the_openai_door_and_refused_on_the_websocket() -> None:
+    """vLLM's "off" is taken where vLLM's clients (and SGLang's gateway)
+    speak; the ExLlamaV2 protocol keeps its own range, naming the field."""
+    assert openai_verdict("top_k", -1) is None
+    assert websocket_verdict("top_k", -1) == "$.top_k"
+    assert openai_verdict("top_k", -2) == "top_k"
+
+
 @settings(max_examples=600, deadline=None)
 @given(field=st.sampled_from(sorted(NAMES)), value=values())
 def test_both_doors_give_the_same_verdict(field: str, value: Any) -> None:
-    ws = websocket_verdict(field, value)
+    ws = websocket_verdict(field, as_websocket(field, value))
     openai = openai_verdict(NAMES[field], value)
     narrow = OPENAI_RANGES.get(field)
     if narrow is not None and ws is None and not narrow.contains(value):
@@ -285,7 +300,12 @@ async def test_no_client_input_is_a_server_error_on_either_door(cpu_engine: CpuE
     async with serving(cpu_engine) as (_, listening), raw_client(listening.url) as ws:
         for field in sorted(NAMES):
             for value in BOUNDARY:
-                frame = {"action": "infer", "text": "Hi", "max_new_tokens": 1, field: value}
+                frame = {
+                    "action": "infer",
+                    "text": "Hi",
+                    "max_new_tokens": 1,
+                    field: as_websocket(field, value),
+                }
                 reply = await ws.request(frame)
                 assert reply.get("response_type") in ("full", "error"), reply
                 if reply["response_type"] == "error":

@@ -351,6 +351,7 @@ async def test_the_json_answer_for_other_clients_is_unchanged() -> None:
         " responses: docs/responses.md)",
         "anthropic": "/v1/messages, /v1/messages/count_tokens (docs/anthropic.md)",
         "tokenizer": "/tokenize, /detokenize, /tokenizer_info (vLLM's: docs/openai.md)",
+        "sglang": "/model_info, /server_info (for SGLang's Model Gateway: docs/scale-out.md)",
         "health": "/health",
         "ready": "/ready",
         "metrics": "/metrics",

@@ -107,12 +107,17 @@ _SAMPLER_FIELDS: Final[Mapping[str, str]] = {
 SAMPLER_ALIASES: Final[Mapping[str, str]] = {"repetition_penalty": "rep_pen"}
 
 
+#: Values this API takes for a sampler setting (by engine name) that the
+#: WebSocket does not, and what they mean there: vLLM's and SGLang's
+#: ``top_k: -1`` ("off", which SGLang's gateway sends by default) is 0.
+OPENAI_SYNONYMS: Final[Mapping[str, Mapping[int, int]]] = {"top_k": {-1: 0}}
+
+
 def normalized(name: str, value: Any) -> Any:
-    """A sampler setting's value in this server's terms: vLLM's and
-    SGLang's ``top_k: -1`` ("off", which SGLang's gateway sends by default)
-    is this server's 0."""
-    if name == "top_k" and type(value) is int and value == -1:
-        return 0
+    """A sampler setting's value in this server's terms (``OPENAI_SYNONYMS``)."""
+    synonyms = OPENAI_SYNONYMS.get(name)
+    if synonyms is not None and type(value) is int and value in synonyms:
+        return synonyms[value]
     return value
 
 
