@@ -482,3 +482,17 @@ async def test_models_report_the_same_limits_as_info(cpu_engine: CpuEngine) -> N
         else:
             assert model["kernels"] == f"torch ({native.unavailable_reason()})"
         assert model["limits"]["max_stop_string_chars"] == oa.OpenAILimits().max_stop_string_chars
+
+
+def test_a_bad_top_k_says_that_minus_one_is_taken_on_the_openai_doors() -> None:
+    """The range alone (0 to 2^31-1) would read as if -1 were refused."""
+    from trioserve.responses.requests import parse_responses_request
+
+    with pytest.raises(oa.OpenAIError) as chat:
+        oa.parse_completion_request(json.dumps({"prompt": "x", "top_k": -2}).encode())
+    assert chat.value.param == "top_k"
+    assert "-1 is taken for 0" in chat.value.message
+    with pytest.raises(oa.OpenAIError) as responses:
+        parse_responses_request({"model": "m", "input": "x", "top_k": -2})
+    assert responses.value.param == "top_k"
+    assert "-1 is taken for 0" in str(responses.value)

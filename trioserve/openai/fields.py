@@ -113,6 +113,13 @@ SAMPLER_ALIASES: Final[Mapping[str, str]] = {"repetition_penalty": "rep_pen"}
 OPENAI_SYNONYMS: Final[Mapping[str, Mapping[int, int]]] = {"top_k": {-1: 0}}
 
 
+def synonyms_note(name: str) -> str:
+    """What an error for ``name`` adds about its synonyms ("; -1 is taken
+    for 0"), or nothing."""
+    synonyms = OPENAI_SYNONYMS.get(name, {})
+    return "".join(f"; {given} is taken for {meant}" for given, meant in synonyms.items())
+
+
 def normalized(name: str, value: Any) -> Any:
     """A sampler setting's value in this server's terms (``OPENAI_SYNONYMS``)."""
     synonyms = OPENAI_SYNONYMS.get(name)

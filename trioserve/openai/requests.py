@@ -69,6 +69,7 @@ from .fields import (
     OpenAILimits,
     _rule,
     normalized,
+    synonyms_note,
 )
 from .logprobs import LogprobsAsked, read_chat_logprobs, read_completion_logprobs
 from .messages import ChatMessage, messages_rule
@@ -326,19 +327,21 @@ _FIELDS_COMMON: Final = frozenset(
 )
 
 
-def _declared_rule(param: str, rule: Rule, value: Any, narrow: Range | None = None) -> Any:
+def _declared_rule(
+    param: str, rule: Rule, value: Any, narrow: Range | None = None, note: str = ""
+) -> Any:
     """``value`` read by a declared rule (and OpenAI's narrower range), its
-    errors named by this API's ``param``."""
+    errors named by this API's ``param`` (and ending with ``note``)."""
     try:
         result = rule.read(value)
     except BadValue as exc:
-        raise _BadParam(param, f"{param} {exc}") from None
+        raise _BadParam(param, f"{param} {exc}{note}") from None
     except (IterableValidationError, ClassValidationError) as exc:
         suffix, leaf = _element_of(exc)
         where = param + suffix
         raise _BadParam(where, f"{where} {leaf}") from None
     if narrow is not None and not narrow.contains(result):
-        raise _BadParam(param, f"{param} must be {narrow.describe()}, got {_show(value)}")
+        raise _BadParam(param, f"{param} must be {narrow.describe()}, got {_show(value)}{note}")
     return result
 
 
@@ -361,7 +364,11 @@ def _sampler_hook(value: Any, _: Any) -> dict[str, Any]:
         if given is None:
             continue  # null is "the default", as OpenAI reads it
         out[name] = _declared_rule(
-            param, _rule(name), normalized(name, given), OPENAI_RANGES.get(name)
+            param,
+            _rule(name),
+            normalized(name, given),
+            OPENAI_RANGES.get(name),
+            note=synonyms_note(name),
         )
     return out
 

@@ -46,6 +46,7 @@ from trioserve.openai.fields import (
     SAMPLER_ALIASES,
     _rule,
     normalized,
+    synonyms_note,
 )
 from trioserve.openai.params import UNSUPPORTED, is_text, show
 from trioserve.vocabulary.constraint import Constraint
@@ -231,11 +232,11 @@ def parse_responses_body(body: bytes) -> dict[str, Any]:
     return obj
 
 
-def _read(param: str, rule: Rule, value: Any, narrow: Range | None = None) -> Any:
+def _read(param: str, rule: Rule, value: Any, narrow: Range | None = None, note: str = "") -> Any:
     try:
         result = rule.read(value)
     except BadValue as exc:
-        raise _invalid(f"{param} {exc}", param) from None
+        raise _invalid(f"{param} {exc}{note}", param) from None
     except (IterableValidationError, ClassValidationError) as exc:
         leaf = exc.exceptions[0] if exc.exceptions else exc
         raise _invalid(f"{param}: {leaf}", param) from None
@@ -532,7 +533,8 @@ def _sampler(obj: Mapping[str, Any]) -> dict[str, Any]:
         if obj[param] is None:
             continue
         name = _SAMPLER_FIELDS[param]
-        out[name] = _read(param, _rule(name), normalized(name, obj[param]), OPENAI_RANGES.get(name))
+        value = normalized(name, obj[param])
+        out[name] = _read(param, _rule(name), value, OPENAI_RANGES.get(name), synonyms_note(name))
     for alias in SAMPLER_ALIASES.keys() & obj.keys():
         name = SAMPLER_ALIASES[alias]
         value = obj[alias]
