@@ -326,6 +326,27 @@ def gateway(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def arm64(session: nox.Session) -> None:
+    """The native kernels' ARM64 paths (NEON, and NEON with the dot-product
+    instructions), cross-compiled with Debian's ``gcc-aarch64-linux-gnu`` and run
+    under ``qemu-aarch64 -cpu max``: they must write the bytes this machine's x86-64
+    paths write (tests/test_native_paths.py, which ``tests`` also runs and skips
+    without the tools). Here a missing tool fails the session, naming the packages
+    (``apt-get install gcc-aarch64-linux-gnu qemu-user``). About 10 seconds of
+    test time."""
+    install_project(session, "test")
+    session.run(
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-rA",
+        "tests/test_native_paths.py",
+        *session.posargs,
+        env={"TRIOSERVE_REQUIRE_ARM64": "1"},
+    )
+
+
+@nox.session(default=False)
 def clients(session: nox.Session) -> None:
     """Client programs run unchanged against ``python -m trioserve`` that are too
     heavy for the test group: lm-evaluation-harness on two local tasks, every

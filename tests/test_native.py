@@ -490,6 +490,79 @@ def test_silu_mul_is_torchs_in_bfloat16() -> None:
 # --- the layer stack in one call ---------------------------------------------------
 
 
+class _Renamed:
+    """The real kernels, with ``forward_layers`` taking its arguments in
+    another order (reversed) or under other names."""
+
+    def __init__(self, module: Any, names: tuple[str, ...]) -> None:
+        self._module, self._names = module, names
+        self.calls: list[dict[str, Any]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def forward_args(self) -> tuple[str, ...]:
+        return self._names
+
+    def forward_layers(self, *args: Any) -> None:
+        self.calls.append(dict(zip(self._names, args, strict=True)))
+
+
+@needs_native
+def test_kernels_taking_other_forward_arguments_fail_their_probe() -> None:
+    """Built from other sources (a stale cache, a changed kernels.h): the
+    names disagree and the kernels are not used, instead of being called
+    with an argument in another's place."""
+    real = native._module()
+    names = tuple("rope_len" if n == "rope_length" else n for n in real.forward_args())
+    failed = native._probe(_Renamed(real, names))
+    assert failed is not None and "forward_layers takes" in failed and "rope_len" in failed
+    doubled = (*real.forward_args()[:-1], "eps")
+    assert native._probe(_Renamed(real, doubled)) is not None
+    assert native._probe(real) is None
+
+
+@needs_native
+def test_forward_layers_passes_each_argument_under_the_kernels_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real = native._module()
+    proxy = _Renamed(real, tuple(reversed(real.forward_args())))
+    monkeypatch.setattr(native, "_module", lambda: proxy)
+    e, length, layers = 64, 40, 3
+    x = torch.zeros(2, 576)
+    native.forward_layers(
+        x,
+        torch.zeros(layers, len(real.layer_fields()), dtype=torch.int64),
+        torch.zeros(layers, dtype=torch.int64),
+        (torch.zeros(length, e), torch.zeros(length, e)),
+        torch.tensor([1, 0]),
+        torch.tensor([5, 5]),
+        heads=9,
+        kv_heads=3,
+        intermediate=1536,
+        cache_shape=(4, length),
+        eps=1e-5,
+    )
+    (call,) = proxy.calls
+    assert call["x"] == x.data_ptr()
+    assert (call["R"], call["D"], call["H"], call["K"], call["E"], call["F"]) == (
+        2,
+        576,
+        9,
+        3,
+        e,
+        1536,
+    )
+    assert (call["n_layers"], call["T"], call["S"], call["rope_length"]) == (
+        layers,
+        length,
+        4,
+        length,
+    )
+    assert call["eps"] == 1e-5 and call["scale"] == 1 / math.sqrt(e)
+
+
 @needs_native
 def test_the_layer_stack_in_one_call_is_the_per_operator_path_bit_for_bit(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch

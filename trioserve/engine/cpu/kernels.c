@@ -217,22 +217,59 @@ static PyObject *silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
+/* forward_layers' arguments by name (kernels.h's FORWARD_ARGS). */
+struct forward_args {
+#define ARG_ADDR(name) void *name;
+#define ARG_INT(name) long long name;
+#define ARG_REAL(name) double name;
+    FORWARD_ARGS(ARG_ADDR, ARG_INT, ARG_REAL)
+#undef ARG_ADDR
+#undef ARG_INT
+#undef ARG_REAL
+};
+
+#define ARG_NAME(name) #name,
+static const char *const forward_arg_names[] = {FORWARD_ARGS(ARG_NAME, ARG_NAME, ARG_NAME)};
+#undef ARG_NAME
+#define FORWARD_NARGS ((Py_ssize_t)(sizeof forward_arg_names / sizeof forward_arg_names[0]))
+
+/* Reads forward_layers' arguments in FORWARD_ARGS' order: a None or 0
+   address, or a number that is not one, is an error. */
+static int read_forward_args(PyObject *const *args, Py_ssize_t nargs, struct forward_args *a) {
+    if (nargs != FORWARD_NARGS) {
+        PyErr_Format(PyExc_TypeError, "forward_layers takes %zd arguments (forward_args()), got %zd",
+                     FORWARD_NARGS, nargs);
+        return -1;
+    }
+    Py_ssize_t i = 0;
+#define ARG_ADDR(name)                                                                      \
+    a->name = args[i] == Py_None ? NULL : PyLong_AsVoidPtr(args[i]);                        \
+    i++;                                                                                    \
+    if (PyErr_Occurred()) return -1;                                                        \
+    if (a->name == NULL) {                                                                  \
+        PyErr_SetString(PyExc_ValueError, "forward_layers: " #name "'s address is None or 0"); \
+        return -1;                                                                          \
+    }
+#define ARG_INT(name)                                                                       \
+    a->name = PyLong_AsLongLong(args[i++]);                                                 \
+    if (PyErr_Occurred()) return -1;
+#define ARG_REAL(name)                                                                      \
+    a->name = PyFloat_AsDouble(args[i++]);                                                  \
+    if (PyErr_Occurred()) return -1;
+    FORWARD_ARGS(ARG_ADDR, ARG_INT, ARG_REAL)
+#undef ARG_ADDR
+#undef ARG_INT
+#undef ARG_REAL
+    return 0;
+}
+
 static PyObject *forward_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    void *ptr[7];
-    long long num[11];
-    if (nargs != 20) {
-        PyErr_SetString(PyExc_TypeError,
-                        "forward_layers(x, table, caches, cos, sin, slots, pos, R, D, H, K, E, F, "
-                        "n_layers, T, S, rope_length, threads, eps, scale)");
-        return NULL;
-    }
-    if (read_args(args, 18, 18, 7, ptr, num, "")) return NULL;
-    double eps = PyFloat_AsDouble(args[18]), scale = PyFloat_AsDouble(args[19]);
-    if (PyErr_Occurred()) return NULL;
-    long long R = num[0], D = num[1], H = num[2], K = num[3], E = num[4], F = num[5];
-    long long n_layers = num[6], T = num[7], S = num[8], rope_length = num[9], threads = num[10];
-    const int64_t *slots = ptr[5], *pos = ptr[6];
+    struct forward_args a;
+    if (read_forward_args(args, nargs, &a)) return NULL;
+    long long R = a.R, D = a.D, H = a.H, K = a.K, E = a.E, F = a.F;
+    long long n_layers = a.n_layers, T = a.T, S = a.S, rope_length = a.rope_length, threads = a.threads;
+    const int64_t *slots = a.slots, *pos = a.pos;
     if (!threads_ok(threads)) return NULL;
     if (R < 1 || D < 32 || D % 32 || K < 1 || H < 1 || H % K || H / K > MAX_GROUP_HEADS || E < 32 || E % 32 ||
         (H * E) % 32 || F < 32 || F % 32 || n_layers < 1) {
@@ -248,9 +285,9 @@ static PyObject *forward_layers(PyObject *self, PyObject *const *args, Py_ssize_
     if (!have_path()) return NULL;
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = active->layers((float *)ptr[0], R, D, H, K, E, F, n_layers, (const int64_t *)ptr[1],
-                    (const int64_t *)ptr[2], T, (const float *)ptr[3], (const float *)ptr[4], slots,
-                    pos, (float)eps, (float)scale, (int)threads);
+    status = active->layers((float *)a.x, R, D, H, K, E, F, n_layers, (const int64_t *)a.table,
+                    (const int64_t *)a.caches, T, (const float *)a.cos, (const float *)a.sin, slots,
+                    pos, (float)a.eps, (float)a.scale, (int)threads);
     Py_END_ALLOW_THREADS
     if (status != 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -353,15 +390,10 @@ static PyObject *max_group_heads(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(MAX_GROUP_HEADS);
 }
 
-static PyObject *layer_fields(PyObject *self, PyObject *unused) {
-    (void)self;
-    (void)unused;
-#define LAYER_NAME(name) #name,
-    static const char *const names[] = {LAYER_FIELDS(LAYER_NAME)};
-#undef LAYER_NAME
-    PyObject *result = PyTuple_New(L_FIELDS);
+static PyObject *names_tuple(const char *const *names, Py_ssize_t n) {
+    PyObject *result = PyTuple_New(n);
     if (!result) return NULL;
-    for (Py_ssize_t i = 0; i < L_FIELDS; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *name = PyUnicode_FromString(names[i]);
         if (!name) {
             Py_DECREF(result);
@@ -370,6 +402,21 @@ static PyObject *layer_fields(PyObject *self, PyObject *unused) {
         PyTuple_SET_ITEM(result, i, name);
     }
     return result;
+}
+
+static PyObject *layer_fields(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+#define LAYER_NAME(name) #name,
+    static const char *const names[] = {LAYER_FIELDS(LAYER_NAME)};
+#undef LAYER_NAME
+    return names_tuple(names, L_FIELDS);
+}
+
+static PyObject *forward_args(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return names_tuple(forward_arg_names, FORWARD_NARGS);
 }
 
 static PyMethodDef methods[] = {
@@ -392,6 +439,7 @@ static PyMethodDef methods[] = {
      "the most query heads per KV head the attention kernel takes"},
     {"layer_fields", layer_fields, METH_NOARGS,
      "the names of a layer table row's columns (forward_layers), in order"},
+    {"forward_args", forward_args, METH_NOARGS, "the names of forward_layers' arguments, in order"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -59,6 +59,15 @@
 enum { LAYER_FIELDS(LAYER_ENUM) L_FIELDS };
 #undef LAYER_ENUM
 
+/* forward_layers' arguments, in call order, each an address (ADDR), an
+   integer (INT) or a float (REAL). Python reads the names (forward_args())
+   and passes its values by them, so the two cannot disagree on the order;
+   a name either side lacks fails the kernels' check at load. */
+#define FORWARD_ARGS(ADDR, INT, REAL)                                                            \
+    ADDR(x) ADDR(table) ADDR(caches) ADDR(cos) ADDR(sin) ADDR(slots) ADDR(pos) INT(R) INT(D)       \
+        INT(H) INT(K) INT(E) INT(F) INT(n_layers) INT(T) INT(S) INT(rope_length) INT(threads)      \
+            REAL(eps) REAL(scale)
+
 /* The weights' layout, per output (trioserve.engine.cpu.native.pack): K / 2
    bytes, a byte holding q[j] of a group in its low nibble and q[j + 16] in
    its high one. The first 16 * (G / 16) groups (G = K / 32) come in wide

@@ -244,28 +244,31 @@ def forward_layers(
     slots, positions = _rows(slots, positions, rows, cache_shape[1])
     head_dim = cos.shape[1]
     _need(heads >= 1 and kv_heads >= 1 and heads % kv_heads == 0, "heads: a multiple of kv_heads")
-    _module().forward_layers(
-        x.data_ptr(),
-        table.data_ptr(),
-        caches.data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        slots.data_ptr(),
-        positions.data_ptr(),
-        rows,
-        width,
-        heads,
-        kv_heads,
-        head_dim,
-        intermediate,
-        table.shape[0],
-        cache_shape[1],
-        cache_shape[0],
-        cos.shape[0],
-        torch.get_num_threads(),
-        eps,
-        1.0 / math.sqrt(head_dim),
-    )
+    given = {
+        "x": x.data_ptr(),
+        "table": table.data_ptr(),
+        "caches": caches.data_ptr(),
+        "cos": cos.data_ptr(),
+        "sin": sin.data_ptr(),
+        "slots": slots.data_ptr(),
+        "pos": positions.data_ptr(),
+        "R": rows,
+        "D": width,
+        "H": heads,
+        "K": kv_heads,
+        "E": head_dim,
+        "F": intermediate,
+        "n_layers": table.shape[0],
+        "T": cache_shape[1],
+        "S": cache_shape[0],
+        "rope_length": cos.shape[0],
+        "threads": torch.get_num_threads(),
+        "eps": eps,
+        "scale": 1.0 / math.sqrt(head_dim),
+    }
+    assert given.keys() == FORWARD_ARGS, "forward_layers: FORWARD_ARGS names what it passes"
+    module = _module()
+    module.forward_layers(*[given[name] for name in module.forward_args()])
 
 
 def _module() -> ModuleType:
@@ -351,11 +354,26 @@ def reference(rows: Tensor, data: Tensor, scales: Tensor) -> tuple[Tensor, Tenso
 _PROBE_ROWS = (1, 2, 3, 5, 8, 37)
 
 
+#: The arguments :func:`forward_layers` passes by name (kernels.h's
+#: ``FORWARD_ARGS`` gives their order; the probe checks the names agree).
+FORWARD_ARGS: frozenset[str] = frozenset(
+    ("x", "table", "caches", "cos", "sin", "slots", "pos", "R", "D", "H", "K", "E", "F")
+    + ("n_layers", "T", "S", "rope_length", "threads", "eps", "scale")
+)
+
+
 def _probe(module: ModuleType) -> str | None:
-    """What the built kernels get wrong here, or ``None``: each (the matmuls,
-    the norm, attention and silu; the layer stack is these same calls) must
-    compute its formula (within its output's bfloat16 rounding) and give a row
-    the same result whatever other rows it is computed with."""
+    """What the built kernels get wrong here, or ``None``: the arguments of
+    ``forward_layers`` must be the ones this module passes, and each kernel (the
+    matmuls, the norm, attention and silu; the layer stack is these same calls)
+    must compute its formula (within its output's bfloat16 rounding) and give a
+    row the same result whatever other rows it is computed with."""
+    taken = module.forward_args()
+    if len(taken) != len(set(taken)) or set(taken) != FORWARD_ARGS:
+        return (
+            f"forward_layers takes {', '.join(taken)}; this trioserve passes "
+            f"{', '.join(sorted(FORWARD_ARGS))} (the kernels were built from other sources)"
+        )
     g = torch.Generator().manual_seed(23)
     for n, k in ((80, 576), (48, 1536), (16, 96)):
         q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
