@@ -357,7 +357,8 @@ _PROBE_ROWS = (1, 2, 3, 5, 8, 37)
 #: The arguments :func:`forward_layers` passes by name (kernels.h's
 #: ``FORWARD_ARGS`` gives their order; the probe checks the names agree).
 FORWARD_ARGS: frozenset[str] = frozenset(
-    "x table caches cos sin slots pos R D H K E F n_layers T S rope_length threads eps scale".split()
+    {"x", "table", "caches", "cos", "sin", "slots", "pos", "R", "D", "H", "K", "E", "F"}
+    | {"n_layers", "T", "S", "rope_length", "threads", "eps", "scale"}
 )
 
 
