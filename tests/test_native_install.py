@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+PIP_WHEEL = [sys.executable, "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps"]
+PIP_WHEEL += ["--no-index"]
 
 pytestmark = [
     pytest.mark.skipif(
@@ -50,8 +52,7 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _wheel(project: Path, out: Path, **env: str) -> tuple[subprocess.CompletedProcess[str], Path]:
     shutil.rmtree(project / "build", ignore_errors=True)
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps"]
-        + ["--no-index", str(project), "-w", str(out)],
+        [*PIP_WHEEL, str(project), "-w", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
