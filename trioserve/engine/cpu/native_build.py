@@ -17,7 +17,7 @@ Where the library comes from, in order:
 2. **trioserve's cache** (``$TRIOSERVE_CACHE``, else
    ``$XDG_CACHE_HOME/trioserve``, else ``~/.cache/trioserve``): under
    ``native/<key>/``, built there on first use by the machine's compiler
-   (``$CC``, else ``cc``; about a second). The key names the sources, the
+   (``$CC``, else ``cc``; about 7 seconds of one core). The key names the sources, the
    flags, the Python ABI and the compiler (its resolved path and the first
    line of its ``--version``), so that two hosts or two compilers sharing a
    cache never share a library. A restart without any compiler still finds
