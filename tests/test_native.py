@@ -363,12 +363,12 @@ def test_native_kernels_asked_for_off_the_cpus_bfloat16_is_a_config_error() -> N
 
 
 @needs_native
-def test_perplexity_on_the_native_kernels_is_within_one_percent_of_torchs(
+def test_perplexity_on_the_native_kernels_is_within_half_a_percent_of_bfloat16s(
     model_dir: Path,
 ) -> None:
-    """15-bit activations: the same quality as torch's kernel (measured:
-    docs/performance.md, "trioserve's native kernels"). The bound is the 4-bit path's own
-    (test_4bit_perplexity_is_within_one_percent_of_bfloat16)."""
+    """15-bit activations: the same quality as the weights in bfloat16 on
+    torch's operators (measured: docs/performance.md, "trioserve's native
+    kernels"; 0.03 % apart on the AVX2 EPYC, torch's own 4-bit kernel 0.26 %)."""
     from tests.test_cpu_engine import PERPLEXITY_TEXT
     from trioserve.engine.tokenizer import Tokenizer
 
@@ -377,12 +377,13 @@ def test_perplexity_on_the_native_kernels_is_within_one_percent_of_torchs(
     text = PERPLEXITY_TEXT + " " + (ROOT / "README.md").read_text()[:2500]
     ids = [1, *tokenizer.encode(text)][:700]
     results = {}
-    for kernels in ("native", "torch"):
-        weights = llama.LlamaWeights.load(model_dir, config, CpuOptions(cpu_kernels=kernels))
+    for kernels, mode in (("native", "auto"), ("torch", "float")):
+        options = CpuOptions(cpu_kernels=kernels, weights=mode)
+        weights = llama.LlamaWeights.load(model_dir, config, options)
         assert weights.native_norm == (kernels == "native")
-        results[kernels] = math.exp(mean_nll(model_dir, weights, ids))
-    assert 1.0 < results["torch"] < 200.0
-    assert abs(results["native"] / results["torch"] - 1) <= 0.01, results
+        results[f"{kernels} {mode}"] = math.exp(mean_nll(model_dir, weights, ids))
+    assert 1.0 < results["torch float"] < 200.0
+    assert abs(results["native auto"] / results["torch float"] - 1) <= 0.005, results
 
 
 # --- attention ---------------------------------------------------------------------
