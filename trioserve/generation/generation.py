@@ -132,7 +132,16 @@ class Generations:
     reasoning: ReasoningFormat | None = None
     #: The most tokens of reasoning per reply (``--reasoning-budget``).
     reasoning_budget: int | None = None
-    _in_flight: collections.Counter[Hashable] = attrs.field(factory=collections.Counter, init=False)
+    #: Generations in flight per client: a server with several models gives
+    #: each model's ``Generations`` the same counter, so that
+    #: ``max_requests_per_client`` holds across them.
+    in_flight_counts: collections.Counter[Hashable] = attrs.field(factory=collections.Counter)
+    _open: int = attrs.field(default=0, init=False)
+
+    @property
+    def open_count(self) -> int:
+        """This pipeline's generations not yet closed (every client's)."""
+        return self._open
 
     @property
     def info(self) -> EngineInfo:
@@ -182,7 +191,8 @@ class Generations:
             raise ValueError(f"n must be >= 1, got {n!r}")
         self.check(request)
         self.admit(client, n)
-        self._in_flight[client] += n
+        self.in_flight_counts[client] += n
+        self._open += n
         received = trio.current_time()
         return [
             Generation(
@@ -240,7 +250,8 @@ class Generations:
         Nothing is queued."""
         self.check(request)
         self.admit(client, 1)
-        self._in_flight[client] += 1
+        self.in_flight_counts[client] += 1
+        self._open += 1
         try:
             if request.prompt_ids is not None:
                 return len(request.prompt_ids)
@@ -252,7 +263,7 @@ class Generations:
         """Raise :class:`Overloaded` unless ``client`` may start ``n`` more."""
         if self.is_draining():
             raise Overloaded("the server is shutting down and takes no new requests", draining=True)
-        held = self._in_flight[client]
+        held = self.in_flight_counts[client]
         if held + n > self.max_requests_per_client:
             asks = "" if n == 1 else f" and this request asks for {n} choices"
             raise Overloaded(
@@ -261,12 +272,13 @@ class Generations:
             )
 
     def in_flight(self, client: Hashable) -> int:
-        return self._in_flight[client]
+        return self.in_flight_counts[client]
 
     def _closed(self, client: Hashable) -> None:
-        self._in_flight[client] -= 1
-        if self._in_flight[client] <= 0:
-            del self._in_flight[client]
+        self._open -= 1
+        self.in_flight_counts[client] -= 1
+        if self.in_flight_counts[client] <= 0:
+            del self.in_flight_counts[client]
 
 
 def _continued(closed: str, prefix: str) -> str | None:
