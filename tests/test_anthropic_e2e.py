@@ -369,7 +369,7 @@ async def test_a_stream_pings_while_a_long_prompt_is_read(
                 "model": "m",
                 "max_tokens": 2,
                 "stream": True,
-                "messages": [{"role": "user", "content": "The tide comes in. " * 700}],
+                "messages": [{"role": "user", "content": "The tide comes in. " * 150}],
             }
         ).encode()
         stream = await trio.open_tcp_stream("127.0.0.1", listening.port)

@@ -900,7 +900,7 @@ heads = st.one_of(
 
 
 @pytest.mark.slow
-@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=50, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=heads)
 async def test_malformed_heads_never_crash(data: bytes) -> None:
     limits = attrs_evolve(FAST, head_timeout=0.1, idle_timeout=0.1, body_timeout=0.1, linger=0.05)

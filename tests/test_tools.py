@@ -444,7 +444,7 @@ _PARAMETERS = st.dictionaries(
 
 @pytest.mark.slow
 @settings(
-    max_examples=30,
+    max_examples=15,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
