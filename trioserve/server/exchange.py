@@ -12,7 +12,7 @@ that waits on the generations and the socket for it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import attrs
@@ -35,7 +35,7 @@ E = TypeVar("E", bound=Exception)
 
 
 async def start_request(
-    open_request: Callable[[], tuple[P, list[Generation]]],
+    open_request: Callable[[], Awaitable[tuple[P, list[Generation]]]],
     *,
     arrived: float,
     invalid: Callable[[InvalidGeneration], Exception],
@@ -51,7 +51,7 @@ async def start_request(
     closes them and goes on."""
     choices: list[Generation] = []
     try:
-        parsed, choices = open_request()
+        parsed, choices = await open_request()
         for choice in choices:
             choice.received = arrived
         try:

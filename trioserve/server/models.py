@@ -42,6 +42,7 @@ import trio
 
 from trioserve.engine.base import Engine
 from trioserve.errors import TrioserveError
+from trioserve.generation import Overloaded, admit_client
 from trioserve.generation.engine_thread import EngineThread, open_loaded_engine
 
 from .served import ModelSettings, ServedModel
@@ -299,6 +300,14 @@ class Models:
             self._set(slot, "unloaded")
         return slot
 
+    def admit(self, client: Hashable, n: int = 1) -> None:
+        """Raise :class:`~trioserve.generation.Overloaded` unless ``client``
+        may start ``n`` more generations (on any model): a door's check before
+        it reads a body."""
+        if self.is_draining():
+            raise Overloaded("the server is shutting down and takes no new requests", draining=True)
+        admit_client(self.in_flight, client, n, self.settings.max_requests_per_client)
+
     async def wait_idle(self) -> None:
         """Return once no loaded model has a job running or waiting."""
         for served in self.loaded():
@@ -425,6 +434,9 @@ class Models:
         if slot.status != "loaded":
             self._set(slot, "loaded")
         sleeping = await self._until_unload(slot, served)
+        served.generations.draining_message = (
+            f"the model {slot.id!r} is unloading and takes no new requests"
+        )
         served.unloading = True
         self._set(slot, "unloading")
         with trio.move_on_after(self.unload_timeout):
