@@ -271,6 +271,15 @@ OPTIONS: Final[tuple[Option, ...]] = (
         secret=True,
     ),
     Option(
+        "admin_key",
+        NET,
+        "with --models-dir: loading and unloading models (POST /models/load, /models/unload) "
+        "also needs 'X-Admin-Key: KEY'; prefer the environment variable",
+        S,
+        metavar="KEY",
+        secret=True,
+    ),
+    Option(
         "public_metrics",
         NET,
         "serve /metrics without the API key (for a scraper or an endpoint picker that sends "
@@ -308,6 +317,56 @@ OPTIONS: Final[tuple[Option, ...]] = (
         E,
         metavar="PATH",
         shown_default="the embedded SmolLM2-135M-Instruct",
+    ),
+    Option(
+        "models_dir",
+        MODEL,
+        "serve every model in this folder by name (a NAME.gguf file, or a NAME/ directory of "
+        "a Hugging Face, EXL2 or GPTQ model), loaded on demand, instead of --model "
+        "(docs/models.md)",
+        E,
+        metavar="DIR",
+        shown_default="none: one model, --model",
+    ),
+    Option(
+        "models_preset",
+        MODEL,
+        "a TOML file of per-model options for --models-dir's models: engine, context length, "
+        "cache, GPU split, chat template, aliases (docs/models.md)",
+        E,
+        metavar="FILE",
+    ),
+    Option(
+        "models_max",
+        MODEL,
+        "with --models-dir: at most this many models loaded at once; loading one more unloads "
+        "the least recently used",
+        S,
+        metavar="N",
+        shown_default="no bound",
+    ),
+    Option(
+        "models_autoload",
+        MODEL,
+        "with --models-dir: a request for a model that is not loaded loads it (off: it is "
+        "refused until POST /models/load)",
+        S,
+    ),
+    Option(
+        "unload_timeout",
+        MODEL,
+        "seconds an unloading model's running requests may take to finish before they end",
+        S,
+        metavar="SECONDS",
+    ),
+    Option(
+        "sleep_idle_seconds",
+        MODEL,
+        "with --models-dir: a model no request used for this long is unloaded until its next "
+        "request",
+        S,
+        metavar="SECONDS",
+        shown_default="never",
     ),
     Option(
         "engine",

@@ -61,6 +61,10 @@ class EngineOptions:
     engine: EngineName = "auto"
     #: A Hugging Face model directory; None serves the embedded SmolLM2.
     model: Path | None = None
+    #: A folder of models served by name, loaded on demand (instead of ``model``).
+    models_dir: Path | None = None
+    #: A TOML file of per-model options for ``models_dir``'s models.
+    models_preset: Path | None = None
     #: Lowers the model's context length (None keeps the model's).
     context_length: int | None = None
     #: Jobs generated together; None picks the backend's default.
@@ -91,6 +95,10 @@ class EngineOptions:
     tensor_parallel: bool = False
 
     def __attrs_post_init__(self) -> None:
+        if self.models_dir is not None and self.model is not None:
+            raise ConfigError("give a model or a models dir, not both")
+        if self.models_preset is not None and self.models_dir is None:
+            raise ConfigError("a models preset needs a models dir")
         if self.engine not in ENGINE_NAMES:
             raise ConfigError(f"engine must be one of {ENGINE_NAMES}, got {self.engine!r}")
         if self.cache_type not in CACHE_TYPES:

@@ -117,7 +117,9 @@ class CatalogEntry:
         Raises:
             ConfigError: a preset value the engine options refuse.
         """
-        return attrs.evolve(base, model=self.path, **self.options)
+        return attrs.evolve(
+            base, model=self.path, models_dir=None, models_preset=None, **self.options
+        )
 
     def describe(self) -> dict[str, Any]:
         """What ``GET /models`` shows of it (besides its status)."""

@@ -36,9 +36,22 @@ __all__ = ["ModelRoutes"]
 KEEPALIVE_SECONDS = 15.0
 
 
+#: llama-server's error types, by status.
+_TYPES = {
+    400: "invalid_request_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    503: "unavailable_error",
+}
+
+
 def _error(status: int, message: str, code: str) -> HTTPError:
-    body = json.dumps({"error": {"code": status, "type": code, "message": message}}).encode()
-    return HTTPError(status, message, body=body)
+    """An error in llama-server's shape (``code`` is the status there; ours
+    goes in ``reason``)."""
+    kind = _TYPES.get(status, "server_error")
+    error = {"code": status, "type": kind, "message": message, "reason": code}
+    return HTTPError(status, message, body=json.dumps({"error": error}).encode())
 
 
 @attrs.define

@@ -105,7 +105,7 @@ class ModelSlot:
         status: dict[str, Any] = {"value": self.status}
         if self.reason is not None:
             status["reason"] = self.reason
-        if self.load_seconds is not None:
+        if self.load_seconds is not None and self.status == "loaded":
             status["load_seconds"] = round(self.load_seconds, 3)
         described: dict[str, Any] = {"id": self.id, "status": status}
         if self.entry is not None:

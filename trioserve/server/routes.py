@@ -256,9 +256,12 @@ class OpenAIRoutes:
 
     def _model(self, slot: ModelSlot) -> dict[str, Any]:
         served = slot.served
+        limits = dict(self.model_limits)
+        if served is not None and limits:
+            limits["max_new_tokens"] = served.max_new_tokens
         described: dict[str, Any] = {
             "context_length": served.info.context_length if served is not None else None,
-            "limits": self.model_limits or None,
+            "limits": limits or None,
             "kernels": served.info.kernels if served is not None else None,
         }
         if self.models.several:

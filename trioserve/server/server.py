@@ -157,6 +157,16 @@ class ServerConfig:
     shutdown_grace: float = 10.0
     #: Log prompts in the per-request log lines (off: prompts are private).
     log_prompts: bool = False
+    #: With a models folder: models loaded at once (None: no bound); loading
+    #: one more unloads the least recently used.
+    models_max: int | None = None
+    #: With a models folder: a request for a model that is not loaded loads it.
+    models_autoload: bool = True
+    #: Seconds an unloading model's running requests may take to finish.
+    unload_timeout: float = attrs.field(default=30.0, validator=_not_negative("unload timeout"))
+    #: With a models folder: a model idle this long is unloaded until its
+    #: next request (None: never).
+    sleep_idle_seconds: float | None = None
     #: ``/metrics`` without the API key (an endpoint picker, a scraper that
     #: sends none); the other routes keep needing it.
     public_metrics: bool = False
@@ -208,6 +218,10 @@ class ServerConfig:
             raise ConfigError("api key must not be empty")
         if self.admin_key is not None and not self.admin_key:
             raise ConfigError("admin key must not be empty")
+        if self.models_max is not None and self.models_max < 1:
+            raise ConfigError(f"models max must be >= 1, got {self.models_max!r}")
+        if self.sleep_idle_seconds is not None and not self.sleep_idle_seconds > 0:
+            raise ConfigError(f"sleep idle seconds must be > 0, got {self.sleep_idle_seconds!r}")
         for origin in self.allowed_origins:
             if origin != "*" and not re.match(r"^[a-z][a-z0-9+.-]*://[^/\s]+$", origin, re.I):
                 raise ConfigError(
