@@ -294,8 +294,10 @@ class Models:
         slot = self.slot(name)
         if not self.several:
             raise ModelError(409, "this server serves one model (started with --model)", "single")
-        if slot.status in ("loading", "loaded") and slot._unload is not None:
-            slot._unload.set()
+        if slot.status == "loaded":
+            self._begin_unload(slot)
+        elif slot.status == "loading" and slot._unload is not None:
+            slot._unload.set()  # unloaded once loaded
         elif slot.status == "sleeping":
             self._set(slot, "unloaded")
         return slot
@@ -362,8 +364,8 @@ class Models:
             loading.id,
             self.max_loaded,
         )
-        assert victim._unload is not None and victim._ended is not None
-        victim._unload.set()
+        assert victim._ended is not None
+        self._begin_unload(victim)
         return victim._ended
 
     async def _run_model(self, slot: ModelSlot, after: trio.Event | None, load: int) -> None:
@@ -375,9 +377,14 @@ class Models:
                 await after.wait()
             try:
                 sleeping = await self._load_and_serve(slot)
-            except (TrioserveError, OSError, MemoryError, RuntimeError, ValueError) as exc:
-                reason = str(exc) or type(exc).__name__
-                log.warning("the model %s failed to load: %s", slot.id, reason)
+            except Exception as group:  # the model's exception boundary
+                exc = _leaf(group)
+                if isinstance(exc, TrioserveError | OSError | MemoryError):
+                    reason = str(exc) or type(exc).__name__
+                    log.warning("the model %s failed to load: %s", slot.id, reason)
+                else:
+                    reason = f"{type(exc).__name__}: {exc}"
+                    log.error("the model %s failed: %s", slot.id, reason, exc_info=group)
                 if slot._loads == load:
                     slot.served = None
                     slot.reason = reason[:500]
@@ -434,11 +441,8 @@ class Models:
         if slot.status != "loaded":
             self._set(slot, "loaded")
         sleeping = await self._until_unload(slot, served)
-        served.generations.draining_message = (
-            f"the model {slot.id!r} is unloading and takes no new requests"
-        )
-        served.unloading = True
-        self._set(slot, "unloading")
+        if slot.status != "unloading":
+            self._begin_unload(slot)
         with trio.move_on_after(self.unload_timeout):
             while served.in_flight() > 0 or served.scheduler.busy:
                 await served.scheduler.wait_idle()
@@ -488,6 +492,19 @@ class Models:
             else:
                 slot.last_used = trio.current_time()
 
+    def _begin_unload(self, slot: ModelSlot) -> None:
+        """From now on ``slot``'s model takes no new request (refused, naming
+        it) and its task drains it."""
+        served = slot.served
+        if served is not None:
+            served.generations.draining_message = (
+                f"the model {slot.id!r} is unloading and takes no new requests"
+            )
+            served.unloading = True
+        self._set(slot, "unloading")
+        if slot._unload is not None:
+            slot._unload.set()
+
     def _set(self, slot: ModelSlot, status: ModelStatus) -> None:
         slot.status = status
         event, slot.changed = slot.changed, trio.Event()
@@ -499,6 +516,13 @@ class Models:
             except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                 send.close()
                 self._watchers.remove(send)
+
+
+def _leaf(error: BaseException) -> BaseException:
+    """The one exception inside nested single-exception groups."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
 
 
 def _template_of(slot: ModelSlot, engine: Engine, settings: ModelSettings) -> Any:
