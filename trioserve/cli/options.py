@@ -273,8 +273,7 @@ OPTIONS: Final[tuple[Option, ...]] = (
     Option(
         "admin_key",
         NET,
-        "with --models-dir: loading and unloading models (POST /models/load, /models/unload) "
-        "also needs 'X-Admin-Key: KEY'; prefer the environment variable",
+        "with --models-dir: loading and unloading models also needs 'X-Admin-Key: KEY'",
         S,
         metavar="KEY",
         secret=True,
@@ -321,49 +320,32 @@ OPTIONS: Final[tuple[Option, ...]] = (
     Option(
         "models_dir",
         MODEL,
-        "serve every model in this folder by name (a NAME.gguf file, or a NAME/ directory of "
-        "a Hugging Face, EXL2 or GPTQ model), loaded on demand, instead of --model "
-        "(docs/models.md)",
+        "serve every model in this folder by name, loaded on demand (docs/models.md)",
         E,
         metavar="DIR",
         shown_default="none: one model, --model",
     ),
-    Option(
-        "models_preset",
-        MODEL,
-        "a TOML file of per-model options for --models-dir's models: engine, context length, "
-        "cache, GPU split, chat template, aliases (docs/models.md)",
-        E,
-        metavar="FILE",
-    ),
+    Option("models_preset", MODEL, "per-model options for --models-dir (TOML)", E, metavar="FILE"),
     Option(
         "models_max",
         MODEL,
-        "with --models-dir: at most this many models loaded at once; loading one more unloads "
-        "the least recently used",
+        "with --models-dir: at most N models loaded; one more unloads the least recently used",
         S,
         metavar="N",
         shown_default="no bound",
     ),
-    Option(
-        "models_autoload",
-        MODEL,
-        "with --models-dir: a request for a model that is not loaded loads it (off: it is "
-        "refused until POST /models/load)",
-        S,
-    ),
+    Option("models_autoload", MODEL, "with --models-dir: a request loads its model", S),
     Option(
         "unload_timeout",
         MODEL,
-        "seconds an unloading model's running requests may take to finish before they end",
+        "seconds an unloading model's requests may take to finish before they end",
         S,
         metavar="SECONDS",
     ),
     Option(
         "sleep_idle_seconds",
         MODEL,
-        "with --models-dir: a model no request used for this long is unloaded until its next "
-        "request",
+        "with --models-dir: unload a model idle this long, until its next request",
         S,
         metavar="SECONDS",
         shown_default="never",

@@ -169,6 +169,7 @@ class AnthropicRoutes:
             choices,
             finish=lambda outcome: self._finish(http, choices, outcome, arrived),
             draining=served.generations.is_draining,
+            drain_message=served.cut_short,
             keepalive=reply.keepalive,
             keepalive_s=self.ping_seconds,
         )

@@ -99,7 +99,7 @@ class WireReply(Protocol):
 
     def outcome(self) -> str: ...
 
-    def failure(self, *, draining: bool) -> tuple[str, Exception]: ...
+    def failure(self, *, draining: bool, message: str = ...) -> tuple[str, Exception]: ...
 
 
 @attrs.define(eq=False)
@@ -113,6 +113,9 @@ class Exchange:
     choices: Sequence[Generation]
     finish: Callable[[str], None]
     draining: Callable[[], bool]
+    #: Why a request is cut short while draining (the shutdown, or its
+    #: model's unload); None: the reply's own words for the shutdown.
+    drain_message: Callable[[], str] | None = None
     keepalive: Callable[[], bytes] | None = None
     keepalive_s: float = 10.0
     done: bool = False
@@ -123,7 +126,12 @@ class Exchange:
             self.finish(outcome)
 
     def _failure(self) -> Exception:
-        outcome, error = self.reply.failure(draining=self.draining())
+        if self.drain_message is None:
+            outcome, error = self.reply.failure(draining=self.draining())
+        else:
+            outcome, error = self.reply.failure(
+                draining=self.draining(), message=self.drain_message()
+            )
         if outcome == "internal":
             log.error("generation failed: %s", getattr(error, "message", error))
         self._end(outcome)

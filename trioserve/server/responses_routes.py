@@ -144,7 +144,13 @@ class ResponsesRoutes:
                     log.warning("response %s not stored: larger than the store", reply.id)
             self._log(http, choices, outcome, arrived)
 
-        exchange = Exchange(reply, choices, finish=finish, draining=served.generations.is_draining)
+        exchange = Exchange(
+            reply,
+            choices,
+            finish=finish,
+            draining=served.generations.is_draining,
+            drain_message=served.cut_short,
+        )
         if not parsed.stream:
             return await exchange.whole()
         return event_stream(exchange.stream)

@@ -311,6 +311,7 @@ class OpenAIRoutes:
             choices,
             finish=lambda outcome: self._finish(http, action, choices, outcome, arrived),
             draining=served.generations.is_draining,
+            drain_message=served.cut_short,
         )
         if not parsed.stream:
             return await exchange.whole()

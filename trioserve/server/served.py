@@ -150,6 +150,13 @@ class ServedModel:
             kernels=info.kernels,
         )
 
+    def cut_short(self) -> str:
+        """Why a request of this model ends before its generation did: its
+        unload, else the server's shutdown."""
+        if self.unloading and not self.generations.draining_message.startswith("the server"):
+            return f"the model {self.id!r} was unloaded"
+        return "the server is shutting down"
+
     def in_flight(self) -> int:
         """Generations of this model not yet closed."""
         return self.generations.open_count
