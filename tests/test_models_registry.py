@@ -439,3 +439,33 @@ async def test_a_storm_of_loads_and_unloads_loses_no_request(tmp_path: Path) -> 
         # Every engine that is not serving was closed.
         live = sum(engines.live().values())
         assert live == sum(1 for s in server.models.slots.values() if s.served is not None)
+
+
+async def test_a_trio_program_serves_models_it_names_and_loads_itself() -> None:
+    """The embedding form: loaders by name, ``serve(models, config)``, and the
+    host loading and unloading them (docs/embedding.md)."""
+    from trioserve import Models, ServerConfig, serve
+
+    made: list[ScriptedEngine] = []
+
+    def loader() -> ScriptedEngine:
+        made.append(ScriptedEngine())
+        return made[-1]
+
+    models = Models.from_loaders({"first": loader, "second": loader}, autoload=False)
+    async with trio.open_nursery() as nursery:
+        listening = await nursery.start(serve, models, ServerConfig(host="127.0.0.1", port=0))
+        status, body = await complete(listening.port, "second")
+        assert status == 503 and body["error"]["code"] == "model_not_loaded"
+        models.load("second")
+        served = await models.acquire("second")
+        assert served.id == "second" and len(made) == 1
+        status, body = await complete(listening.port, "second")
+        assert status == 200 and body["model"] == "second"
+        assert (await complete(listening.port, "third"))[0] == 404
+        models.unload("second")
+        await until_status(listening.port, "second", "unloaded")
+        assert made[0].closed
+        nursery.cancel_scope.cancel()
+    with pytest.raises(ValueError, match="models need names"):
+        Models.from_loaders({"../x": loader})

@@ -33,7 +33,7 @@ import ctypes
 import ctypes.util
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Hashable
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -41,6 +41,7 @@ import attrs
 import trio
 
 from trioserve.engine.base import Engine
+from trioserve.engine.catalog import valid_model_id
 from trioserve.errors import TrioserveError
 from trioserve.generation import Overloaded, admit_client
 from trioserve.generation.engine_thread import EngineThread, open_loaded_engine
@@ -137,6 +138,8 @@ class Models:
     autoload: bool = True
     unload_timeout: float = 30.0
     sleep_idle_s: float | None = None
+    #: Whether requests choose among them by name (else every name is the one model).
+    named: bool = False
     #: Generations in flight per client, over every model.
     in_flight: collections.Counter[Hashable] = attrs.Factory(collections.Counter)
     _nursery: trio.Nursery | None = None
@@ -188,13 +191,37 @@ class Models:
             default_id=catalog.entries[0].id,
             catalog=catalog,
             loader_of=loader_of,
+            named=True,
+            **options,
+        )
+
+    @classmethod
+    def from_loaders(
+        cls,
+        loaders: Mapping[str, EngineLoader],
+        settings: ModelSettings | None = None,
+        **options: Any,
+    ) -> Models:
+        """Models by name, each made by its loader (called on the model's
+        engine thread), none loaded: what a trio program embeds (the first
+        name is the default). ``options``: :class:`Models`' fields
+        (``max_loaded``, ``autoload``, ``unload_timeout``, ``sleep_idle_s``)."""
+        names = list(loaders)
+        if not names or not all(valid_model_id(name) for name in names):
+            raise ValueError(f"models need names (letters, digits, '.', '_', '-'), got {names!r}")
+        return cls(
+            settings=settings or ModelSettings(),
+            slots={name: ModelSlot(id=name) for name in names},
+            default_id=names[0],
+            loader_of=lambda slot: loaders[slot.id],
+            named=True,
             **options,
         )
 
     @property
     def several(self) -> bool:
-        """Whether models are chosen by name (``--models-dir``)."""
-        return self.catalog is not None
+        """Whether models are chosen by name (``--models-dir``, :meth:`from_loaders`)."""
+        return self.named
 
     # -- finding and using --------------------------------------------------------------
 
@@ -202,16 +229,17 @@ class Models:
         """The slot a request's ``model`` names (None: the default). With one
         model, every name is it; with a catalog, an id or alias, else
         :class:`ModelError` 404."""
-        if name is None or self.catalog is None:
+        if name is None or not self.named:
             return self.slots[self.default_id]
-        entry = self.catalog.find(name)
-        if entry is None:
+        entry = self.catalog.find(name) if self.catalog is not None else None
+        found = self.slots.get(entry.id if entry is not None else name)
+        if found is None:
             raise ModelError(
                 404,
                 f"the model {name[:200]!r} does not exist (GET /models lists them)",
                 "model_not_found",
             )
-        return self.slots[entry.id]
+        return found
 
     def loaded(self) -> list[ServedModel]:
         return [s.served for s in self.slots.values() if s.served is not None]
@@ -258,7 +286,7 @@ class Models:
             self._nursery = nursery
             for slot in self.slots.values():
                 if slot.served is not None:  # single(): loaded already
-                    await nursery.start(self._serve_single, slot, slot.served)
+                    await nursery.start(_serve_single, slot, slot.served)
             task_status.started()
             try:
                 await trio.sleep_forever()
@@ -286,7 +314,9 @@ class Models:
         slot._loads += 1
         slot.reason = None
         self._set(slot, "loading")
-        self._nursery.start_soon(self._run_model, slot, after, slot._loads, name=f"model {slot.id}")
+        self._nursery.start_soon(
+            _run_model, self, slot, after, slot._loads, name=f"model {slot.id}"
+        )
         return slot
 
     def unload(self, name: str) -> ModelSlot:
@@ -368,130 +398,6 @@ class Models:
         self._begin_unload(victim)
         return victim._ended
 
-    async def _run_model(self, slot: ModelSlot, after: trio.Event | None, load: int) -> None:
-        """Load, serve and unload one model: an exception boundary (a failed
-        load marks the model failed and leaves everything else serving)."""
-        ended = slot._ended
-        try:
-            if after is not None:
-                await after.wait()
-            try:
-                sleeping = await self._load_and_serve(slot)
-            except Exception as group:  # the model's exception boundary
-                exc = _leaf(group)
-                if isinstance(exc, TrioserveError | OSError | MemoryError):
-                    reason = str(exc) or type(exc).__name__
-                    log.warning("the model %s failed to load: %s", slot.id, reason)
-                else:
-                    reason = f"{type(exc).__name__}: {exc}"
-                    log.error("the model %s failed: %s", slot.id, reason, exc_info=group)
-                if slot._loads == load:
-                    slot.served = None
-                    slot.reason = reason[:500]
-                    self._set(slot, "failed")
-                return
-            # The engine is closed and its thread gone: hand its memory back.
-            await trio.to_thread.run_sync(_release_memory)
-            log.info("unloaded the model %s", slot.id)
-            if slot._loads == load:
-                self._set(slot, "sleeping" if sleeping else "unloaded")
-        finally:
-            if ended is not None:
-                ended.set()
-
-    async def _load_and_serve(self, slot: ModelSlot) -> bool:
-        """Load the model on a thread of its own, serve it until it is
-        unloaded, close it; whether it went to sleep."""
-        assert self.loader_of is not None
-        loader = self.loader_of(slot)
-        started = trio.current_time()
-        log.info("loading the model %s", slot.id)
-        async with open_loaded_engine(loader, name=f"trioserve-{slot.id}"[:15]) as (
-            engine,
-            thread,
-        ):
-            slot.load_seconds = trio.current_time() - started
-            served = ServedModel.build(
-                slot.id,
-                engine,
-                self.settings,
-                engine_thread=thread,
-                metrics=self.metrics,
-                is_draining=self.is_draining,
-                in_flight=self.in_flight,
-                chat_template=_template_of(slot, engine, self.settings),
-            )
-            log.info(
-                "loaded the model %s in %.2f s (engine %s)",
-                slot.id,
-                slot.load_seconds,
-                engine.info.engine,
-            )
-            async with trio.open_nursery() as nursery:
-                return await self._serve_loaded(slot, served, nursery)
-
-    async def _serve_loaded(
-        self, slot: ModelSlot, served: ServedModel, nursery: trio.Nursery
-    ) -> bool:
-        """Run ``served``'s scheduler until the model is asked to unload (or
-        sleeps), then drain it and stop the scheduler; whether it sleeps."""
-        await nursery.start(served.scheduler.run)
-        slot.served = served
-        slot.last_used = trio.current_time()
-        if slot.status != "loaded":
-            self._set(slot, "loaded")
-        sleeping = await self._until_unload(slot, served)
-        if slot.status != "unloading":
-            self._begin_unload(slot)
-        with trio.move_on_after(self.unload_timeout):
-            while served.in_flight() > 0 or served.scheduler.busy:
-                await served.scheduler.wait_idle()
-                await trio.sleep(0.02)
-        left = served.in_flight()
-        if left:
-            log.warning(
-                "the model %s unloads with %d requests unfinished after %.0f s: they end",
-                slot.id,
-                left,
-                self.unload_timeout,
-            )
-        served.scheduler.closing_message = f"the model {slot.id!r} was unloaded"
-        nursery.cancel_scope.cancel()
-        slot.served = None
-        return sleeping
-
-    async def _serve_single(
-        self,
-        slot: ModelSlot,
-        served: ServedModel,
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """The one model of :meth:`single`: its scheduler, until the server stops."""
-        async with trio.open_nursery() as nursery:
-            await nursery.start(served.scheduler.run)
-            task_status.started()
-
-    async def _until_unload(self, slot: ModelSlot, served: ServedModel) -> bool:
-        """Wait until ``slot`` is asked to unload (False) or has been idle
-        for ``sleep_idle_s`` (True)."""
-        asked = slot._unload
-        assert asked is not None
-        while True:
-            if self.sleep_idle_s is None:
-                await asked.wait()
-                return False
-            idle_for = trio.current_time() - slot.last_used
-            with trio.move_on_after(max(0.0, self.sleep_idle_s - idle_for)):
-                await asked.wait()
-                return False
-            if served.in_flight() == 0 and not served.scheduler.busy:
-                if trio.current_time() - slot.last_used >= self.sleep_idle_s:
-                    log.info("the model %s sleeps (idle %.0f s)", slot.id, self.sleep_idle_s)
-                    return True
-            else:
-                slot.last_used = trio.current_time()
-
     def _begin_unload(self, slot: ModelSlot) -> None:
         """From now on ``slot``'s model takes no new request (refused, naming
         it) and its task drains it."""
@@ -516,6 +422,134 @@ class Models:
             except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                 send.close()
                 self._watchers.remove(send)
+
+
+async def _run_model(models: Models, slot: ModelSlot, after: trio.Event | None, load: int) -> None:
+    """Load, serve and unload one model: an exception boundary (a failed
+    load marks the model failed and leaves everything else serving)."""
+    ended = slot._ended
+    try:
+        if after is not None:
+            await after.wait()
+        try:
+            sleeping = await _load_and_serve(models, slot)
+        except Exception as group:  # the model's exception boundary
+            exc = _leaf(group)
+            if isinstance(exc, TrioserveError | OSError | MemoryError):
+                reason = str(exc) or type(exc).__name__
+                log.warning("the model %s failed to load: %s", slot.id, reason)
+            else:
+                reason = f"{type(exc).__name__}: {exc}"
+                log.error("the model %s failed: %s", slot.id, reason, exc_info=group)
+            if slot._loads == load:
+                slot.served = None
+                slot.reason = reason[:500]
+                models._set(slot, "failed")
+            return
+        # The engine is closed and its thread gone: hand its memory back.
+        await trio.to_thread.run_sync(_release_memory)
+        log.info("unloaded the model %s", slot.id)
+        if slot._loads == load:
+            models._set(slot, "sleeping" if sleeping else "unloaded")
+    finally:
+        if ended is not None:
+            ended.set()
+
+
+async def _load_and_serve(models: Models, slot: ModelSlot) -> bool:
+    """Load the model on a thread of its own, serve it until it is
+    unloaded, close it; whether it went to sleep."""
+    assert models.loader_of is not None
+    loader = models.loader_of(slot)
+    started = trio.current_time()
+    log.info("loading the model %s", slot.id)
+    async with open_loaded_engine(loader, name=f"trioserve-{slot.id}"[:15]) as (
+        engine,
+        thread,
+    ):
+        slot.load_seconds = trio.current_time() - started
+        served = ServedModel.build(
+            slot.id,
+            engine,
+            models.settings,
+            engine_thread=thread,
+            metrics=models.metrics,
+            is_draining=models.is_draining,
+            in_flight=models.in_flight,
+            chat_template=_template_of(slot, engine, models.settings),
+        )
+        log.info(
+            "loaded the model %s in %.2f s (engine %s)",
+            slot.id,
+            slot.load_seconds,
+            engine.info.engine,
+        )
+        async with trio.open_nursery() as nursery:
+            return await _serve_loaded(models, slot, served, nursery)
+
+
+async def _serve_loaded(
+    models: Models, slot: ModelSlot, served: ServedModel, nursery: trio.Nursery
+) -> bool:
+    """Run ``served``'s scheduler until the model is asked to unload (or
+    sleeps), then drain it and stop the scheduler; whether it sleeps."""
+    await nursery.start(served.scheduler.run)
+    slot.served = served
+    slot.last_used = trio.current_time()
+    if slot.status != "loaded":
+        models._set(slot, "loaded")
+    sleeping = await _until_unload(models, slot, served)
+    if slot.status != "unloading":
+        models._begin_unload(slot)
+    with trio.move_on_after(models.unload_timeout):
+        while served.in_flight() > 0 or served.scheduler.busy:
+            await served.scheduler.wait_idle()
+            await trio.sleep(0.02)
+    left = served.in_flight()
+    if left:
+        log.warning(
+            "the model %s unloads with %d requests unfinished after %.0f s: they end",
+            slot.id,
+            left,
+            models.unload_timeout,
+        )
+    served.scheduler.closing_message = f"the model {slot.id!r} was unloaded"
+    nursery.cancel_scope.cancel()
+    slot.served = None
+    return sleeping
+
+
+async def _serve_single(
+    slot: ModelSlot,
+    served: ServedModel,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """The one model of :meth:`single`: its scheduler, until the server stops."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(served.scheduler.run)
+        task_status.started()
+
+
+async def _until_unload(models: Models, slot: ModelSlot, served: ServedModel) -> bool:
+    """Wait until ``slot`` is asked to unload (False) or has been idle
+    for ``sleep_idle_s`` (True)."""
+    asked = slot._unload
+    assert asked is not None
+    while True:
+        if models.sleep_idle_s is None:
+            await asked.wait()
+            return False
+        idle_for = trio.current_time() - slot.last_used
+        with trio.move_on_after(max(0.0, models.sleep_idle_s - idle_for)):
+            await asked.wait()
+            return False
+        if served.in_flight() == 0 and not served.scheduler.busy:
+            if trio.current_time() - slot.last_used >= models.sleep_idle_s:
+                log.info("the model %s sleeps (idle %.0f s)", slot.id, models.sleep_idle_s)
+                return True
+        else:
+            slot.last_used = trio.current_time()
 
 
 def _leaf(error: BaseException) -> BaseException:

@@ -260,7 +260,7 @@ EngineLoader = Callable[[], Engine]
 
 
 async def serve(
-    engine: Engine | EngineLoader,
+    engine: Engine | EngineLoader | Models,
     config: ServerConfig = ServerConfig(),
     *,
     task_status: trio.TaskStatus[Listening] = trio.TASK_STATUS_IGNORED,
@@ -272,7 +272,10 @@ async def serve(
     raises :class:`~trioserve.errors.ListenError` when it cannot bind.
 
     ``engine`` is an :class:`~trioserve.engine.base.Engine` (the caller owns
-    it and closes it after ``serve`` returns), or a function that loads one:
+    it and closes it after ``serve`` returns), a
+    :class:`~trioserve.server.models.Models` of several (each loaded on
+    demand, on a thread of its own, and closed when unloaded or when ``serve``
+    returns), or a function that loads one engine:
     then ``serve`` calls it on the engine thread, so that the model is loaded,
     stepped and closed on one thread (faster on a CPU, required by CUDA), and
     closes the engine before it returns.
@@ -285,6 +288,9 @@ async def serve(
     their final frames; then the listener closes and connections are closed
     with code 1001 (going away). ``serve`` returns when all of that is done.
     """
+    if isinstance(engine, Models):
+        await Server(config=config, models=engine).run(task_status=task_status)
+        return
     if isinstance(engine, Engine):
         await Server(engine, config).run(task_status=task_status)
         return
