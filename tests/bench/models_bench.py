@@ -240,15 +240,17 @@ def markdown(results: Sequence[dict[str, Any]]) -> str:
         values = [r[key] / r[ratio_of] if ratio_of else r[key] for r in rounds]
         return f"{min(values):.3g} to {max(values):.3g}"
 
+    def ratio(key: str, of: str) -> float:
+        return statistics.median(r[key] / r[of] for r in rounds)
+
     lines = [
         "| measure | value | against | ratio (rounds' range) |",
         "|---|---|---|---|",
         f"| switch (unload a, load b) | {median('switch_s'):.2f} s | cold start to listening: "
-        f"{median('cold_s'):.2f} s | {statistics.median(r['switch_s'] / r['cold_s'] for r in rounds):.2f}"
+        f"{median('cold_s'):.2f} s | {ratio('switch_s', 'cold_s'):.2f}"
         f" ({spread('switch_s', 'cold_s')}) |",
         f"| a's tokens/s while b loads and unloads | {median('during_tok_s'):.1f} | alone: "
-        f"{median('alone_tok_s'):.1f} | "
-        f"{statistics.median(r['during_tok_s'] / r['alone_tok_s'] for r in rounds):.3f}"
+        f"{median('alone_tok_s'):.1f} | {ratio('during_tok_s', 'alone_tok_s'):.3f}"
         f" ({spread('during_tok_s', 'alone_tok_s')}) |",
         f"| echo p99 while b loads and unloads | {median('during_echo_p99_ms'):.1f} ms | alone: "
         f"{median('alone_echo_p99_ms'):.1f} ms | |",
