@@ -160,6 +160,13 @@ async def test_each_door_reaches_the_model_it_names_loading_it_on_demand(tmp_pat
         assert [m["id"] for m in body["data"]] == ["alpha", "beta"]
         assert all(m["status"]["value"] == "loaded" for m in body["data"])
         assert engines.live() == {"alpha": 1, "beta": 1}
+        status, text = await http(port, "GET", "/metrics")
+        assert status == 200
+        scrape = text.decode() if isinstance(text, bytes) else str(text)
+        assert 'trioserve_model_status{model="beta",status="loaded"} 1.0' in scrape
+        assert 'trioserve_model_status{model="beta",status="unloaded"} 0.0' in scrape
+        assert 'trioserve_model_loads_total{model="alpha",outcome="loaded"} 1.0' in scrape
+        assert 'trioserve_model_load_seconds_count{model="alpha"} 1.0' in scrape
 
 
 async def test_past_models_max_the_least_recently_used_is_unloaded_first(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ import ctypes
 import ctypes.util
 import logging
 import math
+import typing
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Literal
@@ -62,6 +63,7 @@ __all__ = [
 log = logging.getLogger("trioserve.models")
 
 ModelStatus = Literal["unloaded", "loading", "loaded", "unloading", "sleeping", "failed"]
+STATUSES: tuple[ModelStatus, ...] = typing.get_args(ModelStatus)
 
 #: A function that loads an engine (blocking; called on the model's engine thread).
 EngineLoader = Callable[[], Engine]
@@ -93,6 +95,8 @@ class ModelSlot:
     last_used: float = -math.inf
     #: Seconds its last load took.
     load_seconds: float | None = None
+    #: trio.current_time() when its last unload began.
+    unload_began: float = 0.0
     #: Set when its status changes (then replaced).
     changed: trio.Event = attrs.Factory(trio.Event)
     _unload: trio.Event | None = None
@@ -401,6 +405,7 @@ class Models:
     def _begin_unload(self, slot: ModelSlot) -> None:
         """From now on ``slot``'s model takes no new request (refused, naming
         it) and its task drains it."""
+        slot.unload_began = trio.current_time()
         served = slot.served
         if served is not None:
             served.generations.draining_message = (
@@ -413,6 +418,8 @@ class Models:
 
     def _set(self, slot: ModelSlot, status: ModelStatus) -> None:
         slot.status = status
+        if self.metrics is not None and self.named:
+            self.metrics.models.status(slot.id, status, STATUSES)
         event, slot.changed = slot.changed, trio.Event()
         event.set()
         update = {"id": slot.id, "status": slot.describe()["status"]}
@@ -441,6 +448,8 @@ async def _run_model(models: Models, slot: ModelSlot, after: trio.Event | None, 
             else:
                 reason = f"{type(exc).__name__}: {exc}"
                 log.error("the model %s failed: %s", slot.id, reason, exc_info=group)
+            if models.metrics is not None and slot.served is None:  # the load itself failed
+                models.metrics.models.load(slot.id, seconds=None, ok=False)
             if slot._loads == load:
                 slot.served = None
                 slot.reason = reason[:500]
@@ -448,7 +457,12 @@ async def _run_model(models: Models, slot: ModelSlot, after: trio.Event | None, 
             return
         # The engine is closed and its thread gone: hand its memory back.
         await trio.to_thread.run_sync(_release_memory)
-        log.info("unloaded the model %s", slot.id)
+        log.info(
+            "unloaded the model %s (drained and closed in %.2f s)",
+            slot.id,
+            trio.current_time() - slot.unload_began,
+            extra={"fields": {"model": slot.id}},
+        )
         if slot._loads == load:
             models._set(slot, "sleeping" if sleeping else "unloaded")
     finally:
@@ -483,7 +497,10 @@ async def _load_and_serve(models: Models, slot: ModelSlot) -> bool:
             slot.id,
             slot.load_seconds,
             engine.info.engine,
+            extra={"fields": {"model": slot.id, "load_s": round(slot.load_seconds, 3)}},
         )
+        if models.metrics is not None:
+            models.metrics.models.load(slot.id, seconds=slot.load_seconds, ok=True)
         async with trio.open_nursery() as nursery:
             return await _serve_loaded(models, slot, served, nursery)
 

@@ -131,7 +131,7 @@ class ServedModel:
             max_new_tokens=max_new_tokens,
         )
         if metrics is not None:
-            scheduler.on_step = step_observer(metrics, scheduler)
+            scheduler.on_step = step_observer(metrics, scheduler, model_id)
         return served
 
     def model_info(self) -> p.ModelInfo:
@@ -162,7 +162,9 @@ class ServedModel:
         return self.generations.open_count
 
 
-def step_observer(metrics: Metrics, scheduler: Scheduler) -> Callable[[StepRecord], None]:
+def step_observer(
+    metrics: Metrics, scheduler: Scheduler, source: str = ""
+) -> Callable[[StepRecord], None]:
     """The scheduler's ``on_step``: the step's time and batch, the queue, and
     the engine's memory and prefix cache into ``metrics``."""
 
@@ -188,8 +190,9 @@ def step_observer(metrics: Metrics, scheduler: Scheduler) -> Callable[[StepRecor
                 hits=prefix.hits,
                 misses=prefix.misses,
                 evictions=prefix.evictions,
+                source=source,
             )
-            metrics.prefill_deferrals(engine.prefill_deferrals)
+            metrics.prefill_deferrals(engine.prefill_deferrals, source)
 
     return on_step
 
