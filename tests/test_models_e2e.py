@@ -218,3 +218,53 @@ async def _until(base: str, model: str, status: str) -> None:
 
 
 _ = ServerProcess
+
+
+@pytest.mark.parametrize(
+    ("args", "status", "says"),
+    [
+        (["--model", "x", "--models-dir", "y"], 2, "give one model or a folder of models"),
+        (["--models-preset", "p.toml"], 2, "needs --models-dir"),
+        (["--models-dir", "/nonexistent/models"], 1, "is not a directory"),
+    ],
+)
+def test_a_models_folder_the_server_cannot_use_is_one_clean_error(
+    args: list[str], status: int, says: str, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "trioserve", "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert done.returncode == status, done.stderr
+    assert says in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_empty_folder_and_a_bad_preset_are_one_clean_error(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    (tmp_path / "empty").mkdir()
+    run = [sys.executable, "-m", "trioserve", "--port", "0", "--models-dir"]
+    done = subprocess.run(
+        [*run, str(tmp_path / "empty")], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 1 and "holds no model" in done.stderr, done.stderr
+    (tmp_path / "empty" / "m.gguf").write_bytes(b"GGUF")
+    preset = tmp_path / "p.toml"
+    preset.write_text("[m]\ncontext_length = 'long'\n")
+    done = subprocess.run(
+        [*run, str(tmp_path / "empty"), "--models-preset", str(preset)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1 and "[m] context_length" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr

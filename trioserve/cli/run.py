@@ -330,7 +330,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = resolve(args, os.environ)
         options = settings.engine
         problem = None
-        if options.model is not None:
+        if options.models_dir is not None and options.model is not None:
+            problem = (
+                f"{settings.source('model')} and {settings.source('models_dir')}: give one model "
+                "or a folder of models, not both"
+            )
+        elif options.models_preset is not None and options.models_dir is None:
+            problem = f"{settings.source('models_preset')} needs --models-dir"
+        elif options.model is not None:
             problem = model_problem(options.model, settings.source("model"))
         if problem is None and options.engine != "exllamav2" and options.device != "cpu":
             problem = device_problem(options.device, settings.source("device"))

@@ -95,10 +95,6 @@ class EngineOptions:
     tensor_parallel: bool = False
 
     def __attrs_post_init__(self) -> None:
-        if self.models_dir is not None and self.model is not None:
-            raise ConfigError("give a model or a models dir, not both")
-        if self.models_preset is not None and self.models_dir is None:
-            raise ConfigError("a models preset needs a models dir")
         if self.engine not in ENGINE_NAMES:
             raise ConfigError(f"engine must be one of {ENGINE_NAMES}, got {self.engine!r}")
         if self.cache_type not in CACHE_TYPES:
