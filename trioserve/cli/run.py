@@ -126,6 +126,11 @@ async def serve_models_dir(
         catalog = Catalog.scan(options.models_dir, options.models_preset, base=options)
         fields.update(models=list(catalog.ids))
     base = attrs.evolve(options, models_dir=None, models_preset=None)
+    if any(entry.options.get("engine", options.engine) != "exllamav2" for entry in catalog.entries):
+        # Imported now, once: an import holds the GIL for long stretches,
+        # which a model's first load would take from the models serving.
+        with phase("import", "importing the cpu engine (torch)"):
+            import trioserve.engine.cpu.engine  # noqa: F401
 
     def loader_of(slot: ModelSlot) -> Callable[[], Engine]:
         assert slot.entry is not None
