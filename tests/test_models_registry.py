@@ -169,6 +169,19 @@ async def test_each_door_reaches_the_model_it_names_loading_it_on_demand(tmp_pat
         assert 'trioserve_model_load_seconds_count{model="alpha"} 1.0' in scrape
 
 
+async def test_the_access_log_names_the_model(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with several(tmp_path, ["alpha", "beta"], Engines()) as (_, listening):
+        with caplog.at_level("INFO", logger="trioserve.access"):
+            assert (await complete(listening.port, "beta"))[0] == 200
+            async with raw_client(listening.url) as ws:
+                frame = {"action": "infer", "text": "say:x", "max_new_tokens": 4}
+                await ws.request({**frame, "model": "alpha"})
+    models = [getattr(r, "fields", {}).get("model") for r in caplog.records]
+    assert "beta" in models and "alpha" in models
+
+
 async def test_past_models_max_the_least_recently_used_is_unloaded_first(tmp_path: Path) -> None:
     engines = Engines()
     async with several(tmp_path, ["a", "b", "c"], engines, max_loaded=2) as (_, listening):

@@ -140,8 +140,9 @@ class Generations:
     #: ``max_requests_per_client`` holds across them.
     in_flight_counts: collections.Counter[Hashable] = attrs.field(factory=collections.Counter)
     _open: int = attrs.field(default=0, init=False)
-    #: Why a request is refused while ``is_draining()`` (a model that
-    #: unloads names itself).
+    #: The model's id on a server of several (the access log names it).
+    model_id: str | None = None
+    #: Why a request is refused while ``is_draining()`` (an unloading model's names it).
     draining_message: str = "the server is shutting down and takes no new requests"
 
     @property

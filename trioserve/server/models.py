@@ -492,6 +492,7 @@ async def _load_and_serve(models: Models, slot: ModelSlot) -> bool:
             in_flight=models.in_flight,
             chat_template=_template_of(slot, engine, models.settings),
         )
+        served.generations.model_id = slot.id
         log.info(
             "loaded the model %s in %.2f s (engine %s)",
             slot.id,
