@@ -160,8 +160,10 @@ class Models:
         engine_thread: EngineThread | None = None,
         metrics: Metrics | None = None,
         is_draining: Callable[[], bool] = lambda: False,
+        chat_template: Any = "auto",
     ) -> Models:
-        """One model, loaded, served under every name (``--model``)."""
+        """One model, loaded, served under every name (``--model``);
+        ``chat_template``: as :meth:`ServedModel.build` takes it."""
         name = engine.info.model_name
         models = cls(settings=settings, slots={}, default_id=name, metrics=metrics)
         models.is_draining = is_draining
@@ -173,6 +175,7 @@ class Models:
             metrics=metrics,
             is_draining=is_draining,
             in_flight=models.in_flight,
+            chat_template=chat_template,
         )
         models.slots[name] = ModelSlot(id=name, status="loaded", served=served)
         return models
