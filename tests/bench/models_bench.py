@@ -234,14 +234,14 @@ def markdown(results: Sequence[dict[str, Any]]) -> str:
     memory = next((r for r in results if r.get("memory")), None)
 
     def median(key: str) -> float:
-        return statistics.median(r[key] for r in rounds)
+        return float(statistics.median(r[key] for r in rounds))
 
     def spread(key: str, ratio_of: str | None = None) -> str:
         values = [r[key] / r[ratio_of] if ratio_of else r[key] for r in rounds]
         return f"{min(values):.3g} to {max(values):.3g}"
 
     def ratio(key: str, of: str) -> float:
-        return statistics.median(r[key] / r[of] for r in rounds)
+        return float(statistics.median(r[key] / r[of] for r in rounds))
 
     lines = [
         "| measure | value | against | ratio (rounds' range) |",
