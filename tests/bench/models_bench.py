@@ -261,7 +261,7 @@ def markdown(results: Sequence[dict[str, Any]]) -> str:
             f"| RSS after {len(memory['after'])} load/unload cycles | "
             f"last {memory['after'][-1] / mib:.0f} MiB, most {max(memory['after']) / mib:.0f} MiB"
             f" (loaded: {statistics.median(memory['loaded']) / mib:.0f} MiB) | after a first "
-            f"cycle: {memory['before'] / mib:.0f} MiB (before any load, torch not yet imported: "
+            f"cycle: {memory['before'] / mib:.0f} MiB (before any load: "
             f"{memory['idle'] / mib:.0f} MiB) | {memory['after'][-1] / memory['before']:.3f}"
             f" (most {max(memory['after']) / memory['before']:.3f}) |"
         )

@@ -592,10 +592,9 @@ def _template_of(slot: ModelSlot, engine: Engine, settings: ModelSettings) -> An
 
 def _release_memory() -> None:
     """Hand freed heap memory back to the system (glibc keeps it otherwise:
-    an unloaded model's RSS would stay)."""
-    import gc
-
-    gc.collect()
+    an unloaded model's RSS would stay). No ``gc.collect()``: the engine's
+    memory is freed as its last reference goes, and a full collection would
+    hold the GIL for tens of milliseconds, stalling the models serving."""
     name = ctypes.util.find_library("c")
     if name is None:
         return
