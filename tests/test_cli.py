@@ -212,6 +212,13 @@ def test_environment_sets_every_option_and_the_command_line_wins() -> None:
         "log_format": ("json", "json"),
         "log_prompts": ("on", True),
         "public_metrics": ("yes", True),
+        "admin_key": ("admin-" + SECRET, "admin-" + SECRET),
+        "models_dir": ("~/models", Path("~/models").expanduser()),
+        "models_preset": ("~/models.toml", Path("~/models.toml").expanduser()),
+        "models_max": ("3", 3),
+        "models_autoload": ("off", False),
+        "unload_timeout": ("5", 5.0),
+        "sleep_idle_seconds": ("600", 600.0),
     }
     assert set(values) == {option.name for option in OPTIONS}
     environ = {option.env: values[option.name][0] for option in OPTIONS}

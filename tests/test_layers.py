@@ -42,6 +42,8 @@ RANKS = {
     # The engine package's own __init__ is the loader (EngineOptions,
     # load_engine): above both backends, which it picks by name.
     ENGINE_LOADER: 4,
+    # The models folder and its presets: the loader's options per model.
+    "trioserve.engine.catalog": 4.5,
     # The backends: the same rank, so neither may import the other.
     "trioserve.engine.cpu": 3,
     "trioserve.engine.exllamav2": 3,

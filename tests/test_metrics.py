@@ -209,3 +209,21 @@ def test_constraints_are_counted_by_kind_and_outcome() -> None:
     assert value(metrics, "trioserve_constraints_total", kind="other", outcome="other") == 1
     # A cache hit compiles nothing: three observations of the four requests.
     assert value(metrics, "trioserve_constraint_compile_seconds_count") == 3
+
+
+def test_the_engines_of_several_models_advance_the_counters_each_by_its_own_change() -> None:
+    """Two models' prefix caches report running totals alternately: each
+    advances the counter by its own change, never by the other's."""
+    metrics = Metrics(process=False)
+
+    def hits() -> float:
+        value = metrics.registry.get_sample_value(
+            "trioserve_prefix_cache_lookups_total", {"result": "hit"}
+        )
+        return value or 0.0
+
+    for source, total in (("a", 100), ("b", 5), ("a", 101), ("b", 7), ("a", 101)):
+        metrics.prefix_cache(
+            size_bytes=0, capacity_bytes=1, hits=total, misses=0, evictions=0, source=source
+        )
+    assert hits() == 101 + 7

@@ -16,7 +16,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, cast
 
 import pytest
 import torch
@@ -516,10 +517,10 @@ def test_kernels_taking_other_forward_arguments_fail_their_probe() -> None:
     with an argument in another's place."""
     real = native._module()
     names = tuple("rope_len" if n == "rope_length" else n for n in real.forward_args())
-    failed = native._probe(_Renamed(real, names))
+    failed = native._probe(cast("ModuleType", _Renamed(real, names)))
     assert failed is not None and "forward_layers takes" in failed and "rope_len" in failed
     doubled = (*real.forward_args()[:-1], "eps")
-    assert native._probe(_Renamed(real, doubled)) is not None
+    assert native._probe(cast("ModuleType", _Renamed(real, doubled))) is not None
     assert native._probe(real) is None
 
 

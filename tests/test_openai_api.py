@@ -598,7 +598,7 @@ def test_text_with_newlines_and_unicode_stays_one_event() -> None:
 
 
 def test_models_response_parses_as_the_sdks_models() -> None:
-    data = json.loads(models_response(MODEL.model_name, 1700000000))
+    data = json.loads(models_response([(MODEL.model_name, {})], 1700000000))
     assert data["object"] == "list"
     [model] = [Model.model_validate(m) for m in data["data"]]
     assert model.id == MODEL.model_name

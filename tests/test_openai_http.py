@@ -113,7 +113,7 @@ class Routes:
         return router
 
     async def models(self, request: HTTPRequest) -> Response:
-        return Response(200, models_response(MODEL.model_name, self.created))
+        return Response(200, models_response([(MODEL.model_name, {})], self.created))
 
     async def completions(self, request: HTTPRequest) -> Response | StreamingResponse:
         parsed = parse_completion_request(request.body)

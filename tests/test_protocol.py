@@ -284,6 +284,9 @@ def test_ids_are_echoed_unchanged_in_order() -> None:
 BAD_INFER_FIELDS: list[tuple[str, str]] = [
     ("text", "5"),
     ("text", "null"),
+    ("model", "5"),
+    ("model", '""'),
+    ("model", '["m"]'),
     ("max_new_tokens", "0"),
     ("max_new_tokens", "-3"),
     ("max_new_tokens", "2.5"),
@@ -451,6 +454,7 @@ def test_every_infer_field_has_a_bad_value_case() -> None:
         "choice",
         "grammar",
         "logprobs",
+        "model",
     }
 
 

@@ -21,6 +21,8 @@ PUBLIC = {
     "ServerConfig": "trioserve.server.server",
     "ServerStatistics": "trioserve.server.server",
     "Listening": "trioserve.server.server",
+    "Models": "trioserve.server.models",
+    "ModelSettings": "trioserve.server.served",
     # the generation task
     "Scheduler": "trioserve.generation.scheduler",
     "SchedulerStatistics": "trioserve.generation.scheduler",

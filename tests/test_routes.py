@@ -21,13 +21,14 @@ from tests.http_helpers import get, running
 from trioserve import openai as oa
 from trioserve.chat_template import ChatTemplate, load_chat_template
 from trioserve.engine.base import Engine, grammars_of
-from trioserve.generation import Generations, Tokenizing
 from trioserve.generation.scheduler import Scheduler
 from trioserve.metrics import Metrics
 from trioserve.server.doors import ClientIdentity
 from trioserve.server.front_door import FrontDoor
 from trioserve.server.http_types import AccessPolicy, HTTPLimits, Router
+from trioserve.server.models import Models
 from trioserve.server.routes import OpenAIRoutes, OpsRoutes, Readiness
+from trioserve.server.served import ModelSettings
 
 if TYPE_CHECKING:
     from trioserve.engine.cpu.engine import CpuEngine
@@ -65,26 +66,26 @@ async def serving(
     max_waiting: int = 16,
     max_new_tokens: int = 10**6,
 ) -> AsyncIterator[Served]:
-    info = engine.info
-    scheduler = Scheduler(engine, max_waiting=max_waiting)
     metrics = Metrics(process=False)
     state: list[Readiness] = ["ready"]
-    generations = Generations(
-        scheduler=scheduler,
-        tokenizing=Tokenizing(engine),
-        max_new_tokens=min(max_new_tokens, info.context_length - 1),
-        chat_template=template,
-        observer=metrics,
+    models = Models.single(
+        engine,
+        ModelSettings(max_new_tokens=max_new_tokens, max_waiting_jobs=max_waiting),
+        metrics=metrics,
         is_draining=lambda: state[0] == "draining",
+        chat_template=template,
     )
+    served = models.default_served()
+    assert served is not None
+    scheduler = served.scheduler
     router = Router()
     OpsRoutes(readiness=lambda: state[0], metrics=metrics).install(router)
-    OpenAIRoutes(generations, ClientIdentity(keyed=True), metrics=metrics).install(router)
+    OpenAIRoutes(models, ClientIdentity(keyed=True), metrics=metrics).install(router)
     door = FrontDoor(
         router, policy=AccessPolicy(api_key=KEY), limits=HTTPLimits(), observer=metrics
     )
     async with trio.open_nursery() as nursery:
-        await nursery.start(scheduler.run)
+        await nursery.start(models.run)
         async with running(door) as port:
             yield Served(port, scheduler, metrics, state)
         nursery.cancel_scope.cancel()

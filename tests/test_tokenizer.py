@@ -103,3 +103,22 @@ def test_is_usable_from_many_threads(tokenizer: Tokenizer) -> None:
         decoded = list(pool.map(tokenizer.decode, expected * 4))
     assert got == expected * 4
     assert decoded == texts * 4
+
+
+def test_the_same_files_give_the_same_tokenizer_without_parsing_again(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """A model unloaded and loaded again (or a second id of the same
+    weights) reuses its tokenizer; a changed file is read anew."""
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("tokenizer.json", "config.json", "generation_config.json"):
+        shutil.copy(model_dir / name, copy / name)
+    first = Tokenizer.from_dir(copy)
+    assert Tokenizer.from_dir(copy) is first
+    assert Tokenizer.from_dir(model_dir) is not first  # tokenizer_config.json there: other files
+    config = json.loads((copy / "config.json").read_text())
+    config["eos_token_id"] = 7
+    (copy / "config.json").write_text(json.dumps(config))
+    changed = Tokenizer.from_dir(copy)
+    assert changed is not first and 7 in changed.eos_token_ids and 7 not in first.eos_token_ids

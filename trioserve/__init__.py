@@ -40,7 +40,7 @@ from .generation import (
     open_engine_thread,
 )
 from .protocol import InferChunk, InferFinal, ProtocolError
-from .server import Listening, Server, ServerConfig, ServerStatistics, serve
+from .server import Listening, Models, ModelSettings, Server, ServerConfig, ServerStatistics, serve
 from .vocabulary.results import Failed, Finished, FinishReason, TextUpdate, Update
 from .vocabulary.sampling import SamplingSettings
 
@@ -66,6 +66,8 @@ __all__ = [
     "ListenError",
     "Listening",
     "ModelError",
+    "ModelSettings",
+    "Models",
     "ProtocolError",
     "QueueFull",
     "SamplingSettings",

@@ -240,8 +240,11 @@ class Metrics:
             namespace=ns,
             registry=r,
         )
-        # The engine reports running totals; the counters advance by the change.
-        self._engine_totals: dict[str, int] = {}
+        # The engines report running totals; the counters advance by the
+        # change, per engine (a server of several models has one each).
+        self._engine_totals: dict[tuple[str, str], int] = {}
+        #: A server of several models: each one's status and loads.
+        self.models = _ModelMetrics(r, ns)
         self._picker = _PickerMetrics(r)
         self._prompt_tokens = Counter(
             "prompt_tokens",
@@ -427,26 +430,34 @@ class Metrics:
         self._picker.kv_cache(min(use, 1.0))
 
     def prefix_cache(
-        self, *, size_bytes: int, capacity_bytes: int, hits: int, misses: int, evictions: int
+        self,
+        *,
+        size_bytes: int,
+        capacity_bytes: int,
+        hits: int,
+        misses: int,
+        evictions: int,
+        source: str = "",
     ) -> None:
         """The prefix cache now: its size, and its running totals since it was
-        made (the counters advance by their change)."""
+        made (the counters advance by their change; ``source`` tells the
+        engines of several models apart)."""
         self._prefix_bytes.set(size_bytes)
         self._prefix_capacity.set(capacity_bytes)
-        self._advance("hits", hits, self._prefix_lookups.labels("hit"))
-        self._advance("misses", misses, self._prefix_lookups.labels("miss"))
-        self._advance("evictions", evictions, self._prefix_evictions)
+        self._advance(source, "hits", hits, self._prefix_lookups.labels("hit"))
+        self._advance(source, "misses", misses, self._prefix_lookups.labels("miss"))
+        self._advance(source, "evictions", evictions, self._prefix_evictions)
 
-    def prefill_deferrals(self, total: int) -> None:
+    def prefill_deferrals(self, total: int, source: str = "") -> None:
         """The engine's running total of deferred prefill steps."""
-        self._advance("prefill_deferrals", total, self._prefill_deferrals)
+        self._advance(source, "prefill_deferrals", total, self._prefill_deferrals)
 
-    def _advance(self, key: str, total: int, counter: Counter) -> None:
-        last = self._engine_totals.get(key, 0)
+    def _advance(self, source: str, key: str, total: int, counter: Counter) -> None:
+        last = self._engine_totals.get((source, key), 0)
         if total > last:
             counter.inc(total - last)
         # A total that went down belongs to a new engine: count from it.
-        self._engine_totals[key] = total
+        self._engine_totals[(source, key)] = total
 
     # -- connections ----------------------------------------------------------------
 
@@ -555,3 +566,44 @@ class _PickerMetrics:
         if prompt_tokens > 0:
             self._picker_queries.labels(self._model_name).inc(prompt_tokens)
             self._picker_hits.labels(self._model_name).inc(min(cached_tokens, prompt_tokens))
+
+
+class _ModelMetrics:
+    """A server of several models (``--models-dir``): each model's status and
+    its loads, labelled by its id (a name from the operator's folder)."""
+
+    def __init__(self, r: CollectorRegistry, ns: str) -> None:
+        self._status = Gauge(
+            "model_status",
+            "1 for each model's current status (a server of several models: unloaded, "
+            "loading, loaded, unloading, sleeping, failed), else 0.",
+            ("model", "status"),
+            namespace=ns,
+            registry=r,
+        )
+        self._loads = Counter(
+            "model_loads",
+            "Model loads ended, by model and outcome (loaded, failed).",
+            ("model", "outcome"),
+            namespace=ns,
+            registry=r,
+        )
+        self._load_time = Histogram(
+            "model_load_seconds",
+            "Seconds a model's load took (its engine built and warmed up), by model.",
+            ("model",),
+            buckets=_DURATION_BUCKETS,
+            namespace=ns,
+            registry=r,
+        )
+
+    def status(self, model: str, status: str, statuses: Iterable[str]) -> None:
+        """``model`` is now ``status`` (one of ``statuses``)."""
+        for each in statuses:
+            self._status.labels(model, each).set(1 if each == status else 0)
+
+    def load(self, model: str, *, seconds: float | None, ok: bool) -> None:
+        """A load of ``model`` ended (``seconds``: how long it took, when it did)."""
+        self._loads.labels(model, "loaded" if ok else "failed").inc()
+        if seconds is not None:
+            self._load_time.labels(model).observe(seconds)

@@ -16,6 +16,7 @@ top of the output. Progress goes to stderr, the tables to stdout.
     python tests/bench/run.py --only doors     # /v1/responses, /v1/messages against chat
     python tests/bench/run.py --only llama-server  # trioserve against llama.cpp's llama-server
     python tests/bench/run.py --only gateway   # nginx's least_conn against SGLang's gateway
+    python tests/bench/run.py --only models    # switching models, a load beside another model
 
 The gateway part runs only when named: it starts nginx (installing Debian's with apt,
 as root, when it is missing) and needs sglang-router (``pip install -e '.[gateway]'``,
@@ -52,6 +53,7 @@ from tests.bench import (  # noqa: E402
     fairness_bench,
     gateway_bench,
     hostile_bench,
+    models_bench,
     server_bench,
     server_vs_llama,
 )
@@ -71,6 +73,7 @@ PARTS = (
     "doors",
     "llama-server",
     "gateway",
+    "models",
 )
 #: What runs without --only: everything but the parts that install and start other
 #: servers' software (the gateway bench: nginx and sglang-router).
@@ -246,6 +249,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         gateway = gateway_bench.run(gateway_scale, say=say, threads=args.threads)
         print("\n## Replicas behind SGLang's Model Gateway\n")
         print(gateway_bench.format_gateway_table(gateway))
+    if "models" in parts:
+        say("models bench: switching, a load beside another model, memory")
+        models_results: list[dict[str, Any]] = []
+        models_bench.run(models_results, say=say, rounds=1 if args.quick else models_bench.ROUNDS)
+        print("\n## Several models on one server\n")
+        print(models_bench.markdown(models_results))
     total = time.perf_counter() - begun
     print(f"\nLoad average at the end: {load_average()}; total {total:.0f} s.")
     return 0

@@ -138,7 +138,7 @@ class MessageReply:
         return "num_tokens" if finished.reason == "max_new_tokens" else "eos"
 
     def failure(
-        self, *, draining: bool
+        self, *, draining: bool, message: str = SHUTTING_DOWN
     ) -> tuple[Literal["internal", "interrupted", "invalid_request"], AnthropicError]:
         """The error of a reply whose generation did not finish, and the
         outcome to count (as the OpenAI door's): the request's own failure
@@ -150,7 +150,7 @@ class MessageReply:
             return "internal", AnthropicError(500, self.state.failure or "the engine failed")
         # 503, not 529: a proxy in front (nginx) passes a 503 on to another
         # instance, and Anthropic's SDKs retry both.
-        return "interrupted", AnthropicError(503, SHUTTING_DOWN, retry_after=1)
+        return "interrupted", AnthropicError(503, message, retry_after=1)
 
     def _message(
         self, content: list[dict[str, Any]], reason: StopReason | None, stop: str | None

@@ -16,7 +16,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,17 +112,68 @@ async def load_and_serve(
         await run_until_signalled(engine, config, started=started, engine_thread=thread)
 
 
+async def serve_models_dir(
+    options: EngineOptions, config: ServerConfig, *, started: float | None = None
+) -> None:
+    """Serve ``--models-dir``'s models, each loaded on demand on a thread of
+    its own, until SIGINT or SIGTERM."""
+    from ..engine.catalog import Catalog
+    from ..server.models import Models, ModelSlot
+    from ..server.server import model_settings
+
+    assert options.models_dir is not None
+    with phase("models", f"reading the models in {options.models_dir}") as fields:
+        catalog = Catalog.scan(options.models_dir, options.models_preset, base=options)
+        fields.update(models=list(catalog.ids))
+    base = attrs.evolve(options, models_dir=None, models_preset=None)
+    if any(entry.options.get("engine", options.engine) != "exllamav2" for entry in catalog.entries):
+        # Imported now, once: an import holds the GIL for long stretches,
+        # which a model's first load would take from the models serving.
+        with phase("import", "importing the cpu engine (torch)"):
+            import trioserve.engine.cpu.engine  # noqa: F401
+
+    def loader_of(slot: ModelSlot) -> Callable[[], Engine]:
+        assert slot.entry is not None
+        return functools.partial(_load_entry, slot.entry.engine_options(base))
+
+    models = Models.from_catalog(
+        catalog,
+        loader_of,
+        model_settings(config),
+        max_loaded=config.models_max,
+        autoload=config.models_autoload,
+        unload_timeout=config.unload_timeout,
+        sleep_idle_s=config.sleep_idle_seconds,
+    )
+    await run_until_signalled(None, config, started=started, models=models)
+
+
+def _load_entry(options: EngineOptions) -> Engine:
+    """Load one model of a folder (on its engine thread): a GGUF file is
+    converted once into the cache first; then the engine warms up."""
+    from ..engine.models import gguf_model_dir
+
+    if options.model is not None and options.model.is_file():
+        options = attrs.evolve(options, model=gguf_model_dir(options.model))
+    engine = load_engine(options)
+    warm_up = getattr(engine, "warm_up", None)
+    if callable(warm_up):
+        warm_up()
+    return engine
+
+
 async def run_until_signalled(
-    engine: Engine,
+    engine: Engine | None,
     config: ServerConfig,
     *,
     started: float | None = None,
     engine_thread: EngineThread | None = None,
+    models: Any = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM: the first starts the graceful shutdown,
     a second one interrupts everything at once. ``started`` (a
     :func:`time.perf_counter` value) dates the process start for the log."""
-    server = Server(engine, config, engine_thread=engine_thread)
+    server = Server(engine, config, engine_thread=engine_thread, models=models)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             serve_scope = trio.CancelScope()
@@ -133,25 +184,28 @@ async def run_until_signalled(
                 nursery.cancel_scope.cancel()
 
             listening = await nursery.start(run_server)
-            info = engine.info
-            fields: dict[str, Any] = {
-                "phase": "listen",
-                "url": listening.url,
-                "engine": info.engine,
-                "model": info.model_name,
-                "context_length": info.context_length,
-                "max_batch": info.max_batch,
-            }
+            fields: dict[str, Any] = {"phase": "listen", "url": listening.url}
+            if engine is not None:
+                info = engine.info
+                fields.update(
+                    engine=info.engine,
+                    model=info.model_name,
+                    context_length=info.context_length,
+                    max_batch=info.max_batch,
+                )
+                serving = (
+                    f"engine {info.engine}, model {info.model_name}, "
+                    f"context {info.context_length}, batch {info.max_batch}"
+                )
+            else:
+                ids = list(server.models.slots)
+                fields.update(models=ids)
+                serving = f"models {', '.join(ids)}, loaded on demand"
             if started is not None:
                 fields["startup_s"] = round(time.perf_counter() - started, 3)
             log.info("listening on %s", listening.url, extra={"fields": fields})
             # The one line on stdout: scripts wait for it and read the URL.
-            print(
-                f"trioserve {__version__} listening on {listening.url} "
-                f"(engine {info.engine}, model {info.model_name}, "
-                f"context {info.context_length}, batch {info.max_batch})",
-                flush=True,
-            )
+            print(f"trioserve {__version__} listening on {listening.url} ({serving})", flush=True)
             received = 0
             async for signum in signals:
                 received += 1
@@ -281,7 +335,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = resolve(args, os.environ)
         options = settings.engine
         problem = None
-        if options.model is not None:
+        if options.models_dir is not None and options.model is not None:
+            problem = (
+                f"{settings.source('model')} and {settings.source('models_dir')}: give one model "
+                "or a folder of models, not both"
+            )
+        elif options.models_preset is not None and options.models_dir is None:
+            problem = f"{settings.source('models_preset')} needs --models-dir"
+        elif options.model is not None:
             problem = model_problem(options.model, settings.source("model"))
         if problem is None and options.engine != "exllamav2" and options.device != "cpu":
             problem = device_problem(options.device, settings.source("device"))
@@ -298,12 +359,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         reason = unusable.strerror or str(unusable)
         where = f"{server_config.host}:{server_config.port}"
         return _fail(f"cannot listen on {where}: {reason}", settings.log_format)
+    if options.models_dir is not None:
+        run = functools.partial(serve_models_dir, options, server_config, started=started)
+    else:
+        try:
+            options = _obtain_model(options)
+        except TrioserveError as exc:
+            return _fail(str(exc), settings.log_format)
+        run = functools.partial(load_and_serve, options, server_config, started=started)
     try:
-        options = _obtain_model(options)
-    except TrioserveError as exc:
-        return _fail(str(exc), settings.log_format)
-    try:
-        trio.run(functools.partial(load_and_serve, options, server_config, started=started))
+        trio.run(run)
     except BaseException as exc:
         # A model that cannot load, or the port taken between the check above
         # and the server's bind.

@@ -61,6 +61,10 @@ class EngineOptions:
     engine: EngineName = "auto"
     #: A Hugging Face model directory; None serves the embedded SmolLM2.
     model: Path | None = None
+    #: A folder of models served by name, loaded on demand (instead of ``model``).
+    models_dir: Path | None = None
+    #: A TOML file of per-model options for ``models_dir``'s models.
+    models_preset: Path | None = None
     #: Lowers the model's context length (None keeps the model's).
     context_length: int | None = None
     #: Jobs generated together; None picks the backend's default.

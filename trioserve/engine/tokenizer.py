@@ -12,7 +12,10 @@ start with a given prefix; both are computed once at load.
 from __future__ import annotations
 
 import bisect
+import collections
+import hashlib
 import json
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -100,6 +103,29 @@ _GIL_FREE_CHARS = 2048
 _GIL_FREE_IDS = 512
 
 
+#: Tokenizers by the content of their files, most recently used last.
+_LOADED: collections.OrderedDict[str, Tokenizer] = collections.OrderedDict()
+_LOADED_LOCK = threading.Lock()
+_LOADED_MAX = 16
+#: The files a tokenizer is read from (tokenizer.json, then the special ids').
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer_config.json",
+)
+
+
+def _content_key(path: Path) -> str:
+    """The sha256 of the tokenizer's files (a missing one counts as absent)."""
+    digest = hashlib.sha256()
+    for name in _TOKENIZER_FILES:
+        file = path / name
+        if name == "tokenizer.json" or file.is_file():
+            digest.update(name.encode() + b"\0" + file.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 @attrs.define(eq=False)
 class Tokenizer:
     """A model's tokenizer. Thread-safe: the Rust tokenizer is only read, and
@@ -123,16 +149,44 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer:
-        """Load ``tokenizer.json`` and the special ids of the model directory ``path``.
+        """Load ``tokenizer.json`` and the special ids of the model directory
+        ``path``. The same files (by content) give the same tokenizer back,
+        without parsing them again: the Rust tokenizer's parse holds the GIL
+        for a fraction of a second, which a server that unloads and loads
+        models beside others would otherwise pay on every load.
 
         Raises:
             ModelError: there is no readable ``tokenizer.json``.
         """
         path = Path(path)
+        try:
+            key = _content_key(path)
+        except OSError as exc:
+            raise ModelError(
+                f"cannot load tokenizer {str(path / 'tokenizer.json')!r}: {exc}"
+            ) from exc
+        with _LOADED_LOCK:
+            cached = _LOADED.get(key)
+            if cached is not None:
+                _LOADED.move_to_end(key)
+                return cached
+        tokenizer = cls._parse(path)
+        with _LOADED_LOCK:
+            _LOADED[key] = tokenizer
+            while len(_LOADED) > _LOADED_MAX:
+                _LOADED.popitem(last=False)
+        return tokenizer
+
+    @classmethod
+    def _parse(cls, path: Path) -> Tokenizer:
         file = path / "tokenizer.json"
         try:
             tok = HfTokenizer.from_file(str(file))
-            raw = json.loads(file.read_text(encoding="utf-8"))
+            # The decoder's JSON alone: parsing the whole file again (megabytes,
+            # in one C call) would hold the GIL, stalling a server that loads
+            # a model beside others.
+            decoder = tok.decoder
+            raw = {"decoder": json.loads(decoder.__getstate__()) if decoder is not None else None}
         except Exception as exc:  # the Rust side raises plain Exception
             raise ModelError(f"cannot load tokenizer {str(file)!r}: {exc}") from exc
         config = _read_json(path / "config.json")

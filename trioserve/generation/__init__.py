@@ -16,6 +16,7 @@ from .generation import (
     InvalidGeneration,
     Overloaded,
     Tokenizing,
+    admit_client,
 )
 from .scheduler import Job, QueueFull, Scheduler, SchedulerClosed, SchedulerStatistics, StepRecord
 
@@ -36,6 +37,7 @@ __all__ = [
     "SchedulerStatistics",
     "StepRecord",
     "Tokenizing",
+    "admit_client",
     "follow_choices",
     "open_engine_thread",
     "start_choices",

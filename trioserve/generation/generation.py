@@ -49,8 +49,10 @@ from .request import (
     GenerationRequest,
     InvalidGeneration,
     Overloaded,
+    admit_client,
     build_spec,
     check_request,
+    continued_prompt,
     fit_prompt,
     tail_chars,
     trim_prompt,
@@ -73,6 +75,7 @@ __all__ = [
     "Outcome",
     "Overloaded",
     "Tokenizing",
+    "admit_client",
     "build_spec",
     "check_request",
     "fit_prompt",
@@ -132,7 +135,20 @@ class Generations:
     reasoning: ReasoningFormat | None = None
     #: The most tokens of reasoning per reply (``--reasoning-budget``).
     reasoning_budget: int | None = None
-    _in_flight: collections.Counter[Hashable] = attrs.field(factory=collections.Counter, init=False)
+    #: Generations in flight per client: a server with several models gives
+    #: each model's ``Generations`` the same counter, so that
+    #: ``max_requests_per_client`` holds across them.
+    in_flight_counts: collections.Counter[Hashable] = attrs.field(factory=collections.Counter)
+    _open: int = attrs.field(default=0, init=False)
+    #: The model's id on a server of several (the access log names it).
+    model_id: str | None = None
+    #: Why a request is refused while ``is_draining()`` (an unloading model's names it).
+    draining_message: str = "the server is shutting down and takes no new requests"
+
+    @property
+    def open_count(self) -> int:
+        """This pipeline's generations not yet closed (every client's)."""
+        return self._open
 
     @property
     def info(self) -> EngineInfo:
@@ -182,7 +198,8 @@ class Generations:
             raise ValueError(f"n must be >= 1, got {n!r}")
         self.check(request)
         self.admit(client, n)
-        self._in_flight[client] += n
+        self.in_flight_counts[client] += n
+        self._open += n
         received = trio.current_time()
         return [
             Generation(
@@ -199,7 +216,7 @@ class Generations:
     async def render_prompt(self, request: GenerationRequest) -> str:
         """The prompt text of a checked ``request`` that is not token ids:
         its messages (and tools) through the chat template, ending with the
-        client's ``assistant_prefix`` (:func:`_continued`); else its text
+        client's ``assistant_prefix`` (:func:`continued_prompt`); else its text
         after ``custom_bos``."""
         if request.messages is None:
             return request.custom_bos + request.text
@@ -221,7 +238,7 @@ class Generations:
                     tools=tools,
                     variables={**variables, "add_generation_prompt": False},
                 )
-                continued = _continued(closed, prefix)
+                continued = continued_prompt(closed, prefix)
                 if continued is not None:
                     return continued
             prompt = await self.tokenizing.render(
@@ -240,7 +257,8 @@ class Generations:
         Nothing is queued."""
         self.check(request)
         self.admit(client, 1)
-        self._in_flight[client] += 1
+        self.in_flight_counts[client] += 1
+        self._open += 1
         try:
             if request.prompt_ids is not None:
                 return len(request.prompt_ids)
@@ -251,35 +269,17 @@ class Generations:
     def admit(self, client: Hashable, n: int = 1) -> None:
         """Raise :class:`Overloaded` unless ``client`` may start ``n`` more."""
         if self.is_draining():
-            raise Overloaded("the server is shutting down and takes no new requests", draining=True)
-        held = self._in_flight[client]
-        if held + n > self.max_requests_per_client:
-            asks = "" if n == 1 else f" and this request asks for {n} choices"
-            raise Overloaded(
-                f"this client already has {held} requests in flight{asks} (the limit is "
-                f"{self.max_requests_per_client}); wait for one to finish"
-            )
+            raise Overloaded(self.draining_message, draining=True)
+        admit_client(self.in_flight_counts, client, n, self.max_requests_per_client)
 
     def in_flight(self, client: Hashable) -> int:
-        return self._in_flight[client]
+        return self.in_flight_counts[client]
 
     def _closed(self, client: Hashable) -> None:
-        self._in_flight[client] -= 1
-        if self._in_flight[client] <= 0:
-            del self._in_flight[client]
-
-
-def _continued(closed: str, prefix: str) -> str | None:
-    """The prompt that continues a final assistant message ``prefix``: the
-    chat rendered with it as the last turn, cut where its text ends (its
-    end-of-turn dropped), as transformers' ``continue_final_message`` does,
-    so that the message stands where the template puts an assistant's words
-    (after an empty thinking section, for Qwen3's). None when the template
-    did not write the text as it was (then it follows the generation prompt)."""
-    where = closed.rfind(prefix)
-    if where < 0:
-        return None
-    return closed[: where + len(prefix)]
+        self._open -= 1
+        self.in_flight_counts[client] -= 1
+        if self.in_flight_counts[client] <= 0:
+            del self.in_flight_counts[client]
 
 
 def _last_text(update: Finished, request: GenerationRequest) -> str:

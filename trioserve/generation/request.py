@@ -10,7 +10,8 @@ tested on their own.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import collections
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -27,8 +28,10 @@ __all__ = [
     "GenerationRequest",
     "InvalidGeneration",
     "Overloaded",
+    "admit_client",
     "build_spec",
     "check_request",
+    "continued_prompt",
     "fit_prompt",
     "tail_chars",
     "trim_prompt",
@@ -73,6 +76,20 @@ class Overloaded(TrioserveError):
         super().__init__(message)
         self.message = message
         self.draining = draining
+
+
+def admit_client(
+    in_flight: collections.Counter[Hashable], client: Hashable, n: int, limit: int
+) -> None:
+    """Raise :class:`Overloaded` unless ``client``, holding ``in_flight``'s
+    count, may start ``n`` more generations under ``limit``."""
+    held = in_flight[client]
+    if held + n > limit:
+        asks = "" if n == 1 else f" and this request asks for {n} choices"
+        raise Overloaded(
+            f"this client already has {held} requests in flight{asks} (the limit is "
+            f"{limit}); wait for one to finish"
+        )
 
 
 # --------------------------------------------------------------------------
@@ -291,3 +308,16 @@ def build_spec(
         else frozenset(),
         include_stop_str=request.include_stop_str,
     )
+
+
+def continued_prompt(closed: str, prefix: str) -> str | None:
+    """The prompt that continues a final assistant message ``prefix``: the
+    chat rendered with it as the last turn, cut where its text ends (its
+    end-of-turn dropped), as transformers' ``continue_final_message`` does,
+    so that the message stands where the template puts an assistant's words
+    (after an empty thinking section, for Qwen3's). None when the template
+    did not write the text as it was (then it follows the generation prompt)."""
+    where = closed.rfind(prefix)
+    if where < 0:
+        return None
+    return closed[: where + len(prefix)]

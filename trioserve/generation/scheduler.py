@@ -179,6 +179,8 @@ class Scheduler:
         self.engine_thread = engine_thread
         #: Called on the trio thread after each step (metrics); must not block.
         self.on_step = on_step
+        #: Why jobs still running or queued when the scheduler stops fail.
+        self.closing_message = "the server is shutting down"
         # Trio side: jobs admitted to the engine (in the inbox or stepping),
         # and jobs waiting, per owner in arrival order.
         self._running: dict[int, Job] = {}
@@ -511,5 +513,5 @@ class Scheduler:
         self._paused.clear()
         for job in leftover:
             if not job.cancelled and not job.done:
-                self._end(job, Failed(job_id=job.job_id, message="the server is shutting down"))
+                self._end(job, Failed(job_id=job.job_id, message=self.closing_message))
         self._notify_idle()

@@ -47,6 +47,7 @@ from .tokenize import (
     detokenize_response,
     parse_detokenize_request,
     parse_tokenize_request,
+    requested_model,
     tokenize_response,
     tokenizer_info_response,
 )
@@ -88,6 +89,7 @@ __all__ = [
     "parse_completion_request",
     "parse_detokenize_request",
     "parse_tokenize_request",
+    "requested_model",
     "sse_event",
     "tokenize_response",
     "tokenizer_info_response",

@@ -209,7 +209,7 @@ class Reply:
         return "num_tokens" if finished.reason == "max_new_tokens" else "eos"
 
     def failure(
-        self, *, draining: bool
+        self, *, draining: bool, message: str = SHUTTING_DOWN
     ) -> tuple[Literal["internal", "interrupted", "invalid_request"], OpenAIError]:
         """The error of a reply whose choices did not all finish, and the
         outcome to count: a choice failed by what the request asked for (its
@@ -223,7 +223,7 @@ class Reply:
         if failed and not draining:
             message = failed[0].failure or "the engine failed"
             return "internal", OpenAIError(500, message, code="internal")
-        return "interrupted", OpenAIError(503, SHUTTING_DOWN, code="overloaded", retry_after=1)
+        return "interrupted", OpenAIError(503, message, code="overloaded", retry_after=1)
 
     # ------------------------------------------------------------------
     # Whole

@@ -336,11 +336,13 @@ def model_object(
     context_length: int | None = None,
     limits: Mapping[str, int] | None = None,
     kernels: str | None = None,
+    status: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A model object: OpenAI's fields, vLLM's ``max_model_len`` (which
     clients read for the context), the server's ``limits`` (the same
     figures as the WebSocket ``info`` reply's, from the same declarations),
-    and the ``kernels`` that run the model (as ``info`` says them). Also
+    the ``kernels`` that run the model (as ``info`` says them) and, on a
+    server of several models, its ``status`` (llama-server's router's). Also
     the fields Anthropic's model objects have (``type``, ``display_name``,
     ``created_at``), so that its SDKs' ``models.list`` reads it too."""
     obj: dict[str, Any] = {
@@ -358,38 +360,36 @@ def model_object(
         obj["limits"] = dict(limits)
     if kernels is not None:
         obj["kernels"] = kernels
+    if status is not None:
+        obj["status"] = dict(status)
     return obj
 
 
-def models_response(
-    name: str,
-    created: int,
-    *,
-    context_length: int | None = None,
-    limits: Mapping[str, int] | None = None,
-    kernels: str | None = None,
-) -> bytes:
-    """The body of ``GET /v1/models``: the one served model (and the
-    paging fields of Anthropic's list, and llama-server's ``models`` array
-    in Ollama's shape, which some clients read instead of ``data``)."""
-    model = model_object(
-        name, created, context_length=context_length, limits=limits, kernels=kernels
-    )
-    listed = {
-        "name": name,
-        "model": name,
-        "type": "model",
-        "description": "",
-        "tags": [],
-        "capabilities": ["completion"],
-    }
+def models_response(models: Sequence[tuple[str, Mapping[str, Any]]], created: int) -> bytes:
+    """The body of ``GET /v1/models``: each served model (its name and
+    :func:`model_object`'s keywords), with the paging fields of Anthropic's
+    list, and llama-server's ``models`` array in Ollama's shape, which some
+    clients read instead of ``data``."""
+    data = [model_object(name, created, **fields) for name, fields in models]
+    listed = [
+        {
+            "name": name,
+            "model": name,
+            "type": "model",
+            "description": "",
+            "tags": [],
+            "capabilities": ["completion"],
+        }
+        for name, _ in models
+    ]
+    names = [name for name, _ in models]
     return _dumps(
         {
             "object": "list",
-            "data": [model],
-            "models": [listed],
+            "data": data,
+            "models": listed,
             "has_more": False,
-            "first_id": name,
-            "last_id": name,
+            "first_id": names[0] if names else None,
+            "last_id": names[-1] if names else None,
         }
     )

@@ -25,7 +25,7 @@ import attrs
 
 from trioserve.vocabulary.rules import as_int
 
-from .errors import invalid
+from .errors import OpenAIError, invalid
 from .params import UNSUPPORTED, is_text, show
 from .requests import _parse_body as parse_body
 
@@ -36,6 +36,7 @@ __all__ = [
     "detokenize_response",
     "parse_detokenize_request",
     "parse_tokenize_request",
+    "requested_model",
     "tokenize_response",
     "tokenizer_info_response",
 ]
@@ -206,3 +207,15 @@ def tokenizer_info_response(
             "chat_template": chat_template,
         }
     )
+
+
+def requested_model(body: bytes) -> str | None:
+    """The ``model`` a tokenizer request names, when it names one as a
+    string (anything else, a body that is not JSON included, is left to
+    the request's own parser)."""
+    try:
+        obj = parse_body(body)
+    except OpenAIError:
+        return None
+    model = obj.get("model")
+    return model if isinstance(model, str) and is_text(model) else None

@@ -124,6 +124,14 @@ class EstimateTokenRequest:
     """``estimate_token``: how many tokens ``text`` encodes to."""
 
     text: str = wire_field(Str(), "the text to count")
+    model: str | None = wire_field(
+        Str(256, min_chars=1),
+        "the model that serves it, by id or alias, on a server of several (`info`: `models`; "
+        "absent: the first); a server of one model takes any name",
+        default=None,
+        extension=True,
+        default_doc="absent",
+    )
     echoed: Mapping[str, Any] = _echoed_field()
 
 
@@ -133,6 +141,14 @@ class LefttrimTokenRequest:
 
     text: str = wire_field(Str(), "the text to trim")
     trimmed_length: int = wire_field(Int(0), "tokens to keep, counted from the end")
+    model: str | None = wire_field(
+        Str(256, min_chars=1),
+        "the model that serves it, by id or alias, on a server of several (`info`: `models`; "
+        "absent: the first); a server of one model takes any name",
+        default=None,
+        extension=True,
+        default_doc="absent",
+    )
     echoed: Mapping[str, Any] = _echoed_field()
 
 
@@ -203,6 +219,14 @@ class InferRequest:
     )
     freq_pen: float = sampler_field("freq_pen", "frequency penalty")
     pres_pen: float = sampler_field("pres_pen", "presence penalty")
+    model: str | None = wire_field(
+        Str(256, min_chars=1),
+        "the model that serves it, by id or alias, on a server of several (`info`: `models`; "
+        "absent: the first); a server of one model takes any name",
+        default=None,
+        extension=True,
+        default_doc="absent",
+    )
     custom_bos: str = wire_field(
         Str(),
         "put before `text`; its first token survives trimming",

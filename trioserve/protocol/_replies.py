@@ -241,12 +241,39 @@ class Status:
 
 
 @attrs.frozen
+class ModelEntry:
+    """One model of a server that serves several (``--models-dir``): its id,
+    where it stands (``unloaded``, ``loading``, ``loaded``, ``unloading``,
+    ``sleeping``, ``failed`` with its reason) and its aliases. An ``infer``
+    or ``estimate_token`` names it in ``model``."""
+
+    id: str
+    status: str
+    reason: str | None = None
+    aliases: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, described: Mapping[str, Any]) -> ModelEntry:
+        """From ``GET /models``' entry."""
+        status = described["status"]
+        return cls(
+            id=described["id"],
+            status=status["value"],
+            reason=status.get("reason"),
+            aliases=tuple(described.get("aliases", ())),
+        )
+
+
+@attrs.frozen
 class InfoReply:
     server: ServerInfo
+    #: The model a request that names none is served by.
     model: ModelInfo
     limits: Limits
     status: Status | None = None
     echoed: Mapping[str, Any] = _echoed_field()
+    #: A server of several models: every one, by id (absent with one model).
+    models: tuple[ModelEntry, ...] | None = None
 
 
 @attrs.frozen

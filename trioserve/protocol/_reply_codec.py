@@ -78,7 +78,10 @@ for _cls in (*_REPLY_HEADS, ErrorReply):
             "reasoning": override(omit_if_default=True),
         }
     elif _cls is InfoReply:
-        _extra = {"status": override(omit_if_default=True)}
+        _extra = {
+            "status": override(omit_if_default=True),
+            "models": override(omit_if_default=True),
+        }
     elif _cls is ErrorReply:
         _extra = {"action": override(omit=True)}
     _reply_unstructure[_cls] = make_dict_unstructure_fn(

@@ -250,7 +250,7 @@ class ResponseReply:
         return "num_tokens" if finished.reason == "max_new_tokens" else "eos"
 
     def failure(
-        self, *, draining: bool
+        self, *, draining: bool, message: str = SHUTTING_DOWN
     ) -> tuple[Literal["internal", "interrupted", "invalid_request"], OpenAIError]:
         """The error of a reply whose generation did not finish, and the
         outcome to count: the request's own failure (its constraint broke
@@ -263,7 +263,7 @@ class ResponseReply:
             return "internal", OpenAIError(
                 500, state.failure or "the engine failed", code="server_error"
             )
-        return "interrupted", OpenAIError(503, SHUTTING_DOWN, code="server_error", retry_after=1)
+        return "interrupted", OpenAIError(503, message, code="server_error", retry_after=1)
 
     # ------------------------------------------------------------------
     # Whole

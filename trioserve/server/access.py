@@ -131,6 +131,8 @@ def log_infer(
     if outcome == "interrupted":
         metrics.cancelled(cancel_cause or "disconnect")
     fields = _infer_fields(peer, request.echoed, outcome, stop_reason, error_type, generation)
+    if generation.generations.model_id is not None:
+        fields["model"] = generation.generations.model_id
     if log_prompts:
         fields["prompt"] = generation.util_text or generation.request.describe_prompt()
     access_log.info("infer done", extra={"fields": fields})
@@ -233,6 +235,8 @@ def log_openai(
         **timings,
         "total_s": round(duration, 4),
     }
+    if choices and choices[0].generations.model_id is not None:
+        fields["model"] = choices[0].generations.model_id
     access_log.info("%s done", action, extra={"fields": fields})
 
 

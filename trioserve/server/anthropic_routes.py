@@ -23,7 +23,7 @@ import attrs
 import trio
 
 from trioserve import anthropic as an
-from trioserve.generation import Generation, Generations, InvalidGeneration, Overloaded
+from trioserve.generation import Generation, InvalidGeneration, Overloaded
 from trioserve.metrics import Metrics
 
 from . import access
@@ -37,7 +37,9 @@ from .http_types import (
     StreamingResponse,
     event_stream,
 )
+from .models import ModelError, Models
 from .routes import http_errors
+from .served import ServedModel
 
 __all__ = ["AnthropicRoutes", "api_error_body"]
 
@@ -74,17 +76,14 @@ def _full_or_draining(exc: Overloaded) -> an.AnthropicError:
 
 @attrs.define
 class AnthropicRoutes:
-    """``POST /v1/messages`` and ``POST /v1/messages/count_tokens``."""
+    """``POST /v1/messages`` and ``POST /v1/messages/count_tokens``, through
+    the pipeline of the model each request names (``models``)."""
 
-    generations: Generations
+    models: Models
     identity: ClientIdentity
     limits: an.MessagesLimits = attrs.Factory(an.MessagesLimits)
     metrics: Metrics | None = None
     ping_seconds: float = attrs.Factory(lambda: PING_SECONDS)
-
-    @property
-    def model_name(self) -> str:
-        return self.generations.info.model_name
 
     def install(self, router: Router) -> None:
         router.add("POST", "/v1/messages", http_errors(self.messages, an.AnthropicError))
@@ -94,6 +93,15 @@ class AnthropicRoutes:
             http_errors(self.count_tokens, an.AnthropicError),
         )
 
+    async def _served(self, name: str) -> ServedModel:
+        try:
+            return await self.models.acquire(name)
+        except ModelError as exc:
+            status = 404 if exc.status == 404 else (503 if exc.status == 503 else 400)
+            raise an.AnthropicError(
+                status, exc.message, retry_after=1 if status == 503 else None
+            ) from None
+
     async def count_tokens(self, http: HTTPRequest) -> Response:
         """Counted as a generation of its client while it runs (its limit,
         and refused while draining): rendering and tokenizing share the
@@ -101,12 +109,13 @@ class AnthropicRoutes:
         client = self.identity.of(http.head)
         try:
             # Before the body is parsed: a client at its limit costs nothing more.
-            self.generations.admit(client)
+            self.models.admit(client)
         except Overloaded as exc:
             raise self._overloaded(exc) from None
         parsed = an.parse_count_request(http.body, self.limits)
+        served = await self._served(parsed.model)
         try:
-            count = await self.generations.count_prompt_tokens(
+            count = await served.generations.count_prompt_tokens(
                 from_anthropic(parsed), client=client
             )
         except InvalidGeneration as exc:
@@ -126,11 +135,12 @@ class AnthropicRoutes:
     async def messages(self, http: HTTPRequest) -> Response | StreamingResponse:
         arrived = trio.current_time()
         client = self.identity.of(http.head)
+        model: list[ServedModel] = []
 
-        def open_request() -> tuple[an.MessagesRequest, list[Generation]]:
+        async def open_request() -> tuple[an.MessagesRequest, list[Generation]]:
             try:
                 # Before the body is parsed: a client at its limit costs nothing more.
-                self.generations.admit(client)
+                self.models.admit(client)
             except Overloaded as exc:
                 raise self._overloaded(exc) from None
             parsed = an.parse_messages_request(http.body, self.limits)
@@ -140,7 +150,9 @@ class AnthropicRoutes:
                     " request's custom tools",
                     ", ".join(parsed.skipped_tools[:16]),
                 )
-            return parsed, self._open(parsed, client)
+            served = await self._served(parsed.model)
+            model.append(served)
+            return parsed, self._open(served, parsed, client)
 
         parsed, choices = await start_request(
             open_request,
@@ -150,12 +162,14 @@ class AnthropicRoutes:
             api_error=an.AnthropicError,
             refused=lambda opened, exc: self._finish(http, opened, _outcome(exc.status), arrived),
         )
-        reply = an.MessageReply(parsed, self.model_name, choices[0])
+        (served,) = model
+        reply = an.MessageReply(parsed, served.id, choices[0])
         exchange = Exchange(
             reply,
             choices,
             finish=lambda outcome: self._finish(http, choices, outcome, arrived),
-            draining=self.generations.is_draining,
+            draining=served.generations.is_draining,
+            drain_message=served.cut_short,
             keepalive=reply.keepalive,
             keepalive_s=self.ping_seconds,
         )
@@ -163,9 +177,11 @@ class AnthropicRoutes:
             return await exchange.whole()
         return event_stream(exchange.stream)
 
-    def _open(self, parsed: an.MessagesRequest, client: Hashable) -> list[Generation]:
+    def _open(
+        self, served: ServedModel, parsed: an.MessagesRequest, client: Hashable
+    ) -> list[Generation]:
         try:
-            return self.generations.open_choices(
+            return served.generations.open_choices(
                 from_anthropic(parsed), 1, client=client, api="anthropic"
             )
         except InvalidGeneration as exc:
@@ -183,6 +199,6 @@ class AnthropicRoutes:
             choices,
             outcome,
             duration=trio.current_time() - arrived,
-            cancel_cause="shutdown" if self.generations.is_draining() else "disconnect",
+            cancel_cause="shutdown" if self.models.is_draining() else "disconnect",
             api="anthropic",
         )

@@ -34,12 +34,14 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from trioserve import protocol as p
-from trioserve.generation import Generations, InvalidGeneration, Overloaded
+from trioserve.generation import InvalidGeneration, Overloaded
 from trioserve.metrics import Metrics
 
 from . import access
 from .doors import from_infer, infer_error
 from .infer import InferEntry
+from .models import ModelError, Models
+from .served import ServedModel
 
 __all__ = [
     "Connection",
@@ -148,7 +150,7 @@ class ConnectionSettings:
 class ConnectionServices:
     """What a connection needs of its server, and nothing more."""
 
-    generations: Generations
+    models: Models
     metrics: Metrics
     settings: ConnectionSettings
     #: The ``info`` reply with these echoed ids (the server's live status).
@@ -172,6 +174,8 @@ class Connection:
         self.peer = peer
         self.client = client
         self.requests: set[InferEntry] = set()
+        #: Infers waiting for their model to load, by the scope that ends the wait.
+        self._loading: dict[trio.CancelScope, p.InferRequest] = {}
         self.outbox = Outbox(services.settings.max_output_bytes)
         self.access = access.ConnectionLog(services.metrics, peer, self.settings.log_prompts)
         self._nursery: trio.Nursery | None = None
@@ -393,16 +397,17 @@ class Connection:
                 raise fatal from None
 
     async def _handle(self, request: p.Request) -> None:
-        tokenizing = self.services.generations.tokenizing
         if isinstance(request, p.EchoRequest):
             self._reply(p.EchoReply(echoed=request.echoed))
             self.access.request(request, quiet=True)
         elif isinstance(request, p.EstimateTokenRequest):
-            ids = await tokenizing.encode(request.text)
+            served = await _acquire(self.services.models, request.model, request)
+            ids = await served.tokenizing.encode(request.text)
             self._reply(p.EstimateTokenReply(num_tokens=len(ids), echoed=request.echoed))
             self.access.request(request, prompt_tokens=len(ids))
         elif isinstance(request, p.LefttrimTokenRequest):
-            text = await self._lefttrim(request.text, request.trimmed_length)
+            served = await _acquire(self.services.models, request.model, request)
+            text = await _lefttrim(served, request.text, request.trimmed_length)
             self._reply(p.LefttrimTokenReply(trimmed_text=text, echoed=request.echoed))
             self.access.request(request)
         elif isinstance(request, p.InferRequest):
@@ -417,27 +422,52 @@ class Connection:
         else:  # pragma: no cover - decode_request returns only the above
             raise AssertionError(request)
 
-    async def _lefttrim(self, text: str, length: int) -> str:
-        tokenizing = self.services.generations.tokenizing
-        ids = await tokenizing.encode(text)
-        if len(ids) <= length:
-            return text
-        if length == 0:
-            return ""
-        return await tokenizing.decode(ids[-length:])
-
     def _start_infer(self, request: p.InferRequest) -> None:
         limit = self.settings.max_requests
-        if len(self.requests) >= limit:
+        if len(self.requests) + len(self._loading) >= limit:
             raise p.ProtocolError(
                 "overloaded",
-                f"this connection already has {len(self.requests)} infer requests in flight "
-                f"(the limit is {limit}); wait for one to finish",
+                f"this connection already has {len(self.requests) + len(self._loading)} infer "
+                f"requests in flight (the limit is {limit}); wait for one to finish",
                 action="infer",
                 echoed=request.echoed,
             )
+        models = self.services.models
         try:
-            generation = self.services.generations.open(
+            slot = models.slot(request.model)
+        except ModelError as exc:
+            raise _model_error(exc, "infer", request.echoed) from None
+        if slot.served is None or slot.status != "loaded":
+            # Its model loads first, in a task of its own: the reader goes on.
+            assert self._nursery is not None
+            self._nursery.start_soon(self._infer_after_load, request)
+            return
+        self._open_infer(slot.served, request)
+
+    async def _infer_after_load(self, request: p.InferRequest) -> None:
+        """Wait for ``request``'s model to load, then start it; a stop that
+        matches it meanwhile ends the wait (an ``overloaded`` error frame:
+        nothing was generated)."""
+        scope = trio.CancelScope()
+        self._loading[scope] = request
+        try:
+            with scope:
+                try:
+                    served = await _acquire(self.services.models, request.model, request)
+                    self._open_infer(served, request)
+                except p.ProtocolError as error:
+                    self._reply(error.reply())
+                    self.access.refused(error)
+            if scope.cancelled_caught:
+                stopped = _stopped_while_loading(request)
+                self._reply(stopped.reply())
+                self.access.refused(stopped)
+        finally:
+            del self._loading[scope]
+
+    def _open_infer(self, served: ServedModel, request: p.InferRequest) -> None:
+        try:
+            generation = served.generations.open(
                 from_infer(request), client=self.client, owner=self, api="websocket"
             )
         except InvalidGeneration as exc:
@@ -458,6 +488,9 @@ class Connection:
             self._put(entry)
 
     async def _stop(self, request: p.StopRequest) -> int:
+        waiting = [scope for scope, r in self._loading.items() if r.matches_stop(request)]
+        for scope in waiting:
+            scope.cancel()
         matching = [e for e in self.requests if e.request.matches_stop(request)]
         # A request whose last update the engine has delivered is decided: too
         # late to stop (it keeps its outcome) and not counted as stopped.
@@ -470,7 +503,7 @@ class Connection:
         # updates the engine delivered ahead of it).
         for entry in matching:
             await entry.done.wait()
-        return len(targets)
+        return len(targets) + len(waiting)
 
     # -- one infer ----------------------------------------------------------------
 
@@ -524,3 +557,40 @@ class Connection:
         finally:
             entry.done.set()
             self.requests.discard(entry)
+
+
+def _model_error(exc: ModelError, action: str, echoed: Mapping[str, Any]) -> p.ProtocolError:
+    """A model that cannot serve a request: ``invalid_request`` naming
+    ``$.model`` for one that does not exist, ``overloaded`` otherwise."""
+    if exc.status == 404:
+        return p.ProtocolError(
+            "invalid_request", exc.message, field="$.model", action=action, echoed=echoed
+        )
+    return p.ProtocolError("overloaded", exc.message, action=action, echoed=echoed)
+
+
+async def _acquire(models: Models, name: str | None, request: p.Request) -> ServedModel:
+    """The model a request names, loaded (waiting for its load)."""
+    try:
+        return await models.acquire(name)
+    except ModelError as exc:
+        raise _model_error(exc, p.action_name(request) or "infer", request.echoed) from None
+
+
+async def _lefttrim(served: ServedModel, text: str, length: int) -> str:
+    tokenizing = served.tokenizing
+    ids = await tokenizing.encode(text)
+    if len(ids) <= length:
+        return text
+    if length == 0:
+        return ""
+    return await tokenizing.decode(ids[-length:])
+
+
+def _stopped_while_loading(request: p.InferRequest) -> p.ProtocolError:
+    return p.ProtocolError(
+        "overloaded",
+        "stopped while its model was loading: nothing was generated",
+        action="infer",
+        echoed=request.echoed,
+    )

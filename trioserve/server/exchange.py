@@ -12,7 +12,7 @@ that waits on the generations and the socket for it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import attrs
@@ -35,7 +35,7 @@ E = TypeVar("E", bound=Exception)
 
 
 async def start_request(
-    open_request: Callable[[], tuple[P, list[Generation]]],
+    open_request: Callable[[], Awaitable[tuple[P, list[Generation]]]],
     *,
     arrived: float,
     invalid: Callable[[InvalidGeneration], Exception],
@@ -51,7 +51,7 @@ async def start_request(
     closes them and goes on."""
     choices: list[Generation] = []
     try:
-        parsed, choices = open_request()
+        parsed, choices = await open_request()
         for choice in choices:
             choice.received = arrived
         try:
@@ -99,7 +99,7 @@ class WireReply(Protocol):
 
     def outcome(self) -> str: ...
 
-    def failure(self, *, draining: bool) -> tuple[str, Exception]: ...
+    def failure(self, *, draining: bool, message: str = ...) -> tuple[str, Exception]: ...
 
 
 @attrs.define(eq=False)
@@ -113,6 +113,9 @@ class Exchange:
     choices: Sequence[Generation]
     finish: Callable[[str], None]
     draining: Callable[[], bool]
+    #: Why a request is cut short while draining (the shutdown, or its
+    #: model's unload); None: the reply's own words for the shutdown.
+    drain_message: Callable[[], str] | None = None
     keepalive: Callable[[], bytes] | None = None
     keepalive_s: float = 10.0
     done: bool = False
@@ -123,7 +126,12 @@ class Exchange:
             self.finish(outcome)
 
     def _failure(self) -> Exception:
-        outcome, error = self.reply.failure(draining=self.draining())
+        if self.drain_message is None:
+            outcome, error = self.reply.failure(draining=self.draining())
+        else:
+            outcome, error = self.reply.failure(
+                draining=self.draining(), message=self.drain_message()
+            )
         if outcome == "internal":
             log.error("generation failed: %s", getattr(error, "message", error))
         self._end(outcome)

@@ -28,14 +28,16 @@ import trio
 
 from trioserve import openai as oa
 from trioserve import responses as rs
-from trioserve.generation import Generation, Generations, InvalidGeneration, Overloaded
+from trioserve.generation import Generation, InvalidGeneration, Overloaded
 from trioserve.metrics import Metrics
 
 from . import access
 from .doors import ClientIdentity, from_responses, responses_error
 from .exchange import Exchange, start_request
 from .http_types import HTTPRequest, Response, Router, StreamingResponse, event_stream
-from .routes import _outcome, _overloaded, http_errors, not_admitted
+from .models import ModelError, Models
+from .routes import _outcome, _overloaded, http_errors, model_error, not_admitted
+from .served import ServedModel
 
 __all__ = ["ResponsesRoutes"]
 
@@ -57,15 +59,11 @@ def _not_found(id: str, param: str | None = None) -> oa.OpenAIError:
 class ResponsesRoutes:
     """``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``."""
 
-    generations: Generations
+    models: Models
     identity: ClientIdentity
     store: rs.ResponseStore = attrs.Factory(rs.ResponseStore)
     limits: rs.ResponsesLimits = attrs.Factory(rs.ResponsesLimits)
     metrics: Metrics | None = None
-
-    @property
-    def model_name(self) -> str:
-        return self.generations.info.model_name
 
     def install(self, router: Router) -> None:
         router.add("POST", "/v1/responses", http_errors(self.create))
@@ -112,15 +110,21 @@ class ResponsesRoutes:
     async def create(self, http: HTTPRequest) -> Response | StreamingResponse:
         arrived = trio.current_time()
         client = self.identity.of(http.head)
+        model: list[ServedModel] = []
 
-        def open_request() -> tuple[rs.ResponsesRequest, list[Generation]]:
+        async def open_request() -> tuple[rs.ResponsesRequest, list[Generation]]:
             try:
                 # Before the body is parsed: a client at its limit costs nothing more.
-                self.generations.admit(client)
+                self.models.admit(client)
             except Overloaded as exc:
                 raise not_admitted(exc) from None
             parsed = self._parse(http, client)
-            return parsed, self._open(parsed, client)
+            try:
+                served = await self.models.acquire(parsed.model)
+            except ModelError as exc:
+                raise model_error(exc) from None
+            model.append(served)
+            return parsed, self._open(served, parsed, client)
 
         parsed, choices = await start_request(
             open_request,
@@ -130,7 +134,8 @@ class ResponsesRoutes:
             api_error=oa.OpenAIError,
             refused=lambda opened, exc: self._log(http, opened, _outcome(exc.status), arrived),
         )
-        reply = rs.ResponseReply(parsed, self.model_name, choices[0])
+        (served,) = model
+        reply = rs.ResponseReply(parsed, served.id, choices[0])
 
         def finish(outcome: str) -> None:
             if parsed.store and reply.finished:
@@ -139,14 +144,22 @@ class ResponsesRoutes:
                     log.warning("response %s not stored: larger than the store", reply.id)
             self._log(http, choices, outcome, arrived)
 
-        exchange = Exchange(reply, choices, finish=finish, draining=self.generations.is_draining)
+        exchange = Exchange(
+            reply,
+            choices,
+            finish=finish,
+            draining=served.generations.is_draining,
+            drain_message=served.cut_short,
+        )
         if not parsed.stream:
             return await exchange.whole()
         return event_stream(exchange.stream)
 
-    def _open(self, parsed: rs.ResponsesRequest, client: Hashable) -> list[Generation]:
+    def _open(
+        self, served: ServedModel, parsed: rs.ResponsesRequest, client: Hashable
+    ) -> list[Generation]:
         try:
-            return self.generations.open_choices(
+            return served.generations.open_choices(
                 from_responses(parsed), 1, client=client, api="openai"
             )
         except InvalidGeneration as exc:
@@ -164,5 +177,5 @@ class ResponsesRoutes:
             choices,
             outcome,
             duration=trio.current_time() - arrived,
-            cancel_cause="shutdown" if self.generations.is_draining() else "disconnect",
+            cancel_cause="shutdown" if self.models.is_draining() else "disconnect",
         )

@@ -29,12 +29,7 @@ import trio
 from trioserve import anthropic as an
 from trioserve import openai as oa
 from trioserve._version import __version__
-from trioserve.generation import (
-    Generation,
-    Generations,
-    InvalidGeneration,
-    Overloaded,
-)
+from trioserve.generation import Generation, InvalidGeneration, Overloaded
 from trioserve.metrics import Metrics
 
 from . import access
@@ -50,9 +45,18 @@ from .http_types import (
     StreamingResponse,
     event_stream,
 )
+from .models import ModelError, Models, ModelSlot
 from .page import chat_page
+from .served import ServedModel
 
-__all__ = ["OpenAIRoutes", "OpsRoutes", "Readiness", "http_errors", "not_admitted"]
+__all__ = [
+    "OpenAIRoutes",
+    "OpsRoutes",
+    "Readiness",
+    "http_errors",
+    "model_error",
+    "not_admitted",
+]
 
 log = logging.getLogger("trioserve.routes")
 
@@ -172,28 +176,36 @@ def not_admitted(exc: Overloaded) -> oa.OpenAIError:
     return oa.OpenAIError(429, exc.message, code="rate_limit_exceeded", retry_after=1)
 
 
+def model_error(exc: ModelError) -> oa.OpenAIError:
+    """A model that cannot serve a request, in OpenAI's terms (naming ``model``)."""
+    retry = 1 if exc.status == 503 else None
+    return oa.OpenAIError(exc.status, exc.message, param="model", code=exc.code, retry_after=retry)
+
+
 @attrs.define
 class OpenAIRoutes:
     """``GET /v1/models``, ``GET /v1/models/{model}``, ``POST
-    /v1/completions`` and ``POST /v1/chat/completions``, through
-    ``generations``."""
+    /v1/completions`` and ``POST /v1/chat/completions``, through the
+    pipeline of the model each request names (``models``)."""
 
-    generations: Generations
+    models: Models
     identity: ClientIdentity
     limits: oa.OpenAILimits = attrs.Factory(oa.OpenAILimits)
     metrics: Metrics | None = None
     #: What ``/v1/models`` reports as the model's ``limits`` (the WebSocket
     #: ``info`` reply's, from the same declarations).
     model_limits: Mapping[str, int] = attrs.Factory(dict)
-    #: When the model was loaded (the ``created`` of the model object).
+    #: When the server started (the ``created`` of the model objects).
     created: int = attrs.Factory(lambda: int(time.time()))
 
     @property
     def model_name(self) -> str:
-        return self.generations.info.model_name
+        """The default model's name (the one model's, with ``--model``)."""
+        served = self.models.default_served()
+        return served.id if served is not None else self.models.default_id
 
     def install(self, router: Router) -> None:
-        router.add("GET", "/v1/models", http_errors(self.models))
+        router.add("GET", "/v1/models", http_errors(self.list_models))
         router.add("GET", "/v1/models/{model}", http_errors(self.model))
         router.add("POST", "/v1/completions", http_errors(self.completions))
         router.add("POST", "/v1/chat/completions", http_errors(self.chat_completions))
@@ -202,39 +214,59 @@ class OpenAIRoutes:
         router.add("GET", "/model_info", http_errors(self.model_info))
         router.add("GET", "/server_info", http_errors(self.model_info))
 
-    async def models(self, request: HTTPRequest) -> Response:
-        return Response(200, oa.models_response(self.model_name, self.created, **self._model()))
+    async def list_models(self, request: HTTPRequest) -> Response:
+        return Response(
+            200,
+            oa.models_response(
+                [(slot.id, self._model(slot)) for slot in self._listed()], self.created
+            ),
+        )
 
     async def model(self, request: HTTPRequest) -> Response:
         name = request.params["model"]
-        if name != self.model_name:
+        try:
+            slot = self.models.slot(name)
+        except ModelError as exc:
+            raise model_error(exc) from None
+        if not self.models.several and name != self.model_name:
             raise oa.OpenAIError(
                 404,
                 f"the model {name[:200]!r} does not exist",
                 param="model",
                 code="model_not_found",
             )
-        return Response.json(oa.model_object(name, self.created, **self._model()))
+        return Response.json(oa.model_object(slot.id, self.created, **self._model(slot)))
 
     async def model_info(self, request: HTTPRequest) -> Response:
         # The name only: SGLang's model_path and tokenizer_path are the paths
         # it loaded, which the gateway would try to fetch a tokenizer from
         # (from huggingface.co, for a bare name); without them it does not.
+        served = self.models.default_served()
         return Response.json(
             {
                 "served_model_name": self.model_name,
                 "is_generation": True,
-                "context_length": self.generations.info.context_length,
+                "context_length": served.info.context_length if served is not None else None,
                 "version": __version__,
             }
         )
 
-    def _model(self) -> dict[str, Any]:
-        return {
-            "context_length": self.generations.info.context_length,
-            "limits": self.model_limits or None,
-            "kernels": self.generations.info.kernels,
+    def _listed(self) -> list[ModelSlot]:
+        return list(self.models.slots.values())
+
+    def _model(self, slot: ModelSlot) -> dict[str, Any]:
+        served = slot.served
+        limits = dict(self.model_limits)
+        if served is not None and limits:
+            limits["max_new_tokens"] = served.max_new_tokens
+        described: dict[str, Any] = {
+            "context_length": served.info.context_length if served is not None else None,
+            "limits": limits or None,
+            "kernels": served.info.kernels if served is not None else None,
         }
+        if self.models.several:
+            described["status"] = slot.describe()["status"]
+        return described
 
     async def completions(self, request: HTTPRequest) -> Response | StreamingResponse:
         return await self._serve(request, "completions")
@@ -247,14 +279,20 @@ class OpenAIRoutes:
     ) -> Response | StreamingResponse:
         arrived = trio.current_time()
         client = self.identity.of(http.head)
+        model: list[ServedModel] = []
 
-        def open_request() -> tuple[Request, list[Generation]]:
+        async def open_request() -> tuple[Request, list[Generation]]:
             parsed: Request
             if action == "completions":
                 parsed = oa.parse_completion_request(http.body, self.limits)
             else:
                 parsed = oa.parse_chat_request(http.body, self.limits)
-            return parsed, self._open(parsed, client)
+            try:
+                served = await self.models.acquire(parsed.model)
+            except ModelError as exc:
+                raise model_error(exc) from None
+            model.append(served)
+            return parsed, self._open(served, parsed, client)
 
         parsed, choices = await start_request(
             open_request,
@@ -266,22 +304,27 @@ class OpenAIRoutes:
                 http, action, opened, _outcome(exc.status), arrived
             ),
         )
-        reply = oa.Reply(parsed, self.model_name, choices)
+        (served,) = model
+        reply = oa.Reply(parsed, served.id, choices)
         exchange = Exchange(
             reply,
             choices,
             finish=lambda outcome: self._finish(http, action, choices, outcome, arrived),
-            draining=self.generations.is_draining,
+            draining=served.generations.is_draining,
+            drain_message=served.cut_short,
         )
         if not parsed.stream:
             return await exchange.whole()
         return event_stream(exchange.stream)
 
     def _open(
-        self, parsed: oa.CompletionRequest | oa.ChatCompletionRequest, client: Hashable
+        self,
+        served: ServedModel,
+        parsed: oa.CompletionRequest | oa.ChatCompletionRequest,
+        client: Hashable,
     ) -> list[Generation]:
         try:
-            return self.generations.open_choices(
+            return served.generations.open_choices(
                 from_openai(parsed), parsed.n, client=client, api="openai"
             )
         except InvalidGeneration as exc:
@@ -305,5 +348,5 @@ class OpenAIRoutes:
             choices,
             outcome,
             duration=trio.current_time() - arrived,
-            cancel_cause="shutdown" if self.generations.is_draining() else "disconnect",
+            cancel_cause="shutdown" if self.models.is_draining() else "disconnect",
         )

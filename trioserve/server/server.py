@@ -17,7 +17,6 @@ outside the cancelled scope. This module knows nothing of torch.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 from collections.abc import Callable, Mapping
@@ -29,16 +28,15 @@ from trio_websocket import WebSocketConnection
 
 from trioserve import protocol as p
 from trioserve._version import __version__
-from trioserve.chat_template import ChatTemplate, NoChatTemplate, load_chat_template
-from trioserve.engine.base import Engine, EngineInfo, grammars_of
-from trioserve.errors import ConfigError, ListenError, TrioserveError
+from trioserve.chat_template import ChatTemplate
+from trioserve.engine.base import Engine
+from trioserve.errors import ConfigError, ListenError
 from trioserve.generation import Generations, Tokenizing
 from trioserve.generation.engine_thread import EngineThread, open_loaded_engine
-from trioserve.generation.scheduler import Scheduler, SchedulerStatistics, StepRecord
+from trioserve.generation.scheduler import Scheduler, SchedulerStatistics
 from trioserve.metrics import Metrics
 from trioserve.openai import OpenAILimits
 from trioserve.responses import ResponseStore
-from trioserve.vocabulary.reasoning import KNOWN_MARKERS, ReasoningFormat, reasoning_format
 from trioserve.vocabulary.tools import TOOL_FORMATS
 
 from .anthropic_routes import AnthropicRoutes, api_error_body
@@ -46,8 +44,11 @@ from .connection import Connection, ConnectionServices, ConnectionSettings
 from .doors import ClientIdentity
 from .front_door import FrontDoor, serve_front_door
 from .http_types import AccessPolicy, HTTPLimits, Reject, RequestHead, Router, parse_networks
+from .model_routes import ModelRoutes
+from .models import Models
 from .responses_routes import ResponsesRoutes
 from .routes import OpenAIRoutes, OpsRoutes, Readiness
+from .served import ModelSettings, ServedModel
 from .tokenizer_routes import TokenizerRoutes
 
 __all__ = ["Listening", "Server", "ServerConfig", "ServerStatistics", "serve"]
@@ -56,6 +57,9 @@ log = logging.getLogger("trioserve.server")
 
 KiB = 1024
 MiB = 1024 * 1024
+#: The context the frame limit and the token cap are sized for when a
+#: server serves several models (each model's own cap still applies).
+SEVERAL_MODELS_CONTEXT = 32768
 _LOOPBACK_ORIGIN = re.compile(r"^https?://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?$")
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
@@ -65,20 +69,6 @@ def _leaf_oserror(error: BaseException) -> OSError | None:
     while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
         error = error.exceptions[0]
     return error if isinstance(error, OSError) else None
-
-
-def _thinking_markers(template: ChatTemplate | None, engine: Engine) -> ReasoningFormat | None:
-    """The template's thinking markers; of several pairs, the one whose
-    markers are single tokens of the model's tokenizer."""
-    if template is None:
-        return None
-    vocabulary = [
-        marker
-        for pair in KNOWN_MARKERS
-        for marker in pair
-        if marker in template.source and len(engine.encode(marker)) == 1
-    ]
-    return reasoning_format(template.source, vocabulary)
 
 
 def _not_negative(name: str) -> Any:
@@ -107,6 +97,9 @@ class ServerConfig:
     #: When set, every handshake must carry ``Authorization: Bearer <key>`` or
     #: ``?api_key=<key>``; otherwise it is answered with HTTP 401.
     api_key: str | None = attrs.field(default=None, repr=False)
+    #: When set, loading and unloading models (``POST /models/load`` and
+    #: ``/models/unload``) needs this key instead of the API key.
+    admin_key: str | None = attrs.field(default=None, repr=False)
     #: Origins a browser may connect from, besides the loopback origins
     #: (``http``/``https`` on localhost, 127.0.0.1 or [::1], any port); ``"*"``
     #: allows every origin.
@@ -164,6 +157,16 @@ class ServerConfig:
     shutdown_grace: float = 10.0
     #: Log prompts in the per-request log lines (off: prompts are private).
     log_prompts: bool = False
+    #: With a models folder: models loaded at once (None: no bound); loading
+    #: one more unloads the least recently used.
+    models_max: int | None = None
+    #: With a models folder: a request for a model that is not loaded loads it.
+    models_autoload: bool = True
+    #: Seconds an unloading model's running requests may take to finish.
+    unload_timeout: float = attrs.field(default=30.0, validator=_not_negative("unload timeout"))
+    #: With a models folder: a model idle this long is unloaded until its
+    #: next request (None: never).
+    sleep_idle_seconds: float | None = None
     #: ``/metrics`` without the API key (an endpoint picker, a scraper that
     #: sends none); the other routes keep needing it.
     public_metrics: bool = False
@@ -213,6 +216,12 @@ class ServerConfig:
             raise ConfigError(f"shutdown grace must be >= 0, got {self.shutdown_grace!r}")
         if self.api_key is not None and not self.api_key:
             raise ConfigError("api key must not be empty")
+        if self.admin_key is not None and not self.admin_key:
+            raise ConfigError("admin key must not be empty")
+        if self.models_max is not None and self.models_max < 1:
+            raise ConfigError(f"models max must be >= 1, got {self.models_max!r}")
+        if self.sleep_idle_seconds is not None and not self.sleep_idle_seconds > 0:
+            raise ConfigError(f"sleep idle seconds must be > 0, got {self.sleep_idle_seconds!r}")
         for origin in self.allowed_origins:
             if origin != "*" and not re.match(r"^[a-z][a-z0-9+.-]*://[^/\s]+$", origin, re.I):
                 raise ConfigError(
@@ -251,7 +260,7 @@ EngineLoader = Callable[[], Engine]
 
 
 async def serve(
-    engine: Engine | EngineLoader,
+    engine: Engine | EngineLoader | Models,
     config: ServerConfig = ServerConfig(),
     *,
     task_status: trio.TaskStatus[Listening] = trio.TASK_STATUS_IGNORED,
@@ -263,7 +272,10 @@ async def serve(
     raises :class:`~trioserve.errors.ListenError` when it cannot bind.
 
     ``engine`` is an :class:`~trioserve.engine.base.Engine` (the caller owns
-    it and closes it after ``serve`` returns), or a function that loads one:
+    it and closes it after ``serve`` returns), a
+    :class:`~trioserve.server.models.Models` of several (each loaded on
+    demand, on a thread of its own, and closed when unloaded or when ``serve``
+    returns), or a function that loads one engine:
     then ``serve`` calls it on the engine thread, so that the model is loaded,
     stepped and closed on one thread (faster on a CPU, required by CUDA), and
     closes the engine before it returns.
@@ -276,6 +288,9 @@ async def serve(
     their final frames; then the listener closes and connections are closed
     with code 1001 (going away). ``serve`` returns when all of that is done.
     """
+    if isinstance(engine, Models):
+        await Server(config=config, models=engine).run(task_status=task_status)
+        return
     if isinstance(engine, Engine):
         await Server(engine, config).run(task_status=task_status)
         return
@@ -286,57 +301,62 @@ async def serve(
 class Server:
     """One serving instance; :func:`serve` is the usual way to run it.
 
-    ``engine_thread``: the thread that loaded the engine, which then also
-    steps it; without one, the server starts an engine thread of its own.
+    ``engine``: the one model it serves (under any name a request gives);
+    ``engine_thread``: the thread that loaded it, which then also steps it
+    (without one, the server starts an engine thread of its own). Or
+    ``models``: a registry of several (:meth:`Models.from_catalog`), loaded
+    on demand.
     """
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | None = None,
         config: ServerConfig = ServerConfig(),
         *,
         engine_thread: EngineThread | None = None,
+        models: Models | None = None,
     ) -> None:
-        self.engine = engine
         self.config = config
         self.engine_thread = engine_thread
-        info = engine.info
-        self.max_new_tokens = min(
-            config.max_new_tokens or info.context_length, info.context_length - 1
-        )
-        self.max_message_bytes = config.max_message_bytes or default_max_message_bytes(
-            info.context_length
-        )
-        self.scheduler = Scheduler(
-            engine,
-            max_waiting=config.max_waiting_jobs,
-            max_running_per_owner=config.max_running_per_client,
-        )
-        self.tokenizing = Tokenizing(engine)
         self.metrics = Metrics()
-        self.metrics.set_model(model=info.model_name, engine=info.engine)
-        self.scheduler.on_step = self._on_step
-        self.chat_template = _load_template(info, config.chat_template)
-        self.generations = Generations(
-            scheduler=self.scheduler,
-            tokenizing=self.tokenizing,
-            max_new_tokens=self.max_new_tokens,
-            chat_template=self.chat_template,
-            observer=self.metrics,
-            is_draining=lambda: self._draining,
-            max_requests_per_client=config.max_requests_per_client,
-            grammars=grammars_of(engine),
-            tool_call_format=config.tool_call_format,
-            reasoning=self._reasoning_format(config),
-            reasoning_budget=config.reasoning_budget,
-        )
+        settings = model_settings(config)
+        if models is None:
+            if engine is None:
+                raise TypeError("Server needs an engine or models")
+            models = Models.single(
+                engine,
+                settings,
+                engine_thread=engine_thread,
+                metrics=self.metrics,
+                is_draining=lambda: self._draining,
+            )
+        else:
+            models.metrics = self.metrics
+            models.is_draining = lambda: self._draining
+        self.models = models
+        default = models.default_served()
+        if default is not None:
+            info = default.info
+            self.metrics.set_model(model=info.model_name, engine=info.engine)
+            context = info.context_length
+        else:
+            self.metrics.set_model(model=models.default_id, engine="several")
+            context = SEVERAL_MODELS_CONTEXT
+        self.max_new_tokens = min(config.max_new_tokens or context, context - 1)
+        self.max_message_bytes = config.max_message_bytes or default_max_message_bytes(context)
         self.identity = ClientIdentity(
             keyed=config.api_key is not None,
             trusted_proxies=parse_networks(config.trusted_proxies),
             key=config.api_key,
         )
+        self._limits = p.Limits(
+            max_message_bytes=self.max_message_bytes,
+            max_requests_per_connection=config.max_requests_per_connection,
+            max_waiting_jobs=config.max_waiting_jobs,
+            max_new_tokens=self.max_new_tokens,
+        )
         self._connection_services = ConnectionServices(
-            generations=self.generations,
+            models=self.models,
             metrics=self.metrics,
             info_reply=self.info_reply,
             settings=ConnectionSettings(
@@ -355,20 +375,23 @@ class Server:
             router
         )
         self._openai_routes = OpenAIRoutes(
-            self.generations,
+            self.models,
             self.identity,
             limits=OpenAILimits(max_n=min(config.max_n, config.max_requests_per_client)),
             metrics=self.metrics,
+            model_limits=attrs.asdict(self._limits),
         )
         self._openai_routes.install(router)
-        TokenizerRoutes(self.generations).install(router)
-        AnthropicRoutes(self.generations, self.identity, metrics=self.metrics).install(router)
+        TokenizerRoutes(self.models).install(router)
+        AnthropicRoutes(self.models, self.identity, metrics=self.metrics).install(router)
         self.responses_store = ResponseStore(
             max_bytes=config.responses_store_mib << 20, ttl_s=config.responses_ttl
         )
         ResponsesRoutes(
-            self.generations, self.identity, store=self.responses_store, metrics=self.metrics
+            self.models, self.identity, store=self.responses_store, metrics=self.metrics
         ).install(router)
+        if self.models.several:
+            ModelRoutes(self.models, admin_key=config.admin_key).install(router)
         self.front_door = FrontDoor(
             router,
             policy=AccessPolicy(
@@ -399,42 +422,53 @@ class Server:
         self._listener_scope = trio.CancelScope()
         self._grace_scope = trio.CancelScope()
         self._shutdown_requested = trio.Event()
-        self._info_reply_parts = (
-            p.ServerInfo(name="trioserve", version=__version__),
-            p.ModelInfo(
-                name=info.model_name,
-                engine=info.engine,
-                context_length=info.context_length,
-                vocab_size=info.vocab_size,
-                bos_token_id=info.bos_token_id,
-                eos_token_ids=tuple(sorted(info.eos_token_ids)),
-                max_batch=info.max_batch,
-                batching=info.batching,
-                constraints=info.constraints,
-                kernels=info.kernels,
-            ),
-            p.Limits(
-                max_message_bytes=self.max_message_bytes,
-                max_requests_per_connection=config.max_requests_per_connection,
-                max_waiting_jobs=config.max_waiting_jobs,
-                max_new_tokens=self.max_new_tokens,
-            ),
-        )
-        self._openai_routes.model_limits = attrs.asdict(self._info_reply_parts[2])
+        self._server_info = p.ServerInfo(name="trioserve", version=__version__)
+
+    # -- the one model (a server of one model, as tests and embedders use it) ----------
+
+    def _single(self) -> ServedModel:
+        served = self.models.default_served()
+        if served is None:
+            raise AttributeError("this server serves several models: see server.models")
+        return served
+
+    @property
+    def engine(self) -> Engine:
+        return self._single().engine
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._single().scheduler
+
+    @property
+    def generations(self) -> Generations:
+        return self._single().generations
+
+    @property
+    def tokenizing(self) -> Tokenizing:
+        return self._single().tokenizing
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        return self._single().chat_template
 
     @property
     def draining(self) -> bool:
         return self._draining
 
     def statistics(self) -> ServerStatistics:
+        loaded = self.models.loaded()
+        if len(loaded) == 1:
+            scheduler = loaded[0].scheduler.statistics()
+        else:
+            scheduler = _summed([served.scheduler.statistics() for served in loaded])
         return ServerStatistics(
             connections=len(self._connections),
             requests_in_flight=sum(len(c.requests) for c in self._connections),
-            scheduler=self.scheduler.statistics(),
+            scheduler=scheduler,
         )
 
     def info_reply(self, echoed: Mapping[str, Any]) -> p.InfoReply:
-        server, model, limits = self._info_reply_parts
         stats = self.statistics()
         status = p.Status(
             connections=stats.connections,
@@ -442,7 +476,21 @@ class Server:
             running_jobs=stats.scheduler.running,
             waiting_jobs=stats.scheduler.waiting,
         )
-        return p.InfoReply(server=server, model=model, limits=limits, status=status, echoed=echoed)
+        default = self.models.default_served()
+        model = default.model_info() if default is not None else _unloaded_info(self.models)
+        models = (
+            tuple(p.ModelEntry.of(slot.describe()) for slot in self.models.slots.values())
+            if self.models.several
+            else None
+        )
+        return p.InfoReply(
+            server=self._server_info,
+            model=model,
+            limits=self._limits,
+            status=status,
+            echoed=echoed,
+            models=models,
+        )
 
     async def run(
         self, *, task_status: trio.TaskStatus[Listening] = trio.TASK_STATUS_IGNORED
@@ -504,9 +552,8 @@ class Server:
             await self._serve_all(task_status)
 
     async def _serve_all(self, task_status: trio.TaskStatus[Listening]) -> None:
-        self.scheduler.engine_thread = self.engine_thread
         async with trio.open_nursery() as nursery:
-            await nursery.start(self.scheduler.run)
+            await nursery.start(self.models.run)
             nursery.start_soon(self._shutdown_when_asked, nursery.cancel_scope)
             # Connections live in a nursery of their own (the front door gives
             # each an exception boundary), so that closing the listener does
@@ -538,7 +585,7 @@ class Server:
         self.front_door.drain()
         with self._grace_scope:
             self._grace_scope.deadline = trio.current_time() + self.config.shutdown_grace
-            await self.scheduler.wait_idle()
+            await self.models.wait_idle()
         for connection in list(self._connections):
             connection.interrupt_all()
         with trio.move_on_after(self.config.close_timeout):
@@ -553,19 +600,6 @@ class Server:
         work.cancel()
 
     # -- the front door's parts -------------------------------------------------------
-
-    def _reasoning_format(self, config: ServerConfig) -> ReasoningFormat | None:
-        """The template's thinking markers, unless ``--reasoning-format none``."""
-        found = _thinking_markers(self.chat_template, self.engine)
-        if found is not None:
-            kept = "apart from the answer" if config.reasoning_format == "auto" else "in the answer"
-            log.info(
-                "the chat template thinks (%s ... %s): its reasoning is kept %s",
-                found.start,
-                found.end,
-                kept,
-            )
-        return found if config.reasoning_format == "auto" else None
 
     def readiness(self) -> Readiness:
         """``/ready``: ready once listening, until the shutdown begins."""
@@ -591,51 +625,45 @@ class Server:
         finally:
             self._connections.discard(connection)
 
-    def _on_step(self, record: StepRecord) -> None:
-        self.metrics.step(record.duration, record.batch)
-        stats = self.scheduler.statistics()
-        self.metrics.jobs(running=stats.running, waiting=stats.waiting)
-        engine = record.engine_statistics
-        if engine is None:
-            return
-        # Duck-typed: the CPU engine's statistics (importing its class would
-        # import torch here); an engine whose statistics differ reports nothing.
-        with contextlib.suppress(AttributeError):
-            self.metrics.engine_memory(
-                kv_cache_bytes=engine.kv_cache_bytes,
-                weight_bytes=engine.weight_bytes,
-                kv_cache_capacity_bytes=engine.kv_cache_capacity_bytes,
-            )
-            prefix = engine.prefix_cache
-            self.metrics.prefix_cache(
-                size_bytes=prefix.bytes,
-                capacity_bytes=prefix.capacity_bytes,
-                hits=prefix.hits,
-                misses=prefix.misses,
-                evictions=prefix.evictions,
-            )
-            self.metrics.prefill_deferrals(engine.prefill_deferrals)
-
     def _info_page(self) -> dict[str, Any]:
-        info = self.engine.info
+        default = self.models.default_served()
+        if default is None or self.models.several:
+            return {"models": list(self.models.slots), "engine": "several: GET /models"}
+        info = default.info
         return {"model": info.model_name, "engine": info.engine}
 
 
-def _load_template(info: EngineInfo, source_file: str | None = None) -> ChatTemplate | None:
-    """The model's chat template (or ``--chat-template``'s), or None (chat
-    routes then answer 400). A template file given that cannot be read or
-    compiled is a :class:`ConfigError`: the operator asked for it."""
-    if source_file is not None:
-        try:
-            return load_chat_template(info.model_dir or ".", source_file=source_file)
-        except TrioserveError as exc:
-            raise ConfigError(f"--chat-template: {exc}") from None
-    if info.model_dir is None:
-        return None
-    try:
-        return load_chat_template(info.model_dir)
-    except NoChatTemplate:
-        return None
-    except TrioserveError as exc:
-        log.warning("the model's chat template cannot be used: %s", exc)
-        return None
+def model_settings(config: ServerConfig) -> ModelSettings:
+    """What of ``config`` shapes each model's pipeline."""
+    return ModelSettings(
+        max_new_tokens=config.max_new_tokens,
+        max_waiting_jobs=config.max_waiting_jobs,
+        max_running_per_client=config.max_running_per_client,
+        max_requests_per_client=config.max_requests_per_client,
+        tool_call_format=config.tool_call_format,
+        reasoning_format=config.reasoning_format,
+        reasoning_budget=config.reasoning_budget,
+        chat_template=config.chat_template,
+    )
+
+
+def _summed(stats: list[SchedulerStatistics]) -> SchedulerStatistics:
+    """Every loaded model's scheduler statistics, added up."""
+    fields = [field.name for field in attrs.fields(SchedulerStatistics)]
+    return SchedulerStatistics(**{name: sum(getattr(s, name) for s in stats) for name in fields})
+
+
+def _unloaded_info(models: Models) -> p.ModelInfo:
+    """The ``info`` reply's model while the default model is not loaded."""
+    return p.ModelInfo(
+        name=models.default_id,
+        engine="unloaded",
+        context_length=0,
+        vocab_size=0,
+        bos_token_id=None,
+        eos_token_ids=(),
+        max_batch=0,
+        batching=False,
+        constraints=(),
+        kernels=None,
+    )

@@ -11,13 +11,16 @@ so these routes take no engine slot and wait on no generation.
 
 from __future__ import annotations
 
+from urllib.parse import parse_qs
+
 import attrs
 
 from trioserve import openai as oa
-from trioserve.generation import Generations
 
 from .http_types import HTTPRequest, Response, Router
-from .routes import http_errors
+from .models import ModelError, Models
+from .routes import http_errors, model_error
+from .served import ServedModel
 
 __all__ = ["TokenizerRoutes"]
 
@@ -25,9 +28,10 @@ __all__ = ["TokenizerRoutes"]
 @attrs.define
 class TokenizerRoutes:
     """``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info``
-    of ``generations``' model."""
+    of the model a request names (``model`` in the body, ``?model=`` on
+    ``/tokenizer_info``; the default model otherwise)."""
 
-    generations: Generations
+    models: Models
     limits: oa.TokenizerLimits = attrs.Factory(oa.TokenizerLimits)
 
     def install(self, router: Router) -> None:
@@ -35,24 +39,34 @@ class TokenizerRoutes:
         router.add("POST", "/detokenize", http_errors(self.detokenize))
         router.add("GET", "/tokenizer_info", http_errors(self.tokenizer_info))
 
+    async def _served(self, name: str | None) -> ServedModel:
+        try:
+            return await self.models.acquire(name)
+        except ModelError as exc:
+            raise model_error(exc) from None
+
     async def tokenize(self, request: HTTPRequest) -> Response:
         parsed = oa.parse_tokenize_request(request.body, self.limits)
-        tokenizing = self.generations.tokenizing
+        served = await self._served(oa.requested_model(request.body))
+        tokenizing = served.tokenizing
         ids = await tokenizing.encode(parsed.prompt)
         texts = await tokenizing.token_texts(ids) if parsed.return_token_strs else None
-        return Response(200, oa.tokenize_response(ids, self.generations.info.context_length, texts))
+        return Response(200, oa.tokenize_response(ids, served.info.context_length, texts))
 
     async def detokenize(self, request: HTTPRequest) -> Response:
-        info = self.generations.info
+        served = await self._served(oa.requested_model(request.body))
+        info = served.info
         parsed = oa.parse_detokenize_request(request.body, info.vocab_size, self.limits)
-        text = await self.generations.tokenizing.decode(list(parsed.tokens))
+        text = await served.tokenizing.decode(list(parsed.tokens))
         return Response(200, oa.detokenize_response(text))
 
     async def tokenizer_info(self, request: HTTPRequest) -> Response:
-        info = self.generations.info
-        template = self.generations.chat_template
+        named_model = parse_qs(request.head.query).get("model")
+        served = await self._served(named_model[0] if named_model else None)
+        info = served.info
+        template = served.chat_template
         named = dict(template.special_tokens) if template is not None else {}
-        decode = self.generations.tokenizing.engine.decode
+        decode = served.tokenizing.engine.decode
         bos = named.get("bos_token")
         if bos is None and info.bos_token_id is not None:
             bos = decode([info.bos_token_id])
