@@ -442,6 +442,7 @@ class Connection:
             assert self._nursery is not None
             self._nursery.start_soon(self._infer_after_load, request)
             return
+        slot.last_used = trio.current_time()
         self._open_infer(slot.served, request)
 
     async def _infer_after_load(self, request: p.InferRequest) -> None:
