@@ -20,6 +20,7 @@ from tests.http_helpers import connect, request
 from trioserve.engine.catalog import Catalog
 from trioserve.errors import ModelError
 from trioserve.server import Listening, Server, ServerConfig
+from trioserve.server.models import ModelError as RegistryError
 from trioserve.server.models import Models, ModelSlot
 from trioserve.server.server import model_settings
 
@@ -489,3 +490,156 @@ async def test_a_trio_program_serves_models_it_names_and_loads_itself() -> None:
         nursery.cancel_scope.cancel()
     with pytest.raises(ValueError, match="models need names"):
         Models.from_loaders({"../x": loader})
+
+
+async def _settle(models: Models) -> None:
+    settled = ("loaded", "unloaded", "failed", "sleeping")
+    await wait_until(lambda: all(s.status in settled for s in models.slots.values()))
+
+
+@asynccontextmanager
+async def registry(**options: Any) -> AsyncIterator[tuple[Models, list[ScriptedEngine]]]:
+    """Models a, b, c on scripted engines, run in a nursery (no server)."""
+    made: list[ScriptedEngine] = []
+
+    def loader() -> ScriptedEngine:
+        made.append(ScriptedEngine())
+        return made[-1]
+
+    models = Models.from_loaders({"a": loader, "b": loader, "c": loader}, **options)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(models.run)
+        yield models, made
+        nursery.cancel_scope.cancel()
+
+
+def _held(models: Models) -> list[str]:
+    return [s.id for s in models.slots.values() if s.status in ("loaded", "loading", "unloading")]
+
+
+async def test_loads_asked_for_at_once_never_hold_more_than_models_max() -> None:
+    """A review's race: while one model unloaded, every new load was handed
+    its end and all of them loaded."""
+    async with registry(max_loaded=1) as (models, made):
+        models.load("a")
+        await models.acquire("a")
+        models.load("b")
+        models.load("c")
+        peak = 0
+        with trio.fail_after(20):
+            while True:
+                live = sum(not e.closed for e in made)
+                peak = max(peak, live)
+                statuses = {s.id: s.status for s in models.slots.values()}
+                if list(statuses.values()).count("loaded") == 1 and all(
+                    v in ("loaded", "unloaded") for v in statuses.values()
+                ):
+                    break
+                await trio.sleep(0.001)
+        assert peak <= 1, peak
+        # Reloading one that is unloading counts against the bound too.
+        (loaded,) = [s.id for s in models.slots.values() if s.status == "loaded"]
+        other = "a" if loaded != "a" else "b"
+        models.load(other)
+        models.load(loaded)  # while it unloads for `other`
+        with trio.fail_after(20):
+            while True:
+                peak = max(peak, sum(not e.closed for e in made))
+                if len(_held(models)) <= 1 and {s.status for s in models.slots.values()} <= {
+                    "loaded",
+                    "unloaded",
+                }:
+                    break
+                await trio.sleep(0.001)
+        assert peak <= 1, peak
+
+
+async def test_a_load_right_after_an_unload_is_not_undone() -> None:
+    async with registry() as (models, _):
+        await models.acquire("a")
+        models.unload("a")
+        models.load("a")  # before the unloading task has woken
+        await _settle(models)
+        assert models.slots["a"].status == "loaded"
+
+
+async def test_a_load_after_an_unload_during_the_load_stays_loaded() -> None:
+    async with registry() as (models, _):
+        models.load("a")
+        models.unload("a")  # while it loads
+        models.load("a")  # taken back
+        await _settle(models)
+        assert models.slots["a"].status == "loaded"
+
+
+async def test_waiting_for_a_load_ends_with_the_shutdown() -> None:
+    made: list[ScriptedEngine] = []
+
+    def slow() -> ScriptedEngine:
+        import time
+
+        time.sleep(0.5)
+        made.append(ScriptedEngine())
+        return made[-1]
+
+    models = Models.from_loaders({"a": slow})
+    draining = [False]
+    models.is_draining = lambda: draining[0]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(models.run)
+        errors: list[RegistryError] = []
+
+        async def wait() -> None:
+            try:
+                await models.acquire("a")
+            except RegistryError as exc:
+                errors.append(exc)
+
+        nursery.start_soon(wait)
+        await trio.sleep(0.05)
+        draining[0] = True
+        models.wake_waiters()
+        await wait_until(lambda: bool(errors))
+        assert errors[0].status == 503 and "shutting down" in errors[0].message
+        nursery.cancel_scope.cancel()
+
+
+async def test_status_watchers_that_left_are_dropped_at_the_next_watch() -> None:
+    async with registry() as (models, _):
+        for _ in range(50):
+            models.watch().close()
+        models.watch()
+        assert len(models._watchers) == 1
+
+
+async def test_a_websocket_infer_keeps_its_model_recently_used(tmp_path: Path) -> None:
+    engines = Engines()
+    async with several(tmp_path, ["a", "b", "c"], engines, max_loaded=2) as (server, listening):
+        port = listening.port
+        assert (await complete(port, "a"))[0] == 200
+        assert (await complete(port, "b"))[0] == 200
+        async with raw_client(listening.url) as ws:
+            frame = {"action": "infer", "text": "say:x", "max_new_tokens": 4, "model": "a"}
+            await ws.request(frame)  # a is now the most recently used
+        assert (await complete(port, "c"))[0] == 200
+        await _settle(server.models)
+        assert {s.id: s.status for s in server.models.slots.values()} == {
+            "a": "loaded",
+            "b": "unloaded",
+            "c": "loaded",
+        }
+
+
+async def test_a_deeply_nested_load_body_is_a_400(tmp_path: Path) -> None:
+    async with several(tmp_path, ["a"], Engines()) as (_, listening):
+        body = b"[" * 100_000 + b"]" * 100_000
+        async with connect(listening.port) as client:
+            await client.send(request("POST", "/models/load", {"Connection": "close"}, body))
+            reply = await client.response("POST")
+        assert reply is not None and reply.status == 400
+
+
+async def test_models_show_their_path_inside_the_folder(tmp_path: Path) -> None:
+    async with several(tmp_path, ["a"], Engines()) as (_, listening):
+        _, body = await http(listening.port, "GET", "/models")
+        assert body["data"][0]["path"] == "a"

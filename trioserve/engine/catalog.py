@@ -109,6 +109,8 @@ class CatalogEntry:
     options: Mapping[str, Any] = attrs.field(factory=dict)
     #: The preset's chat template file, resolved.
     chat_template: Path | None = None
+    #: ``path`` relative to the folder (what clients are shown).
+    shown_path: str = ""
 
     def engine_options(self, base: EngineOptions) -> EngineOptions:
         """``base`` (the command line's) with this model and its preset's
@@ -122,10 +124,11 @@ class CatalogEntry:
         )
 
     def describe(self) -> dict[str, Any]:
-        """What ``GET /models`` shows of it (besides its status)."""
+        """What ``GET /models`` shows of it (besides its status): its path
+        inside the folder, not where the folder is."""
         return {
             "id": self.id,
-            "path": str(self.path),
+            "path": self.shown_path,
             "format": self.format,
             "aliases": list(self.aliases),
         }
@@ -169,7 +172,10 @@ class Catalog:
             entries[model_id] = _apply_preset(
                 root, model_id, preset, entries.get(model_id), preset_file
             )
-        catalog = cls(root, tuple(entries.values()))
+        shown = [
+            attrs.evolve(e, shown_path=str(e.path.relative_to(root))) for e in entries.values()
+        ]
+        catalog = cls(root, tuple(shown))
         catalog._check_names()
         if base is not None:
             for entry in catalog.entries:

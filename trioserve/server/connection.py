@@ -438,10 +438,10 @@ class Connection:
         except ModelError as exc:
             raise _model_error(exc, "infer", request.echoed) from None
         if slot.served is None or slot.status != "loaded":
-            # Its model loads first, in a task of its own: the reader goes on.
-            assert self._nursery is not None
+            assert self._nursery is not None  # its model loads first; the reader goes on
             self._nursery.start_soon(self._infer_after_load, request)
             return
+        slot.last_used = trio.current_time()
         self._open_infer(slot.served, request)
 
     async def _infer_after_load(self, request: p.InferRequest) -> None:

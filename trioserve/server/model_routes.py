@@ -123,7 +123,7 @@ class ModelRoutes:
                 )
         try:
             body = json.loads(request.body)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise _error(
                 400, 'the body must be JSON: {"model": "<id>"}', "invalid_request"
             ) from None

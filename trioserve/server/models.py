@@ -104,6 +104,8 @@ class ModelSlot:
     #: Counts its loads: a task whose load is no longer the latest (the model
     #: was loaded again while it unloaded) leaves the status to the new one.
     _loads: int = 0
+    #: Whether its current load has its place under ``max_loaded``.
+    _roomed: bool = False
 
     def describe(self) -> dict[str, Any]:
         """``GET /models``' entry, in llama-server's shape (plus ours)."""
@@ -262,11 +264,11 @@ class Models:
         had. Cancelled with the request that waits."""
         slot = self.slot(name)
         while True:
-            if self.is_draining():
-                raise ModelError(503, "the server is shutting down", "overloaded")
             if slot.status == "loaded" and slot.served is not None:
                 slot.last_used = trio.current_time()
                 return slot.served
+            if self.is_draining():
+                raise ModelError(503, "the server is shutting down", "overloaded")
             if slot.status == "failed":
                 raise ModelError(
                     503,
@@ -312,10 +314,13 @@ class Models:
             raise ModelError(409, "this server serves one model (started with --model)", "single")
         if self.is_draining():
             raise ModelError(503, "the server is shutting down", "overloaded")
+        if slot.status == "loading" and slot._unload is not None and slot._unload.is_set():
+            slot._unload = trio.Event()  # an unload asked for during the load is taken back
         if slot.status in ("loaded", "loading"):
             return slot
-        # Unloading: loaded again once it is gone.
-        after = slot._ended if slot.status == "unloading" else self._make_room(slot)
+        # Unloading: loaded again once it is gone (then room is made as for any load).
+        after = slot._ended if slot.status == "unloading" else None
+        slot._roomed = False
         slot._unload = trio.Event()
         slot._ended = trio.Event()
         slot._loads += 1
@@ -364,32 +369,47 @@ class Models:
     def watch(self, capacity: int = 64) -> trio.MemoryReceiveChannel[dict[str, Any]]:
         """Every status change from now on (``GET /models/sse``); a watcher
         that falls ``capacity`` events behind is dropped (its channel closes)."""
+        # Watchers that went away (their receiving end closed) are dropped now,
+        # not at the next change: reconnects on a quiet server must not pile up.
+        self._watchers = [w for w in self._watchers if w.statistics().open_receive_channels]
         send, receive = trio.open_memory_channel[dict[str, Any]](capacity)
         self._watchers.append(send)
         return receive
 
+    def wake_waiters(self) -> None:
+        """Wake every request waiting for a load, so that it sees the
+        server's shutdown (:meth:`acquire` then refuses it)."""
+        for slot in self.slots.values():
+            event, slot.changed = slot.changed, trio.Event()
+            event.set()
+
     # -- the model's task ---------------------------------------------------------------
 
-    def _make_room(self, loading: ModelSlot) -> trio.Event | None:
-        """Unload the least recently used model when ``loading`` would be one
-        too many; the event its task sets when it has ended (and freed its
-        memory), which the load waits for."""
+    def _room_for(self, loading: ModelSlot) -> trio.Event | None:
+        """Room for ``loading`` under ``max_loaded``: None when it has it (it
+        then counts against the bound), else an event to wait for before
+        asking again (a model's unload ending, or another load's status
+        changing). Over the bound, the least recently used loaded model (an
+        idle one first) is asked to unload."""
         if self.max_loaded is None:
+            loading._roomed = True
             return None
-        held = [s for s in self.slots.values() if s.status in ("loaded", "loading", "unloading")]
+        held = [
+            s
+            for s in self.slots.values()
+            if s is not loading
+            and (s.status in ("loaded", "unloading") or (s.status == "loading" and s._roomed))
+        ]
         if len(held) < self.max_loaded:
+            loading._roomed = True
             return None
+        unloading = [s for s in held if s.status == "unloading" and s._ended is not None]
         candidates = [s for s in held if s.status == "loaded"]
-        unloading = [s for s in held if s.status == "unloading"]
-        if not candidates:
-            if unloading and unloading[0]._ended is not None:
-                return unloading[0]._ended
-            raise ModelError(
-                503,
-                f"{len(held)} models are loading (--models-max {self.max_loaded}); "
-                f"try {loading.id!r} again when one is loaded",
-                "overloaded",
-            )
+        if len(unloading) >= len(held) - self.max_loaded + 1 or not candidates:
+            # Enough is on its way out already (or all of it is loading): wait.
+            waiting = unloading[0]._ended if unloading else held[0].changed
+            assert waiting is not None
+            return waiting
 
         def busy(slot: ModelSlot) -> bool:
             return slot.served is not None and slot.served.in_flight() > 0
@@ -438,23 +458,30 @@ async def _run_model(models: Models, slot: ModelSlot, after: trio.Event | None, 
     """Load, serve and unload one model: an exception boundary (a failed
     load marks the model failed and leaves everything else serving)."""
     ended = slot._ended
+    loaded: list[bool] = []
     try:
         if after is not None:
             await after.wait()
+        while (room := models._room_for(slot)) is not None:
+            await room.wait()
         try:
-            sleeping = await _load_and_serve(models, slot)
+            sleeping = await _load_and_serve(models, slot, load, loaded)
         except Exception as group:  # the model's exception boundary
             exc = _leaf(group)
             if isinstance(exc, TrioserveError | OSError | MemoryError):
                 reason = str(exc) or type(exc).__name__
-                log.warning("the model %s failed to load: %s", slot.id, reason)
+                log.warning("the model %s failed: %s", slot.id, reason)
             else:
                 reason = f"{type(exc).__name__}: {exc}"
                 log.error("the model %s failed: %s", slot.id, reason, exc_info=group)
-            if models.metrics is not None and slot.served is None:  # the load itself failed
+            slot.served = None
+            if loaded:  # it served: an error on its way out does not make it unloadable
+                if slot._loads == load:
+                    models._set(slot, "unloaded")
+                return
+            if models.metrics is not None:
                 models.metrics.models.load(slot.id, seconds=None, ok=False)
             if slot._loads == load:
-                slot.served = None
                 slot.reason = reason[:500]
                 models._set(slot, "failed")
             return
@@ -473,9 +500,10 @@ async def _run_model(models: Models, slot: ModelSlot, after: trio.Event | None, 
             ended.set()
 
 
-async def _load_and_serve(models: Models, slot: ModelSlot) -> bool:
+async def _load_and_serve(models: Models, slot: ModelSlot, load: int, loaded: list[bool]) -> bool:
     """Load the model on a thread of its own, serve it until it is
-    unloaded, close it; whether it went to sleep."""
+    unloaded, close it; whether it went to sleep (``loaded`` gets an entry
+    once it has loaded)."""
     assert models.loader_of is not None
     loader = models.loader_of(slot)
     started = trio.current_time()
@@ -496,6 +524,7 @@ async def _load_and_serve(models: Models, slot: ModelSlot) -> bool:
             chat_template=_template_of(slot, engine, models.settings),
         )
         served.generations.model_id = slot.id
+        loaded.append(True)
         log.info(
             "loaded the model %s in %.2f s (engine %s)",
             slot.id,
@@ -506,11 +535,11 @@ async def _load_and_serve(models: Models, slot: ModelSlot) -> bool:
         if models.metrics is not None:
             models.metrics.models.load(slot.id, seconds=slot.load_seconds, ok=True)
         async with trio.open_nursery() as nursery:
-            return await _serve_loaded(models, slot, served, nursery)
+            return await _serve_loaded(models, slot, served, nursery, load)
 
 
 async def _serve_loaded(
-    models: Models, slot: ModelSlot, served: ServedModel, nursery: trio.Nursery
+    models: Models, slot: ModelSlot, served: ServedModel, nursery: trio.Nursery, load: int
 ) -> bool:
     """Run ``served``'s scheduler until the model is asked to unload (or
     sleeps), then drain it and stop the scheduler; whether it sleeps."""
@@ -520,8 +549,10 @@ async def _serve_loaded(
     if slot.status != "loaded":
         models._set(slot, "loaded")
     sleeping = await _until_unload(models, slot, served)
-    if slot.status != "unloading":
+    # Not when the model was loaded again meanwhile (that load's status is its own).
+    if slot._loads == load and slot.status != "unloading":
         models._begin_unload(slot)
+    served.unloading = True
     with trio.move_on_after(models.unload_timeout):
         while served.in_flight() > 0 or served.scheduler.busy:
             await served.scheduler.wait_idle()

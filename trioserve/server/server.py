@@ -98,7 +98,8 @@ class ServerConfig:
     #: ``?api_key=<key>``; otherwise it is answered with HTTP 401.
     api_key: str | None = attrs.field(default=None, repr=False)
     #: When set, loading and unloading models (``POST /models/load`` and
-    #: ``/models/unload``) needs this key instead of the API key.
+    #: ``/models/unload``) needs this key too (``X-Admin-Key``), besides the
+    #: API key. With autoload on, requests still load the models they name.
     admin_key: str | None = attrs.field(default=None, repr=False)
     #: Origins a browser may connect from, besides the loopback origins
     #: (``http``/``https`` on localhost, 127.0.0.1 or [::1], any port); ``"*"``
@@ -331,6 +332,9 @@ class Server:
                 is_draining=lambda: self._draining,
             )
         else:
+            # The server's settings shape each model it loads (a host's
+            # Models.from_loaders has none of its own).
+            models.settings = settings
             models.metrics = self.metrics
             models.is_draining = lambda: self._draining
         self.models = models
@@ -534,6 +538,7 @@ class Server:
         Synchronous and idempotent, so it can run in a ``finally`` block.
         """
         self._draining = True
+        self.models.wake_waiters()
         # The listener stays open during the drain: /ready answers 503 and new
         # WebSocket upgrades 503, so that a load balancer takes this instance
         # out of its rotation before the port goes away.
