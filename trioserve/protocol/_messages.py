@@ -119,12 +119,9 @@ class EchoRequest:
     echoed: Mapping[str, Any] = _echoed_field()
 
 
-@attrs.frozen
-class EstimateTokenRequest:
-    """``estimate_token``: how many tokens ``text`` encodes to."""
-
-    text: str = wire_field(Str(), "the text to count")
-    model: str | None = wire_field(
+def _model_field() -> Any:
+    """``model``, the same on every action that runs on a model."""
+    return wire_field(
         Str(256, min_chars=1),
         "the model that serves it, by id or alias, on a server of several (`info`: `models`; "
         "absent: the first); a server of one model takes any name",
@@ -132,6 +129,14 @@ class EstimateTokenRequest:
         extension=True,
         default_doc="absent",
     )
+
+
+@attrs.frozen
+class EstimateTokenRequest:
+    """``estimate_token``: how many tokens ``text`` encodes to."""
+
+    text: str = wire_field(Str(), "the text to count")
+    model: str | None = _model_field()
     echoed: Mapping[str, Any] = _echoed_field()
 
 
@@ -141,14 +146,7 @@ class LefttrimTokenRequest:
 
     text: str = wire_field(Str(), "the text to trim")
     trimmed_length: int = wire_field(Int(0), "tokens to keep, counted from the end")
-    model: str | None = wire_field(
-        Str(256, min_chars=1),
-        "the model that serves it, by id or alias, on a server of several (`info`: `models`; "
-        "absent: the first); a server of one model takes any name",
-        default=None,
-        extension=True,
-        default_doc="absent",
-    )
+    model: str | None = _model_field()
     echoed: Mapping[str, Any] = _echoed_field()
 
 
@@ -219,14 +217,7 @@ class InferRequest:
     )
     freq_pen: float = sampler_field("freq_pen", "frequency penalty")
     pres_pen: float = sampler_field("pres_pen", "presence penalty")
-    model: str | None = wire_field(
-        Str(256, min_chars=1),
-        "the model that serves it, by id or alias, on a server of several (`info`: `models`; "
-        "absent: the first); a server of one model takes any name",
-        default=None,
-        extension=True,
-        default_doc="absent",
-    )
+    model: str | None = _model_field()
     custom_bos: str = wire_field(
         Str(),
         "put before `text`; its first token survives trimming",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hmac
 import json
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -28,7 +29,7 @@ from trioserve import openai as oa
 from trioserve.engine.catalog import valid_model_id
 
 from .http_types import BodyWriter, HTTPError, HTTPRequest, Response, Router, event_stream
-from .models import ModelError, Models
+from .models import ModelError, Models, ModelSlot
 
 __all__ = ["ModelRoutes"]
 
@@ -73,17 +74,16 @@ class ModelRoutes:
         )
 
     async def load(self, request: HTTPRequest) -> Response:
-        name = self._admitted(request)
-        try:
-            slot = self.models.load(name)
-        except ModelError as exc:
-            raise _error(exc.status, exc.message, exc.code) from None
-        return Response.json({"success": True, "model": slot.id, **slot.describe()})
+        return self._change(request, self.models.load)
 
     async def unload(self, request: HTTPRequest) -> Response:
+        return self._change(request, self.models.unload)
+
+    def _change(self, request: HTTPRequest, change: Callable[[str], ModelSlot]) -> Response:
+        """Load or unload the body's model (once the admin key is checked)."""
         name = self._admitted(request)
         try:
-            slot = self.models.unload(name)
+            slot = change(name)
         except ModelError as exc:
             raise _error(exc.status, exc.message, exc.code) from None
         return Response.json({"success": True, "model": slot.id, **slot.describe()})
