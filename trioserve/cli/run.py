@@ -152,13 +152,18 @@ def _load_entry(options: EngineOptions) -> Engine:
     """Load one model of a folder (on its engine thread): a GGUF file is
     converted once into the cache first; then the engine warms up."""
     from ..engine.models import gguf_model_dir
+    from ..engine.progress import span
 
+    # The load's progress (GET /models): a conversion, the weights, a warm-up.
     if options.model is not None and options.model.is_file():
-        options = attrs.evolve(options, model=gguf_model_dir(options.model))
-    engine = load_engine(options)
+        with span(0.0, 0.1):
+            options = attrs.evolve(options, model=gguf_model_dir(options.model))
+    with span(0.1, 0.9):
+        engine = load_engine(options)
     warm_up = getattr(engine, "warm_up", None)
     if callable(warm_up):
-        warm_up()
+        with span(0.9, 1.0):
+            warm_up()
     return engine
 
 

@@ -125,9 +125,10 @@ def log_infer(
         generated_tokens=generation.generated_tokens,
         cached_tokens=generation.cached_tokens,
         duration=generation.total_s,
+        model=generation.generations.model_id,
     )
     if generation.job is not None and generation.job.started_at is not None:
-        metrics.queue_wait(generation.queued_s)
+        metrics.queue_wait(generation.queued_s, model=generation.generations.model_id)
     if outcome == "interrupted":
         metrics.cancelled(cancel_cause or "disconnect")
     fields = _infer_fields(peer, request.echoed, outcome, stop_reason, error_type, generation)
@@ -224,6 +225,7 @@ def log_openai(
             generated_tokens=timings["generated_tokens"],
             cached_tokens=timings["cached_tokens"],
             duration=duration,
+            model=choices[0].generations.model_id if choices else None,
         )
         if choices and outcome == "interrupted":
             metrics.cancelled(cancel_cause)

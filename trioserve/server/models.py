@@ -29,8 +29,6 @@ Statuses: ``unloaded``, ``loading``, ``loaded``, ``unloading``, ``sleeping``,
 from __future__ import annotations
 
 import collections
-import ctypes
-import ctypes.util
 import logging
 import math
 import typing
@@ -43,6 +41,8 @@ import trio
 
 from trioserve.engine.base import Engine
 from trioserve.engine.catalog import valid_model_id
+from trioserve.engine.heap import give_back_freed_memory
+from trioserve.engine.progress import LoadProgress, reporting_to
 from trioserve.errors import TrioserveError
 from trioserve.generation import Overloaded, admit_client
 from trioserve.generation.engine_thread import EngineThread, open_loaded_engine
@@ -67,6 +67,9 @@ STATUSES: tuple[ModelStatus, ...] = typing.get_args(ModelStatus)
 
 #: A function that loads an engine (blocking; called on the model's engine thread).
 EngineLoader = Callable[[], Engine]
+
+#: Seconds between two looks at a loading model's progress.
+PROGRESS_INTERVAL = 0.25
 
 
 class ModelError(Exception):
@@ -95,6 +98,8 @@ class ModelSlot:
     last_used: float = -math.inf
     #: Seconds its last load took.
     load_seconds: float | None = None
+    #: Its load's progress while it loads (the loading thread writes it).
+    progress: LoadProgress | None = None
     #: trio.current_time() when its last unload began.
     unload_began: float = 0.0
     #: Set when its status changes (then replaced).
@@ -114,6 +119,9 @@ class ModelSlot:
             status["reason"] = self.reason
         if self.load_seconds is not None and self.status == "loaded":
             status["load_seconds"] = round(self.load_seconds, 3)
+        if self.status == "loading":
+            progress = self.progress
+            status["progress"] = round(progress.fraction, 3) if progress is not None else 0.0
         described: dict[str, Any] = {"id": self.id, "status": status}
         if self.entry is not None:
             described.update(self.entry.describe())
@@ -298,12 +306,27 @@ class Models:
                     await nursery.start(_serve_single, slot, slot.served)
             task_status.started()
             try:
-                await trio.sleep_forever()
+                await self._publish_progress()
             finally:
                 for slot in self.slots.values():
                     slot._unload = None
                 for send in self._watchers:
                     send.close()
+
+    async def _publish_progress(self) -> None:
+        """Forever: publish each loading model's progress as it rises (``GET
+        /models/sse``, the load-progress metric), in steps of a percent at
+        least, every :data:`PROGRESS_INTERVAL` seconds."""
+        published: dict[str, float] = {}
+        while True:
+            await trio.sleep(PROGRESS_INTERVAL)
+            for slot in self.slots.values():
+                progress = slot.progress
+                if progress is None or slot.status != "loading":
+                    published.pop(slot.id, None)
+                elif progress.fraction >= published.get(slot.id, 0.0) + 0.01:
+                    published[slot.id] = progress.fraction
+                    self._publish(slot)
 
     def load(self, name: str) -> ModelSlot:
         """Start loading ``name`` (an id or alias); nothing when it is loaded
@@ -445,7 +468,14 @@ class Models:
             self.metrics.models.status(slot.id, status, STATUSES)
         event, slot.changed = slot.changed, trio.Event()
         event.set()
-        update = {"id": slot.id, "status": slot.describe()["status"]}
+        self._publish(slot)
+
+    def _publish(self, slot: ModelSlot) -> None:
+        """Tell the watchers (and the metrics) where ``slot`` stands."""
+        status = slot.describe()["status"]
+        if self.metrics is not None and self.named and "progress" in status:
+            self.metrics.models.progress(slot.id, status["progress"])
+        update = {"id": slot.id, "status": status}
         for send in list(self._watchers):
             try:
                 send.send_nowait(update)
@@ -476,6 +506,8 @@ async def _run_model(models: Models, slot: ModelSlot, after: trio.Event | None, 
                 log.error("the model %s failed: %s", slot.id, reason, exc_info=group)
             slot.served = None
             if loaded:  # it served: an error on its way out does not make it unloadable
+                if models.metrics is not None:
+                    models.metrics.model_unloaded(slot.id)
                 if slot._loads == load:
                     models._set(slot, "unloaded")
                 return
@@ -486,7 +518,9 @@ async def _run_model(models: Models, slot: ModelSlot, after: trio.Event | None, 
                 models._set(slot, "failed")
             return
         # The engine is closed and its thread gone: hand its memory back.
-        await trio.to_thread.run_sync(_release_memory)
+        if models.metrics is not None:
+            models.metrics.model_unloaded(slot.id)
+        await trio.to_thread.run_sync(give_back_freed_memory)
         log.info(
             "unloaded the model %s (drained and closed in %.2f s)",
             slot.id,
@@ -506,36 +540,59 @@ async def _load_and_serve(models: Models, slot: ModelSlot, load: int, loaded: li
     once it has loaded)."""
     assert models.loader_of is not None
     loader = models.loader_of(slot)
+    progress = slot.progress = LoadProgress()
+
+    def load_reporting() -> Engine:
+        with reporting_to(progress):
+            return loader()
+
     started = trio.current_time()
     log.info("loading the model %s", slot.id)
-    async with open_loaded_engine(loader, name=f"trioserve-{slot.id}"[:15]) as (
-        engine,
-        thread,
-    ):
-        slot.load_seconds = trio.current_time() - started
-        served = ServedModel.build(
-            slot.id,
+    try:
+        async with open_loaded_engine(load_reporting, name=f"trioserve-{slot.id}"[:15]) as (
             engine,
-            models.settings,
-            engine_thread=thread,
-            metrics=models.metrics,
-            is_draining=models.is_draining,
-            in_flight=models.in_flight,
-            chat_template=_template_of(slot, engine, models.settings),
-        )
-        served.generations.model_id = slot.id
-        loaded.append(True)
-        log.info(
-            "loaded the model %s in %.2f s (engine %s)",
-            slot.id,
-            slot.load_seconds,
-            engine.info.engine,
-            extra={"fields": {"model": slot.id, "load_s": round(slot.load_seconds, 3)}},
-        )
-        if models.metrics is not None:
-            models.metrics.models.load(slot.id, seconds=slot.load_seconds, ok=True)
-        async with trio.open_nursery() as nursery:
-            return await _serve_loaded(models, slot, served, nursery, load)
+            thread,
+        ):
+            slot.progress = None
+            return await _serve_engine(models, slot, load, loaded, engine, thread, started)
+    finally:
+        slot.progress = None
+
+
+async def _serve_engine(
+    models: Models,
+    slot: ModelSlot,
+    load: int,
+    loaded: list[bool],
+    engine: Engine,
+    thread: EngineThread,
+    started: float,
+) -> bool:
+    """Serve a model whose engine has loaded (:func:`_load_and_serve`)."""
+    slot.load_seconds = trio.current_time() - started
+    served = ServedModel.build(
+        slot.id,
+        engine,
+        models.settings,
+        engine_thread=thread,
+        metrics=models.metrics,
+        is_draining=models.is_draining,
+        in_flight=models.in_flight,
+        chat_template=_template_of(slot, engine, models.settings),
+    )
+    served.generations.model_id = slot.id
+    loaded.append(True)
+    log.info(
+        "loaded the model %s in %.2f s (engine %s)",
+        slot.id,
+        slot.load_seconds,
+        engine.info.engine,
+        extra={"fields": {"model": slot.id, "load_s": round(slot.load_seconds, 3)}},
+    )
+    if models.metrics is not None:
+        models.metrics.models.load(slot.id, seconds=slot.load_seconds, ok=True)
+    async with trio.open_nursery() as nursery:
+        return await _serve_loaded(models, slot, served, nursery, load)
 
 
 async def _serve_loaded(
@@ -619,23 +676,6 @@ def _template_of(slot: ModelSlot, engine: Engine, settings: ModelSettings) -> An
     if slot.entry is not None and slot.entry.chat_template is not None:
         return load_template(engine.info, str(slot.entry.chat_template))
     return "auto"
-
-
-def _release_memory() -> None:
-    """Hand freed heap memory back to the system (glibc keeps it otherwise:
-    an unloaded model's RSS would stay). No ``gc.collect()``: the engine's
-    memory is freed as its last reference goes, and a full collection would
-    hold the GIL for tens of milliseconds, stalling the models serving."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    try:
-        libc = ctypes.CDLL(name)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim.argtypes = [ctypes.c_size_t]
-    trim(0)
 
 
 @asynccontextmanager

@@ -171,7 +171,7 @@ def step_observer(
     def on_step(record: StepRecord) -> None:
         metrics.step(record.duration, record.batch)
         stats = scheduler.statistics()
-        metrics.jobs(running=stats.running, waiting=stats.waiting)
+        metrics.jobs(running=stats.running, waiting=stats.waiting, source=source)
         engine = record.engine_statistics
         if engine is None:
             return
@@ -182,6 +182,7 @@ def step_observer(
                 kv_cache_bytes=engine.kv_cache_bytes,
                 weight_bytes=engine.weight_bytes,
                 kv_cache_capacity_bytes=engine.kv_cache_capacity_bytes,
+                source=source,
             )
             prefix = engine.prefix_cache
             metrics.prefix_cache(

@@ -345,6 +345,8 @@ class Server:
             context = info.context_length
         else:
             self.metrics.set_model(model=models.default_id, engine="several")
+        if models.several:
+            self.metrics.declare_models(models.slots)
             context = SEVERAL_MODELS_CONTEXT
         self.max_new_tokens = min(config.max_new_tokens or context, context - 1)
         self.max_message_bytes = config.max_message_bytes or default_max_message_bytes(context)

@@ -56,6 +56,7 @@ from trioserve.engine.cpu.quant import (
     weight_kind,
 )
 from trioserve.engine.cpu.weights_plan import plan_weights
+from trioserve.engine.progress import report
 from trioserve.errors import ModelError
 
 __all__ = [
@@ -361,6 +362,7 @@ class LlamaWeights:
                         w_down=linear_of([p + "mlp.down_proj.weight"]),
                     )
                 )
+                report(i + 1, config.n_layers + 1)
             untied = "lm_head.weight" in where and not config.tie_word_embeddings
             lm_head = take("lm_head.weight") if untied else embed
             int8 = plan.int8_projection

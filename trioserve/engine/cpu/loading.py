@@ -8,7 +8,6 @@ the engine from the :class:`LoadedParts`.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from pathlib import Path
 
@@ -24,7 +23,9 @@ from trioserve.engine.cpu.prefix import PrefixCache
 from trioserve.engine.cpu.quant import weight_kind
 from trioserve.engine.cpu.step import StepSampler, XtcProtected
 from trioserve.engine.grammars import Grammars, MaskRows
+from trioserve.engine.heap import give_back_freed_memory
 from trioserve.engine.models import DEFAULT_MODEL_NAME, default_model_dir
+from trioserve.engine.progress import span
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError
 from trioserve.vocabulary.constraint import CONSTRAINT_KINDS
@@ -76,8 +77,10 @@ def load_parts(model_dir: Path | None, options: CpuOptions) -> LoadedParts:
         )
     context = limit if context_length is None else context_length
     with contention.measure() as loading:
-        tokenizer = Tokenizer.from_dir(model_dir)
-        model = llama.LlamaWeights.load(model_dir, config, options)
+        with span(0.0, 0.05):
+            tokenizer = Tokenizer.from_dir(model_dir)
+        with span(0.05, 0.95):
+            model = llama.LlamaWeights.load(model_dir, config, options)
     cache = _kv_cache(config, llama.DTYPES[options.dtype], torch_device, options.kv_cache_dtype)
     info = EngineInfo(
         engine="cpu",
@@ -100,7 +103,7 @@ def load_parts(model_dir: Path | None, options: CpuOptions) -> LoadedParts:
         hint = contention.advice(measured, torch.get_num_threads())
         if hint is not None:
             log.warning("%s", hint)
-    _give_back_freed_memory()
+    give_back_freed_memory()
     texts = TokenTexts(tokenizer)
     return LoadedParts(
         tokenizer=tokenizer,
@@ -179,21 +182,6 @@ def _log_loaded(
         max_batch,
         torch.get_num_threads(),
     )
-
-
-def _give_back_freed_memory() -> None:
-    """Return the heap that loading freed to the OS (glibc's ``malloc_trim``).
-
-    Reading, quantizing and packing the weights frees hundreds of MB of
-    temporaries; glibc keeps much of it, as much as 140 MiB from one load to
-    the next (measured: 470 and 613 MiB resident after two identical loads),
-    and the process's RSS with it. Elsewhere than glibc this does nothing.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _device(options: CpuOptions) -> torch.device:

@@ -23,6 +23,7 @@ from trioserve.engine.base import EngineInfo
 from trioserve.engine.exllamav2.build import BUILD_LOCK_WAIT, build_lock, wait_for_build_lock
 from trioserve.engine.exllamav2.plan import LoadPlan, configure_attention, plan_load
 from trioserve.engine.grammars import Grammars
+from trioserve.engine.progress import report
 from trioserve.engine.tokenizer import Tokenizer
 from trioserve.errors import ConfigError, EngineError, ModelError
 from trioserve.vocabulary.constraint import CONSTRAINT_KINDS
@@ -241,16 +242,17 @@ def load_parts(
         if plan.tensor_parallel:
             model.load_tp(
                 gpu_split=list(plan.gpu_split) if plan.gpu_split else None,
+                callback=report,
                 expect_cache_tokens=plan.cache_tokens,
                 expect_cache_base=cache_class,
             )
             cache = ExLlamaV2Cache_TP(model, base=cache_class, max_seq_len=plan.cache_tokens)
         elif plan.gpu_split is not None:
-            model.load(gpu_split=list(plan.gpu_split))
+            model.load(gpu_split=list(plan.gpu_split), callback=report)
             cache = cache_class(model, max_seq_len=plan.cache_tokens)
         else:
             cache = cache_class(model, max_seq_len=plan.cache_tokens, lazy=True)
-            model.load_autosplit(cache)
+            model.load_autosplit(cache, callback=report)
         xtokenizer = ExLlamaV2Tokenizer(config)
         generator = ExLlamaV2DynamicGenerator(
             model=model,

@@ -21,16 +21,28 @@ a few dict lookups and a lock, no I/O. Nothing here knows trio or torch.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
-from prometheus_client.exposition import choose_encoder
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from trioserve._version import __version__
+
+from .families import (
+    BATCH_BUCKETS,
+    DURATION_BUCKETS,
+    ITL_BUCKETS,
+    QUEUE_BUCKETS,
+    STEP_BUCKETS,
+    TTFT_BUCKETS,
+    EngineGauges,
+    ModelMetrics,
+    PickerMetrics,
+    Summed,
+    exposition,
+)
 
 __all__ = [
     "ACTIONS",
@@ -89,26 +101,6 @@ HANDSHAKE_REJECTIONS: Final = ("origin", "auth", "draining", "capacity", "invali
 
 _OTHER: Final = "other"
 
-# Bucket edges, in seconds. Time to first token spans a short prompt on a GPU
-# (milliseconds) to a long prefill on a CPU behind a queue (a minute); a step
-# and the gap between tokens span a GPU's milliseconds to a CPU's large batch.
-_TTFT_BUCKETS: Final = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
-_ITL_BUCKETS: Final = (
-    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
-)  # fmt: skip
-_QUEUE_BUCKETS: Final = (
-    0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
-)  # fmt: skip
-_STEP_BUCKETS: Final = (
-    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24,
-)  # fmt: skip
-_BATCH_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-_DURATION_BUCKETS: Final = (
-    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
-)  # fmt: skip
-
 
 def _pick(value: str, allowed: Iterable[str], fallback: str = _OTHER) -> str:
     return value if value in allowed else fallback
@@ -144,7 +136,7 @@ class Metrics:
             ("api",),
             namespace=ns,
             registry=r,
-            buckets=_DURATION_BUCKETS,
+            buckets=DURATION_BUCKETS,
         )
         self._ttft = Histogram(
             "time_to_first_token_seconds",
@@ -152,21 +144,21 @@ class Metrics:
             ("api",),
             namespace=ns,
             registry=r,
-            buckets=_TTFT_BUCKETS,
+            buckets=TTFT_BUCKETS,
         )
         self._itl = Histogram(
             "inter_token_latency_seconds",
             "Time between consecutive generated tokens of one request.",
             namespace=ns,
             registry=r,
-            buckets=_ITL_BUCKETS,
+            buckets=ITL_BUCKETS,
         )
         self._queue_wait = Histogram(
             "queue_wait_seconds",
             "Time a job waited in the queue before the engine took it.",
             namespace=ns,
             registry=r,
-            buckets=_QUEUE_BUCKETS,
+            buckets=QUEUE_BUCKETS,
         )
         self._running = Gauge(
             "jobs_running", "Jobs the engine is working on.", namespace=ns, registry=r
@@ -180,72 +172,25 @@ class Metrics:
             "Wall time of one engine step (prefill chunks and one batched decode).",
             namespace=ns,
             registry=r,
-            buckets=_STEP_BUCKETS,
+            buckets=STEP_BUCKETS,
         )
         self._step_batch = Histogram(
             "engine_step_batch_size",
             "Jobs in one engine step.",
             namespace=ns,
             registry=r,
-            buckets=_BATCH_BUCKETS,
+            buckets=BATCH_BUCKETS,
         )
-        self._kv_bytes = Gauge(
-            "engine_kv_cache_bytes",
-            "Bytes the running jobs' keys and values hold (CPU engine).",
-            namespace=ns,
-            registry=r,
-        )
-        self._weight_bytes = Gauge(
-            "engine_weight_bytes",
-            "Bytes the model's weights hold in memory (CPU engine; a mapped table not counted).",
-            namespace=ns,
-            registry=r,
-        )
-        self._prefix_bytes = Gauge(
-            "prefix_cache_bytes",
-            "Bytes the prefix cache of finished prompts holds (CPU engine).",
-            namespace=ns,
-            registry=r,
-        )
-        self._prefix_capacity = Gauge(
-            "prefix_cache_capacity_bytes",
-            "The prefix cache's bound in bytes (CPU engine).",
-            namespace=ns,
-            registry=r,
-        )
-        self._prefix_lookups = Counter(
-            "prefix_cache_lookups",
-            "Prompts looked up in the prefix cache, by result (hit: at least one block reused).",
-            ("result",),
-            namespace=ns,
-            registry=r,
-        )
-        self._prefix_evictions = Counter(
-            "prefix_cache_evictions",
-            "Prefix cache blocks evicted to stay within its bound.",
-            namespace=ns,
-            registry=r,
-        )
-        self._prefill_deferrals = Counter(
-            "prefill_deferrals",
-            "Engine steps that decoded alone while prompts waited, because prefill had had "
-            "its share of the engine's time (--prefill-share).",
-            namespace=ns,
-            registry=r,
-        )
-        self._kv_capacity = Gauge(
-            "engine_kv_cache_capacity_bytes",
-            "Bytes the KV cache holds with the engine's largest batch of full contexts"
-            " (CPU engine).",
-            namespace=ns,
-            registry=r,
-        )
+        self._engine = EngineGauges(r, ns)
         # The engines report running totals; the counters advance by the
         # change, per engine (a server of several models has one each).
         self._engine_totals: dict[tuple[str, str], int] = {}
+        # The gauges a server of several models sums: each model's latest figure.
+        self._sums = Summed()
+        self._model_ids: frozenset[str] = frozenset()
         #: A server of several models: each one's status and loads.
-        self.models = _ModelMetrics(r, ns)
-        self._picker = _PickerMetrics(r)
+        self.models = ModelMetrics(r, ns)
+        self._picker = PickerMetrics(r)
         self._prompt_tokens = Counter(
             "prompt_tokens",
             "Prompt tokens of finished or interrupted requests.",
@@ -326,7 +271,7 @@ class Metrics:
             self._generated_tokens.labels(api)
             self._cached_tokens.labels(api)
         for result in ("hit", "miss"):
-            self._prefix_lookups.labels(result)
+            self._engine.prefix_lookups.labels(result)
         for cause in CANCEL_CAUSES:
             self._cancellations.labels(cause)
         for protocol in PROTOCOLS:
@@ -355,20 +300,24 @@ class Metrics:
         generated_tokens: int = 0,
         cached_tokens: int = 0,
         duration: float | None = None,
+        model: str | None = None,
     ) -> None:
         """One request answered. For generation requests, also their token
-        counts and their duration (arrival to last frame or byte)."""
+        counts and their duration (arrival to last frame or byte); ``model``:
+        the model that served it, on a server of several models."""
         api = _pick(api, APIS)
-        self._requests.labels(
-            api, _pick(action, ACTIONS, "unknown"), _pick(outcome, OUTCOMES)
-        ).inc()
+        outcome = _pick(outcome, OUTCOMES)
+        self._requests.labels(api, _pick(action, ACTIONS, "unknown"), outcome).inc()
+        model = self._model_label(model)
+        if model is not None:
+            self.models.request(model, outcome, prompt_tokens, generated_tokens)
         if prompt_tokens > 0:
             self._prompt_tokens.labels(api).inc(prompt_tokens)
         if generated_tokens > 0:
             self._generated_tokens.labels(api).inc(generated_tokens)
         if cached_tokens > 0:
             self._cached_tokens.labels(api).inc(cached_tokens)
-        self._picker.prompt(prompt_tokens, cached_tokens)
+        self._picker.prompt(prompt_tokens, cached_tokens, model)
         if duration is not None:
             self._request_duration.labels(api).observe(max(duration, 0.0))
 
@@ -395,9 +344,13 @@ class Metrics:
         if outcome != "cached":
             self._constraint_compile.observe(max(seconds, 0.0))
 
-    def queue_wait(self, seconds: float) -> None:
-        """A job left the queue for the engine after ``seconds``."""
+    def queue_wait(self, seconds: float, *, model: str | None = None) -> None:
+        """A job (of ``model``, on a server of several) left the queue for
+        the engine after ``seconds``."""
         self._queue_wait.observe(max(seconds, 0.0))
+        model = self._model_label(model)
+        if model is not None:
+            self.models.queue_wait(model, seconds)
 
     def cancelled(self, cause: str) -> None:
         """A job was cancelled: ``stop``, ``disconnect`` or ``shutdown``."""
@@ -412,22 +365,35 @@ class Metrics:
         if batch > 0:
             self._step_batch.observe(batch)
 
-    def jobs(self, *, running: int, waiting: int) -> None:
-        """The scheduler's current running and waiting job counts."""
-        self._running.set(running)
-        self._waiting.set(waiting)
-        self._picker.jobs(running, waiting)
+    def jobs(self, *, running: int, waiting: int, source: str = "") -> None:
+        """A scheduler's current running and waiting job counts (``source``:
+        its model; the unlabelled gauges sum every model's)."""
+        self._sums.set(source, self._running, running)
+        self._sums.set(source, self._waiting, waiting)
+        model = self._model_label(source)
+        if model is not None:
+            self.models.jobs(model, running, waiting)
+        self._picker.jobs(running, waiting, model)
 
     def engine_memory(
-        self, *, kv_cache_bytes: int, weight_bytes: int, kv_cache_capacity_bytes: int = 0
+        self,
+        *,
+        kv_cache_bytes: int,
+        weight_bytes: int,
+        kv_cache_capacity_bytes: int = 0,
+        source: str = "",
     ) -> None:
-        """What the engine's KV cache and weights hold now, and what the KV
-        cache can hold (0: unknown)."""
-        self._kv_bytes.set(kv_cache_bytes)
-        self._weight_bytes.set(weight_bytes)
-        self._kv_capacity.set(kv_cache_capacity_bytes)
+        """What an engine's KV cache and weights hold now, and what its KV
+        cache can hold (0: unknown); ``source``: its model (the unlabelled
+        gauges sum every model's)."""
+        self._sums.set(source, self._engine.kv_bytes, kv_cache_bytes)
+        self._sums.set(source, self._engine.weight_bytes, weight_bytes)
+        self._sums.set(source, self._engine.kv_capacity, kv_cache_capacity_bytes)
         use = kv_cache_bytes / kv_cache_capacity_bytes if kv_cache_capacity_bytes > 0 else 0.0
-        self._picker.kv_cache(min(use, 1.0))
+        model = self._model_label(source)
+        if model is not None:
+            self.models.kv_cache(model, kv_cache_bytes)
+        self._picker.kv_cache(min(use, 1.0), model)
 
     def prefix_cache(
         self,
@@ -442,15 +408,15 @@ class Metrics:
         """The prefix cache now: its size, and its running totals since it was
         made (the counters advance by their change; ``source`` tells the
         engines of several models apart)."""
-        self._prefix_bytes.set(size_bytes)
-        self._prefix_capacity.set(capacity_bytes)
-        self._advance(source, "hits", hits, self._prefix_lookups.labels("hit"))
-        self._advance(source, "misses", misses, self._prefix_lookups.labels("miss"))
-        self._advance(source, "evictions", evictions, self._prefix_evictions)
+        self._sums.set(source, self._engine.prefix_bytes, size_bytes)
+        self._sums.set(source, self._engine.prefix_capacity, capacity_bytes)
+        self._advance(source, "hits", hits, self._engine.prefix_lookups.labels("hit"))
+        self._advance(source, "misses", misses, self._engine.prefix_lookups.labels("miss"))
+        self._advance(source, "evictions", evictions, self._engine.prefix_evictions)
 
     def prefill_deferrals(self, total: int, source: str = "") -> None:
         """The engine's running total of deferred prefill steps."""
-        self._advance(source, "prefill_deferrals", total, self._prefill_deferrals)
+        self._advance(source, "prefill_deferrals", total, self._engine.prefill_deferrals)
 
     def _advance(self, source: str, key: str, total: int, counter: Counter) -> None:
         last = self._engine_totals.get((source, key), 0)
@@ -458,6 +424,32 @@ class Metrics:
             counter.inc(total - last)
         # A total that went down belongs to a new engine: count from it.
         self._engine_totals[(source, key)] = total
+
+    # -- several models -----------------------------------------------------------------
+
+    def declare_models(self, ids: Iterable[str]) -> None:
+        """A server of several models: from now on the figures of a request,
+        a queue and a KV cache are also counted under their model's id (the
+        ``trioserve_model_*`` series and the ``vllm:`` ones' ``model_name``),
+        each there at 0 from the start."""
+        self._model_ids = frozenset(ids)
+        for model in sorted(self._model_ids):
+            self.models.declare(model)
+            self._picker.declare(model)
+
+    def model_unloaded(self, model: str) -> None:
+        """``model``'s engine is gone: its gauges go to 0 and leave the sums."""
+        self._sums.forget(model)
+        if self._model_label(model) is not None:
+            self.models.jobs(model, 0, 0)
+            self.models.kv_cache(model, 0)
+            self._picker.jobs(0, 0, model)
+            self._picker.kv_cache(0.0, model)
+
+    def _model_label(self, model: str | None) -> str | None:
+        """``model`` when it is one of :meth:`declare_models`' ids (a closed
+        set: a request's string never becomes a label), else None."""
+        return model if model is not None and model in self._model_ids else None
 
     # -- connections ----------------------------------------------------------------
 
@@ -483,127 +475,4 @@ class Metrics:
         """The exposition of every metric and its content type: the
         Prometheus text format, or OpenMetrics when ``accept`` (the scrape's
         Accept header) asks for it."""
-        accept = accept or ""
-        if "openmetrics" in accept and "escaping=" not in accept:
-            # prometheus_client escapes names with underscores by default,
-            # colons included (legal in OpenMetrics 1.0): the vllm: samples
-            # would lose their names while their HELP and TYPE lines keep
-            # them. allow-utf-8 leaves every name here as it is.
-            accept = ",".join(part + ";escaping=allow-utf-8" for part in accept.split(","))
-        encoder, content_type = choose_encoder(accept)
-        body = encoder(self.registry)
-        if "escaping=underscores" in content_type:
-            # The scraper asked for it: the metadata lines follow the samples.
-            body = _METADATA_COLON.sub(rb"\1vllm_", body)
-        return body, content_type
-
-
-#: The metadata lines of the vllm: families, whose samples an exposition
-#: with underscore escaping names vllm_.
-_METADATA_COLON: Final = re.compile(rb"^(# (?:HELP|TYPE|UNIT) )vllm:", re.MULTILINE)
-
-
-class _PickerMetrics:
-    """The figures an endpoint picker reads, under the names it reads them
-    by: the model server protocol of Kubernetes' Gateway API Inference
-    Extension (llm-d's endpoint picker) names vLLM's. Labelled by model, as
-    vLLM's are, and there at 0 from the start (a picker reads them before
-    the first request)."""
-
-    def __init__(self, r: CollectorRegistry) -> None:
-        self._model_name = ""
-        self._picker_running = Gauge(
-            "vllm:num_requests_running",
-            "Jobs the engine is working on (trioserve_jobs_running, in vLLM's name).",
-            ("model_name",),
-            registry=r,
-        )
-        self._picker_waiting = Gauge(
-            "vllm:num_requests_waiting",
-            "Jobs queued for the engine (trioserve_jobs_waiting, in vLLM's name).",
-            ("model_name",),
-            registry=r,
-        )
-        self._picker_kv = Gauge(
-            "vllm:kv_cache_usage_perc",
-            "The KV cache's use, 0 to 1: its size now (grown in blocks for the running jobs)"
-            " over its capacity (CPU engine; 0 where the engine does not report it).",
-            ("model_name",),
-            registry=r,
-        )
-        self._picker_queries = Counter(
-            "vllm:prefix_cache_queries",
-            "Prompt tokens of finished requests, each looked up in the prefix cache.",
-            ("model_name",),
-            registry=r,
-        )
-        self._picker_hits = Counter(
-            "vllm:prefix_cache_hits",
-            "Prompt tokens served from the prefix cache (hits / queries is its hit rate).",
-            ("model_name",),
-            registry=r,
-        )
-
-    def set_model(self, model: str) -> None:
-        self._model_name = model
-        for metric in (
-            self._picker_running,
-            self._picker_waiting,
-            self._picker_kv,
-            self._picker_queries,
-            self._picker_hits,
-        ):
-            metric.labels(model)
-
-    def jobs(self, running: int, waiting: int) -> None:
-        self._picker_running.labels(self._model_name).set(running)
-        self._picker_waiting.labels(self._model_name).set(waiting)
-
-    def kv_cache(self, use: float) -> None:
-        self._picker_kv.labels(self._model_name).set(use)
-
-    def prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
-        if prompt_tokens > 0:
-            self._picker_queries.labels(self._model_name).inc(prompt_tokens)
-            self._picker_hits.labels(self._model_name).inc(min(cached_tokens, prompt_tokens))
-
-
-class _ModelMetrics:
-    """A server of several models (``--models-dir``): each model's status and
-    its loads, labelled by its id (a name from the operator's folder)."""
-
-    def __init__(self, r: CollectorRegistry, ns: str) -> None:
-        self._status = Gauge(
-            "model_status",
-            "1 for each model's current status (a server of several models: unloaded, "
-            "loading, loaded, unloading, sleeping, failed), else 0.",
-            ("model", "status"),
-            namespace=ns,
-            registry=r,
-        )
-        self._loads = Counter(
-            "model_loads",
-            "Model loads ended, by model and outcome (loaded, failed).",
-            ("model", "outcome"),
-            namespace=ns,
-            registry=r,
-        )
-        self._load_time = Histogram(
-            "model_load_seconds",
-            "Seconds a model's load took (its engine built and warmed up), by model.",
-            ("model",),
-            buckets=_DURATION_BUCKETS,
-            namespace=ns,
-            registry=r,
-        )
-
-    def status(self, model: str, status: str, statuses: Iterable[str]) -> None:
-        """``model`` is now ``status`` (one of ``statuses``)."""
-        for each in statuses:
-            self._status.labels(model, each).set(1 if each == status else 0)
-
-    def load(self, model: str, *, seconds: float | None, ok: bool) -> None:
-        """A load of ``model`` ended (``seconds``: how long it took, when it did)."""
-        self._loads.labels(model, "loaded" if ok else "failed").inc()
-        if seconds is not None:
-            self._load_time.labels(model).observe(seconds)
+        return exposition(self.registry, accept)
