@@ -198,23 +198,34 @@ async def test_unloading_hands_the_memory_back(folder: tuple[Path, Path]) -> Non
     bench measures 20 cycles against before the first load)."""
     async with await _serve(folder) as server:
         base = f"http://127.0.0.1:{server.port}"
+        progresses: list[float] = []
         after_unload: list[int] = []
         for _ in range(4):
             status, _ = _post(base, "/models/load", {"model": "smol-bf16"})
             assert status == 200
-            await _until(base, "smol-bf16", "loaded")
+            seen = await _until(base, "smol-bf16", "loaded")
+            # The load's progress, read by GET /models as the loading thread
+            # reports it: from 0 to at most 1, never back.
+            assert seen == sorted(seen) and all(0.0 <= f <= 1.0 for f in seen), seen
+            progresses.extend(seen)
             loaded = server.rss_bytes()
             _post(base, "/models/unload", {"model": "smol-bf16"})
             await _until(base, "smol-bf16", "unloaded")
             after_unload.append(server.rss_bytes())
             assert after_unload[-1] < loaded
         assert max(after_unload) < after_unload[0] * 1.25, after_unload
+        assert any(0.0 < f < 1.0 for f in progresses), progresses
 
 
-async def _until(base: str, model: str, status: str) -> None:
+async def _until(base: str, model: str, status: str) -> list[float]:
+    """Poll until ``model`` is ``status``; the load progress seen meanwhile."""
+    seen: list[float] = []
     with trio.fail_after(60):
-        while _models(base)[model]["status"]["value"] != status:  # noqa: ASYNC110
-            await trio.sleep(0.05)
+        while (now := _models(base)[model]["status"])["value"] != status:
+            if "progress" in now:
+                seen.append(now["progress"])
+            await trio.sleep(0.02)
+    return seen
 
 
 _ = ServerProcess

@@ -246,3 +246,86 @@ async def test_a_model_name_no_one_declared_never_becomes_a_label(tmp_path: Path
         }
         models = {dict(labels).get("model", dict(labels).get("model_name")) for labels in labelled}
         assert models == {"a"}
+
+
+# -- a load gives way to the models serving -----------------------------------------------
+
+
+class _Clock:
+    """A stand-in for the progress module's ``time``: parts take what the
+    test says, pauses are recorded."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.pauses: list[float] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.pauses.append(seconds)
+        self.now += seconds
+
+
+def test_a_load_that_gives_way_pauses_after_each_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(load_progress, "time", clock)
+    busy = [True]
+    progress = load_progress.LoadProgress(give_way=lambda: busy[0])
+    with load_progress.reporting_to(progress):
+        load_progress.report(0, 4)  # the first report starts the clock
+        for part, took in enumerate((0.01, 0.03, 10.0), start=1):
+            clock.now += took
+            load_progress.report(part, 4)
+        busy[0] = False
+        clock.now += 0.02
+        load_progress.report(4, 4)
+    give_way = load_progress.GIVE_WAY
+    assert clock.pauses == pytest.approx([0.01 * give_way, 0.03 * give_way, 0.5])
+    assert progress.fraction == 1.0
+    # Without give_way, never a pause.
+    clock.pauses.clear()
+    with load_progress.reporting_to(load_progress.LoadProgress()):
+        for part in range(3):
+            clock.now += 0.1
+            load_progress.report(part, 3)
+    assert clock.pauses == []
+
+
+async def test_a_load_gives_way_only_while_another_model_has_work() -> None:
+    """The registry's ``give_way``, asked on the loading thread: False while
+    the other model is idle, True while it generates."""
+    asked: dict[str, bool] = {}
+
+    def loader(name: str, step_delay: float = 0.0) -> Any:
+        def load() -> ScriptedEngine:
+            reporting = load_progress.here()[0]
+            assert reporting is not None and reporting.give_way is not None
+            asked[name] = reporting.give_way()
+            return ScriptedEngine(step_delay=step_delay)
+
+        return load
+
+    models = Models.from_loaders(
+        {"a": loader("a", step_delay=0.01), "b": loader("b"), "c": loader("c")}
+    )
+    async with trio.open_nursery() as nursery:
+        listening = await nursery.start(serve, models, ServerConfig(host="127.0.0.1", port=0))
+        await models.acquire("a")
+        await models.acquire("b")  # a is idle
+        async with raw_client(listening.url) as ws:
+            await ws.send(
+                {
+                    "action": "infer",
+                    "request_id": 1,
+                    "model": "a",
+                    "text": "go",
+                    "max_new_tokens": 5000,
+                    "stream": True,
+                }
+            )
+            await ws.recv()  # a generates
+            await models.acquire("c")
+            await ws.send({"action": "stop", "request_id": 1})
+        nursery.cancel_scope.cancel()
+    assert asked == {"a": False, "b": False, "c": True}

@@ -643,3 +643,50 @@ async def test_models_show_their_path_inside_the_folder(tmp_path: Path) -> None:
     async with several(tmp_path, ["a"], Engines()) as (_, listening):
         _, body = await http(listening.port, "GET", "/models")
         assert body["data"][0]["path"] == "a"
+
+
+async def test_requests_waiting_for_a_load_count_against_their_clients_limit(
+    tmp_path: Path,
+) -> None:
+    """Three requests of one client (loopback, no key: one client) for a model
+    that takes a while to load, under --max-requests-per-client 2: two wait
+    for the load, the third is refused at once on each door; once loaded, the
+    two are answered and the client's count is back to none."""
+    engines = Engines()
+    engines.load_delay = 1.0
+    config = {"max_requests_per_client": 2}
+    async with several(tmp_path, ["a"], engines, config=config) as (server, listening):
+        port = listening.port
+        answered: list[int] = []
+        async with trio.open_nursery() as nursery:
+
+            async def ask() -> None:
+                answered.append((await complete(port, "a"))[0])
+
+            nursery.start_soon(ask)
+            nursery.start_soon(ask)
+            await wait_until(
+                lambda: server.models.in_flight and sum(server.models.in_flight.values()) == 2
+            )
+            status, body = await complete(port, "a")
+            assert status == 429 and "already has 2 requests in flight" in body["error"]["message"]
+            status, body = await http(
+                port,
+                "POST",
+                "/v1/messages",
+                {"model": "a", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+            )
+            assert status == 429, body
+            async with raw_client(listening.url) as ws:
+                frame = {
+                    "action": "infer",
+                    "request_id": 7,
+                    "model": "a",
+                    "text": "say:x",
+                    "max_new_tokens": 4,
+                }
+                refused = await ws.request(frame)
+                assert refused["response_type"] == "error"
+                assert refused["error"]["type"] == "overloaded", refused
+        assert answered == [200, 200]
+        assert not server.models.in_flight

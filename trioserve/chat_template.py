@@ -34,6 +34,7 @@ This module knows nothing of trio or torch; rendering is synchronous.
 from __future__ import annotations
 
 import contextvars
+import functools
 import json
 import re
 import time
@@ -288,7 +289,7 @@ class ChatTemplate:
         when it is not a valid template (that is the model's fault, found once
         at load, never a client's)."""
         try:
-            template = _environment().from_string(source)
+            template = _compiled(source)
         except jinja2.exceptions.TemplateSyntaxError as exc:
             raise ModelError(
                 f"the chat template is not valid jinja: {exc.message} (line {exc.lineno})"
@@ -445,3 +446,12 @@ def load_chat_template(
             "or the infer action instead"
         )
     return ChatTemplate.from_string(source, special_tokens=special_tokens, **bounds)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(source: str) -> jinja2.Template:
+    """``source`` compiled (once per text: a server of several models loads
+    the same templates again and again, and compiling one holds the GIL for
+    tens of milliseconds). A compiled template keeps no state between
+    renders."""
+    return _environment().from_string(source)

@@ -13,24 +13,52 @@ call here is then a no-op.
 Thread safety: the loading thread writes one float, the event loop reads it;
 a float attribute's assignment is atomic in CPython. The fraction never goes
 down (a part reporting out of order cannot move it back).
+
+A load also gives way: where its :class:`LoadProgress` has a ``give_way``
+that says so (on a server, other models have work), each report pauses the
+load :data:`GIVE_WAY` times as long as its last part took. The models
+serving then share the memory bandwidth and the cores with a load that runs
+a third of the time, and the load takes about three times as long (on two
+cores, a model streaming while another loaded in a loop kept 0.80 of its
+tokens per second without the pauses; docs/performance.md has it with
+them). A load with the machine to itself goes at full speed.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["LoadProgress", "report", "reporting_to", "span"]
+__all__ = [
+    "LoadProgress",
+    "Reporting",
+    "carried",
+    "here",
+    "report",
+    "reporting_to",
+    "span",
+]
+
+
+#: The longest pause a report makes to give way (seconds).
+MAX_PAUSE = 0.5
+#: A load that gives way pauses this many times as long as its last part took.
+GIVE_WAY = 2.0
 
 
 class LoadProgress:
-    """One load's progress: :attr:`fraction`, from 0 to 1."""
+    """One load's progress: :attr:`fraction`, from 0 to 1. ``give_way``
+    (called on the loading thread; None: never) says whether the load should
+    pause to leave the machine to others."""
 
-    __slots__ = ("fraction",)
+    __slots__ = ("_last", "fraction", "give_way")
 
-    def __init__(self) -> None:
+    def __init__(self, give_way: Callable[[], bool] | None = None) -> None:
         self.fraction = 0.0
+        self.give_way = give_way
+        self._last: float | None = None
 
 
 class _Reporting(threading.local):
@@ -49,6 +77,27 @@ def reporting_to(progress: LoadProgress) -> Iterator[LoadProgress]:
     _here.progress, _here.low, _here.high = progress, 0.0, 1.0
     try:
         yield progress
+    finally:
+        _here.progress, _here.low, _here.high = saved
+
+
+#: Where a thread reports: its progress and the span it is in.
+Reporting = tuple[LoadProgress | None, float, float]
+
+
+def here() -> Reporting:
+    """Where this thread reports now, for :func:`carried` on another thread."""
+    return (_here.progress, _here.low, _here.high)
+
+
+@contextmanager
+def carried(reporting: Reporting) -> Iterator[None]:
+    """This thread reports where :func:`here` said another one did (a part
+    of a load that runs on a helper thread)."""
+    saved = here()
+    _here.progress, _here.low, _here.high = reporting
+    try:
+        yield
     finally:
         _here.progress, _here.low, _here.high = saved
 
@@ -80,3 +129,8 @@ def report(done: int | float, total: int | float) -> None:
     fraction = _here.low + part * (_here.high - _here.low)
     if fraction > progress.fraction:
         progress.fraction = fraction
+    now = time.perf_counter()
+    last, give_way = progress._last, progress.give_way
+    if last is not None and give_way is not None and give_way():
+        time.sleep(min((now - last) * GIVE_WAY, MAX_PAUSE))
+    progress._last = time.perf_counter()

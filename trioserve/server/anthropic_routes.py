@@ -93,9 +93,11 @@ class AnthropicRoutes:
             http_errors(self.count_tokens, an.AnthropicError),
         )
 
-    async def _served(self, name: str) -> ServedModel:
+    async def _served(self, name: str, client: Hashable) -> ServedModel:
         try:
-            return await self.models.acquire(name)
+            return await self.models.acquire(name, client)
+        except Overloaded as exc:
+            raise self._overloaded(exc) from None
         except ModelError as exc:
             status = 404 if exc.status == 404 else (503 if exc.status == 503 else 400)
             raise an.AnthropicError(
@@ -113,7 +115,7 @@ class AnthropicRoutes:
         except Overloaded as exc:
             raise self._overloaded(exc) from None
         parsed = an.parse_count_request(http.body, self.limits)
-        served = await self._served(parsed.model)
+        served = await self._served(parsed.model, client)
         try:
             count = await served.generations.count_prompt_tokens(
                 from_anthropic(parsed), client=client
@@ -150,7 +152,7 @@ class AnthropicRoutes:
                     " request's custom tools",
                     ", ".join(parsed.skipped_tools[:16]),
                 )
-            served = await self._served(parsed.model)
+            served = await self._served(parsed.model, client)
             model.append(served)
             return parsed, self._open(served, parsed, client)
 

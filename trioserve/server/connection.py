@@ -453,7 +453,9 @@ class Connection:
         try:
             with scope:
                 try:
-                    served = await _acquire(self.services.models, request.model, request)
+                    served = await _acquire(
+                        self.services.models, request.model, request, self.client
+                    )
                     self._open_infer(served, request)
                 except p.ProtocolError as error:
                     self._reply(error.reply())
@@ -569,12 +571,20 @@ def _model_error(exc: ModelError, action: str, echoed: Mapping[str, Any]) -> p.P
     return p.ProtocolError("overloaded", exc.message, action=action, echoed=echoed)
 
 
-async def _acquire(models: Models, name: str | None, request: p.Request) -> ServedModel:
-    """The model a request names, loaded (waiting for its load)."""
+async def _acquire(
+    models: Models, name: str | None, request: p.Request, client: Hashable | None = None
+) -> ServedModel:
+    """The model a request names, loaded (waiting for its load; counted as
+    one of ``client``'s requests meanwhile)."""
+    action = p.action_name(request) or "infer"
     try:
-        return await models.acquire(name)
+        return await models.acquire(name, client)
+    except Overloaded as exc:
+        raise p.ProtocolError(
+            "overloaded", exc.message, action=action, echoed=request.echoed
+        ) from None
     except ModelError as exc:
-        raise _model_error(exc, p.action_name(request) or "infer", request.echoed) from None
+        raise _model_error(exc, action, request.echoed) from None
 
 
 async def _lefttrim(served: ServedModel, text: str, length: int) -> str:

@@ -32,8 +32,7 @@ import collections
 import logging
 import math
 import typing
-from collections.abc import AsyncIterator, Callable, Hashable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
@@ -47,9 +46,10 @@ from trioserve.errors import TrioserveError
 from trioserve.generation import Overloaded, admit_client
 from trioserve.generation.engine_thread import EngineThread, open_loaded_engine
 
-from .served import ModelSettings, ServedModel
+from .served import ModelSettings, ServedModel, load_template
 
 if TYPE_CHECKING:
+    from trioserve.chat_template import ChatTemplate
     from trioserve.engine.catalog import Catalog, CatalogEntry
     from trioserve.metrics import Metrics
 
@@ -266,33 +266,52 @@ class Models:
         a model but names none: the ``info`` reply's model)."""
         return self.slots[self.default_id].served
 
-    async def acquire(self, name: str | None) -> ServedModel:
+    async def acquire(self, name: str | None, client: Hashable | None = None) -> ServedModel:
         """The loaded model ``name`` names, loading it first where that is
         allowed (and waiting for it); :class:`ModelError` when it cannot be
-        had. Cancelled with the request that waits."""
+        had. Cancelled with the request that waits. A request that waits for
+        a load counts as one of ``client``'s requests in flight meanwhile
+        (``--max-requests-per-client``): past its limit,
+        :class:`~trioserve.generation.Overloaded`."""
         slot = self.slot(name)
-        while True:
-            if slot.status == "loaded" and slot.served is not None:
-                slot.last_used = trio.current_time()
-                return slot.served
-            if self.is_draining():
-                raise ModelError(503, "the server is shutting down", "overloaded")
-            if slot.status == "failed":
-                raise ModelError(
-                    503,
-                    f"the model {slot.id!r} failed to load: {slot.reason} "
-                    "(POST /models/load tries again)",
-                    "model_failed",
-                )
-            if slot.status == "unloaded" and not self.autoload:
-                raise ModelError(
-                    503,
-                    f"the model {slot.id!r} is not loaded (POST /models/load loads it)",
-                    "model_not_loaded",
-                )
-            if slot.status in ("unloaded", "sleeping"):
-                self.load(slot.id)
-            await slot.changed.wait()
+        waiting = False
+        try:
+            while True:
+                if slot.status == "loaded" and slot.served is not None:
+                    slot.last_used = trio.current_time()
+                    return slot.served
+                self._check_loadable(slot)
+                if client is not None and not waiting:
+                    self.admit(client)
+                    self.in_flight[client] += 1
+                    waiting = True
+                if slot.status in ("unloaded", "sleeping"):
+                    self.load(slot.id)
+                await slot.changed.wait()
+        finally:
+            if waiting:
+                assert client is not None
+                self.in_flight[client] -= 1
+                if self.in_flight[client] <= 0:
+                    del self.in_flight[client]
+
+    def _check_loadable(self, slot: ModelSlot) -> None:
+        """:class:`ModelError` when a request cannot wait for ``slot``'s model."""
+        if self.is_draining():
+            raise ModelError(503, "the server is shutting down", "overloaded")
+        if slot.status == "failed":
+            raise ModelError(
+                503,
+                f"the model {slot.id!r} failed to load: {slot.reason} "
+                "(POST /models/load tries again)",
+                "model_failed",
+            )
+        if slot.status == "unloaded" and not self.autoload:
+            raise ModelError(
+                503,
+                f"the model {slot.id!r} is not loaded (POST /models/load loads it)",
+                "model_not_loaded",
+            )
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -540,7 +559,7 @@ async def _load_and_serve(models: Models, slot: ModelSlot, load: int, loaded: li
     once it has loaded)."""
     assert models.loader_of is not None
     loader = models.loader_of(slot)
-    progress = slot.progress = LoadProgress()
+    progress = slot.progress = LoadProgress(give_way=lambda: _others_busy(models, slot))
 
     def load_reporting() -> Engine:
         with reporting_to(progress):
@@ -578,7 +597,8 @@ async def _serve_engine(
         metrics=models.metrics,
         is_draining=models.is_draining,
         in_flight=models.in_flight,
-        chat_template=_template_of(slot, engine, models.settings),
+        # Read and compiled on the model's thread: not on the event loop.
+        chat_template=await thread.run_sync(_template_of, slot, engine, models.settings),
     )
     served.generations.model_id = slot.id
     loaded.append(True)
@@ -661,6 +681,16 @@ async def _until_unload(models: Models, slot: ModelSlot, served: ServedModel) ->
             slot.last_used = trio.current_time()
 
 
+def _others_busy(models: Models, loading: ModelSlot) -> bool:
+    """Whether a model other than ``loading`` has work (read from the
+    loading thread: a load gives way to it)."""
+    for slot in models.slots.values():
+        served = slot.served
+        if slot is not loading and served is not None and served.scheduler.busy:
+            return True
+    return False
+
+
 def _leaf(error: BaseException) -> BaseException:
     """The one exception inside nested single-exception groups."""
     while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
@@ -668,21 +698,9 @@ def _leaf(error: BaseException) -> BaseException:
     return error
 
 
-def _template_of(slot: ModelSlot, engine: Engine, settings: ModelSettings) -> Any:
-    """A preset's chat template for the model, else ``auto`` (its own, or
-    ``--chat-template``'s)."""
-    from .served import load_template
-
+def _template_of(slot: ModelSlot, engine: Engine, settings: ModelSettings) -> ChatTemplate | None:
+    """A preset's chat template for the model, else its own (or
+    ``--chat-template``'s); None when it has none."""
     if slot.entry is not None and slot.entry.chat_template is not None:
         return load_template(engine.info, str(slot.entry.chat_template))
-    return "auto"
-
-
-@asynccontextmanager
-async def watching(models: Models) -> AsyncIterator[trio.MemoryReceiveChannel[dict[str, Any]]]:
-    """:meth:`Models.watch` as a block that stops watching when left."""
-    receive = models.watch()
-    try:
-        yield receive
-    finally:
-        receive.close()
+    return load_template(engine.info, settings.chat_template)

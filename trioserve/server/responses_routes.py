@@ -120,7 +120,9 @@ class ResponsesRoutes:
                 raise not_admitted(exc) from None
             parsed = self._parse(http, client)
             try:
-                served = await self.models.acquire(parsed.model)
+                served = await self.models.acquire(parsed.model, client)
+            except Overloaded as exc:
+                raise not_admitted(exc) from None
             except ModelError as exc:
                 raise model_error(exc) from None
             model.append(served)

@@ -288,7 +288,9 @@ class OpenAIRoutes:
             else:
                 parsed = oa.parse_chat_request(http.body, self.limits)
             try:
-                served = await self.models.acquire(parsed.model)
+                served = await self.models.acquire(parsed.model, client)
+            except Overloaded as exc:
+                raise not_admitted(exc) from None
             except ModelError as exc:
                 raise model_error(exc) from None
             model.append(served)
