@@ -36,6 +36,7 @@ from typing import Any
 import attrs
 import pytest
 import torch
+import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -1898,6 +1899,52 @@ def _chat_spec(engine: Any, job_id: int, question: str, **fields: Any) -> Genera
     }
     values.update(fields)
     return GenerationSpec(**values)
+
+
+@pytest.mark.gpu
+async def test_gpu_models_load_and_unload_and_hand_the_gpu_memory_back() -> None:
+    """Several models on one GPU (docs/models.md): two ids of the embedded
+    model under ``max_loaded=1``, switched five times by the requests that
+    name them (each switch unloads the other), their load progress reported
+    through ExLlamaV2's load callback; once both are unloaded, the GPU
+    memory allocated is back within 10 % of before the first load."""
+    _needs_exllamav2()
+    from tests.test_models_registry import complete, until_status
+    from tests.test_server_http import scrape, value
+    from trioserve import Models, ServerConfig, serve
+    from trioserve.engine.exllamav2.engine import ExLlamaV2Engine
+    from trioserve.engine.models import default_model_dir
+
+    model_dir = default_model_dir()
+
+    def loader() -> Any:
+        return ExLlamaV2Engine.load(model_dir, max_batch=4)
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    models = Models.from_loaders({"x": loader, "y": loader}, max_loaded=1)
+    peaks: list[int] = []
+    async with trio.open_nursery() as nursery:
+        config = ServerConfig(host="127.0.0.1", port=0)
+        listening = await nursery.start(serve, models, config)
+        port = listening.port
+        for _ in range(5):
+            for name in ("x", "y"):
+                status, body = await complete(
+                    port, name, "The capital of France is", temperature=0, max_tokens=4
+                )
+                assert status == 200 and "Paris" in body["choices"][0]["text"], body
+                peaks.append(torch.cuda.memory_allocated())
+                found = await scrape(port)
+                assert value(found, "trioserve_model_load_progress", model=name) == 1.0
+        models.unload("y")
+        await until_status(port, "y", "unloaded", within=60)
+        await until_status(port, "x", "unloaded", within=60)
+        torch.cuda.synchronize()
+        after = torch.cuda.memory_allocated()
+        nursery.cancel_scope.cancel()
+    assert min(peaks) > before  # a loaded model holds memory
+    assert after <= before * 1.1 + (16 << 20), (before, after, peaks)
 
 
 @pytest.mark.gpu
