@@ -68,31 +68,3 @@ async def test_the_thread_ends_with_the_block() -> None:
     # The block waited for the thread to end its work; trio may keep the OS
     # thread in its cache, but it is no longer the engine thread.
     assert not any(t.name == "probe-thread" for t in threading.enumerate())
-
-
-def test_a_low_priority_call_runs_on_a_lower_thread_that_ends_with_it() -> None:
-    import os
-
-    from trioserve.generation.engine_thread import LOAD_NICE, at_low_priority
-
-    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    seen: list[tuple[int, int]] = []
-
-    def load() -> str:
-        tid = threading.get_native_id()
-        seen.append((tid, os.getpriority(os.PRIO_PROCESS, tid)))
-        return "engine"
-
-    assert at_low_priority(load) == "engine"
-    ((tid, nice),) = seen
-    assert tid != threading.get_native_id()
-    assert nice == min(caller + LOAD_NICE, 19)
-    # The caller's own priority is unchanged, and the helper thread is gone.
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
-    assert not any(t.native_id == tid for t in threading.enumerate())
-
-    def fail() -> None:
-        raise MemoryError("no room for the weights")
-
-    with pytest.raises(MemoryError, match="no room"):
-        at_low_priority(fail)

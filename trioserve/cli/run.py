@@ -151,33 +151,15 @@ async def serve_models_dir(
 def _load_entry(options: EngineOptions) -> Engine:
     """Load one model of a folder (on its engine thread): a GGUF file is
     converted once into the cache first; then the engine warms up."""
-    from ..engine import choose_engine
     from ..engine.models import gguf_model_dir
-    from ..engine.progress import carried, here, span
-    from ..generation.engine_thread import at_low_priority
+    from ..engine.progress import span
 
     # The load's progress (GET /models): a conversion, the weights, a warm-up.
-    def load() -> Engine:
-        nonlocal options
-        if options.model is not None and options.model.is_file():
-            with span(0.0, 0.1):
-                options = attrs.evolve(options, model=gguf_model_dir(options.model))
-        with span(0.1, 0.9):
-            return load_engine(options)
-
-    if choose_engine(options.engine)[0] == "cpu":
-        # At a lower priority than the models serving, on the CPU they share.
-        # (ExLlamaV2 loads on the thread that will step it: CUDA's current
-        # device is per thread.)
-        reporting = here()
-
-        def carrying() -> Engine:
-            with carried(reporting):
-                return load()
-
-        engine = at_low_priority(carrying, name="trioserve-load")
-    else:
-        engine = load()
+    if options.model is not None and options.model.is_file():
+        with span(0.0, 0.1):
+            options = attrs.evolve(options, model=gguf_model_dir(options.model))
+    with span(0.1, 0.9):
+        engine = load_engine(options)
     warm_up = getattr(engine, "warm_up", None)
     if callable(warm_up):
         with span(0.9, 1.0):

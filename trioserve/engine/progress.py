@@ -34,7 +34,6 @@ from contextlib import contextmanager
 __all__ = [
     "LoadProgress",
     "Reporting",
-    "carried",
     "here",
     "report",
     "reporting_to",
@@ -86,20 +85,9 @@ Reporting = tuple[LoadProgress | None, float, float]
 
 
 def here() -> Reporting:
-    """Where this thread reports now, for :func:`carried` on another thread."""
+    """Where this thread reports now: its progress (None: no one listens)
+    and the part of the whole the current span is."""
     return (_here.progress, _here.low, _here.high)
-
-
-@contextmanager
-def carried(reporting: Reporting) -> Iterator[None]:
-    """This thread reports where :func:`here` said another one did (a part
-    of a load that runs on a helper thread)."""
-    saved = here()
-    _here.progress, _here.low, _here.high = reporting
-    try:
-        yield
-    finally:
-        _here.progress, _here.low, _here.high = saved
 
 
 @contextmanager

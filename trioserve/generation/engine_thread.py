@@ -15,8 +15,6 @@ other trio resource: it ends when the block ends, after the call it is running.
 from __future__ import annotations
 
 import collections
-import contextlib
-import os
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -27,14 +25,7 @@ import trio
 
 from trioserve.errors import TrioserveError
 
-__all__ = [
-    "LOAD_NICE",
-    "EngineThread",
-    "EngineThreadClosed",
-    "at_low_priority",
-    "open_engine_thread",
-    "open_loaded_engine",
-]
+__all__ = ["EngineThread", "EngineThreadClosed", "open_engine_thread", "open_loaded_engine"]
 
 _T = TypeVar("_T")
 
@@ -187,39 +178,3 @@ async def open_loaded_engine(
         finally:
             with trio.CancelScope(shield=True):
                 await thread.run_sync(engine.close)
-
-
-#: How much lower than the server's a model's load runs (a nice value added):
-#: on a machine whose cores the models serving already fill, a load takes
-#: what they leave (CFS weights: about a tenth of a core against each busy
-#: thread) instead of an equal share, and goes at full speed on idle cores.
-LOAD_NICE = 10
-
-
-def at_low_priority(fn: Callable[[], _T], *, nice: int = LOAD_NICE, name: str = "") -> _T:
-    """Run ``fn`` on a thread of its own whose scheduling priority is
-    ``nice`` lower (Linux; elsewhere at the same priority), and return what
-    it returns (or raise what it raises). Blocks the calling thread until
-    then. The thread ends with ``fn``, and so does the OpenMP team its torch
-    calls made: the caller's own thread steps the model afterwards at no
-    cost (measured: the same tokens per second as a model loaded on the
-    thread that steps it)."""
-    outcome: list[Any] = []
-
-    def main() -> None:
-        if nice and hasattr(os, "setpriority"):
-            with contextlib.suppress(OSError):
-                tid = threading.get_native_id()
-                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
-        try:
-            outcome.append((True, fn()))
-        except BaseException as exc:  # handed to the caller
-            outcome.append((False, exc))
-
-    thread = threading.Thread(target=main, name=name or "trioserve-load", daemon=True)
-    thread.start()
-    thread.join()
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return value  # type: ignore[no-any-return]

@@ -401,12 +401,12 @@ class Connection:
             self._reply(p.EchoReply(echoed=request.echoed))
             self.access.request(request, quiet=True)
         elif isinstance(request, p.EstimateTokenRequest):
-            served = await _acquire(self.services.models, request.model, request)
+            served = await _acquire(self.services.models, request)
             ids = await served.tokenizing.encode(request.text)
             self._reply(p.EstimateTokenReply(num_tokens=len(ids), echoed=request.echoed))
             self.access.request(request, prompt_tokens=len(ids))
         elif isinstance(request, p.LefttrimTokenRequest):
-            served = await _acquire(self.services.models, request.model, request)
+            served = await _acquire(self.services.models, request)
             text = await _lefttrim(served, request.text, request.trimmed_length)
             self._reply(p.LefttrimTokenReply(trimmed_text=text, echoed=request.echoed))
             self.access.request(request)
@@ -453,9 +453,7 @@ class Connection:
         try:
             with scope:
                 try:
-                    served = await _acquire(
-                        self.services.models, request.model, request, self.client
-                    )
+                    served = await _acquire(self.services.models, request, self.client)
                     self._open_infer(served, request)
                 except p.ProtocolError as error:
                     self._reply(error.reply())
@@ -572,13 +570,15 @@ def _model_error(exc: ModelError, action: str, echoed: Mapping[str, Any]) -> p.P
 
 
 async def _acquire(
-    models: Models, name: str | None, request: p.Request, client: Hashable | None = None
+    models: Models,
+    request: p.InferRequest | p.EstimateTokenRequest | p.LefttrimTokenRequest,
+    client: Hashable | None = None,
 ) -> ServedModel:
     """The model a request names, loaded (waiting for its load; counted as
     one of ``client``'s requests meanwhile)."""
     action = p.action_name(request) or "infer"
     try:
-        return await models.acquire(name, client)
+        return await models.acquire(request.model, client)
     except Overloaded as exc:
         raise p.ProtocolError(
             "overloaded", exc.message, action=action, echoed=request.echoed

@@ -46,10 +46,9 @@ from trioserve.errors import TrioserveError
 from trioserve.generation import Overloaded, admit_client
 from trioserve.generation.engine_thread import EngineThread, open_loaded_engine
 
-from .served import ModelSettings, ServedModel, load_template
+from .served import ModelSettings, ServedModel, model_template
 
 if TYPE_CHECKING:
-    from trioserve.chat_template import ChatTemplate
     from trioserve.engine.catalog import Catalog, CatalogEntry
     from trioserve.metrics import Metrics
 
@@ -598,7 +597,9 @@ async def _serve_engine(
         is_draining=models.is_draining,
         in_flight=models.in_flight,
         # Read and compiled on the model's thread: not on the event loop.
-        chat_template=await thread.run_sync(_template_of, slot, engine, models.settings),
+        chat_template=await thread.run_sync(
+            model_template, engine.info, models.settings, slot.entry and slot.entry.chat_template
+        ),
     )
     served.generations.model_id = slot.id
     loaded.append(True)
@@ -682,13 +683,10 @@ async def _until_unload(models: Models, slot: ModelSlot, served: ServedModel) ->
 
 
 def _others_busy(models: Models, loading: ModelSlot) -> bool:
-    """Whether a model other than ``loading`` has work (read from the
-    loading thread: a load gives way to it)."""
-    for slot in models.slots.values():
-        served = slot.served
-        if slot is not loading and served is not None and served.scheduler.busy:
-            return True
-    return False
+    """Whether a model other than ``loading`` has work (asked on the loading
+    thread: the load gives way to it)."""
+    slots = models.slots.values()
+    return any((o := s.served) and s is not loading and o.scheduler.busy for s in slots)
 
 
 def _leaf(error: BaseException) -> BaseException:
@@ -696,11 +694,3 @@ def _leaf(error: BaseException) -> BaseException:
     while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
         error = error.exceptions[0]
     return error
-
-
-def _template_of(slot: ModelSlot, engine: Engine, settings: ModelSettings) -> ChatTemplate | None:
-    """A preset's chat template for the model, else its own (or
-    ``--chat-template``'s); None when it has none."""
-    if slot.entry is not None and slot.entry.chat_template is not None:
-        return load_template(engine.info, str(slot.entry.chat_template))
-    return load_template(engine.info, settings.chat_template)

@@ -13,6 +13,7 @@ import collections
 import contextlib
 import logging
 from collections.abc import Callable, Hashable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import attrs
@@ -29,7 +30,7 @@ from trioserve.vocabulary.reasoning import KNOWN_MARKERS, ReasoningFormat, reaso
 if TYPE_CHECKING:
     from trioserve.metrics import Metrics
 
-__all__ = ["ModelSettings", "ServedModel", "load_template"]
+__all__ = ["ModelSettings", "ServedModel", "load_template", "model_template"]
 
 log = logging.getLogger("trioserve.server")
 
@@ -244,3 +245,14 @@ def load_template(info: EngineInfo, source_file: str | None = None) -> ChatTempl
     except TrioserveError as exc:
         log.warning("the model's chat template cannot be used: %s", exc)
         return None
+
+
+def model_template(
+    info: EngineInfo, settings: ModelSettings, preset_template: Path | None = None
+) -> ChatTemplate | None:
+    """A model's chat template: its preset's (``chat_template`` in a models
+    folder's preset), else ``--chat-template``'s, else its own; None when it
+    has none."""
+    if preset_template is not None:
+        return load_template(info, str(preset_template))
+    return load_template(info, settings.chat_template)
