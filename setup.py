@@ -112,7 +112,12 @@ setup(
             sources=sorted(str(p.relative_to(HERE)) for p in (HERE / PACKAGE).glob("kernels*.c")),
             depends=sorted(str(p.relative_to(HERE)) for p in (HERE / PACKAGE).glob("kernels*.h")),
             optional=True,
+            # CPython's stable ABI (kernels.c sets Py_LIMITED_API): one
+            # library for every Python version from 3.11 on.
+            py_limited_api=True,
         )
     ],
     cmdclass={"build_ext": BuildKernels},
+    # A wheel built here installs on any CPython from 3.11 on.
+    options={"bdist_wheel": {"py_limited_api": "cp311"}},
 )

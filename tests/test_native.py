@@ -305,13 +305,66 @@ def test_a_library_in_the_cache_that_is_not_the_one_built_is_not_loaded(tmp_path
 
 @needs_native
 def test_the_installed_extension_is_loaded_when_built_from_these_sources(tmp_path: Path) -> None:
-    installed = tmp_path / "site" / f"_trioserve_cpu{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    installed = tmp_path / "site" / f"_trioserve_cpu{native_build.SUFFIX}"
     native_build.build_installed(installed)
     env = {"TRIOSERVE_CACHE": str(tmp_path / "cache"), "INSTALLED": str(installed)}
     result = _python(_REPORT, env)
     assert "LOADED True None" in result.stdout, result.stdout + result.stderr
     assert f"native CPU kernels: the installed extension {installed}" in result.stdout
     assert not (tmp_path / "cache" / "native").exists()
+
+
+def _other_pythons() -> list[str]:
+    """CPython interpreters of other minor versions than this one (3.11 and
+    later) on this machine: pyenv's, or on the PATH."""
+    import glob
+
+    found: dict[str, str] = {}
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    candidates = sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.1[1-9]*/bin/python3")))
+    candidates += [p for v in range(11, 20) if (p := shutil.which(f"python3.{v}"))]
+    for path in candidates:
+        version = subprocess.run(
+            [path, "-c", "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+        if version and version != here and version not in found:
+            found[version] = path
+    return sorted(found.values())
+
+
+@needs_native
+def test_the_library_is_the_stable_abis_and_loads_under_other_pythons(tmp_path: Path) -> None:
+    """kernels.c uses CPython's limited API (3.11's stable ABI): the library
+    this Python builds loads and runs under every other CPython from 3.11 on,
+    its errors included."""
+    others = _other_pythons()
+    if not others:
+        pytest.skip("no other CPython (3.11 or later) on this machine")
+    library = tmp_path / f"_trioserve_cpu{native_build.SUFFIX}"
+    native_build.build_installed(library)
+    code = (
+        "import importlib.machinery, importlib.util, sys\n"
+        f"path = {str(library)!r}\n"
+        "loader = importlib.machinery.ExtensionFileLoader('_trioserve_cpu', path)\n"
+        "spec = importlib.util.spec_from_file_location('_trioserve_cpu', path, loader=loader)\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "print('RAN', module.isa(), module.isas(), module.max_group_heads())\n"
+        "print('ARGS', len(module.forward_args()), module.layer_fields()[0])\n"
+        "try:\n"
+        "    module.use('no-such-path')\n"
+        "except ValueError as exc:\n"
+        "    print('REFUSED', exc)\n"
+    )
+    here = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    for python in others:
+        there = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
+        assert there.returncode == 0, (python, there.stderr)
+        assert there.stdout == here.stdout, python
+    assert "REFUSED no kernel path named 'no-such-path'" in here.stdout
 
 
 def test_without_a_compiler_the_engine_falls_back_to_torch_and_says_why(tmp_path: Path) -> None:

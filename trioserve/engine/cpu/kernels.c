@@ -17,6 +17,9 @@
    calling. */
 
 #define PY_SSIZE_T_CLEAN
+/* The stable ABI of CPython 3.11 and later: one library for every Python
+   version from the project's oldest on (its file is _trioserve_cpu.abi3.so). */
+#define Py_LIMITED_API 0x030B0000
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
@@ -369,7 +372,7 @@ static PyObject *isas(PyObject *self, PyObject *unused) {
 
 static PyObject *use(PyObject *self, PyObject *arg) {
     (void)self;
-    const char *name = PyUnicode_AsUTF8(arg);
+    const char *name = PyUnicode_AsUTF8AndSize(arg, NULL);
     if (!name) return NULL;
     for (size_t i = 0; i < CANDIDATES; i++) {
         if (strcmp(candidates[i].path->name, name) != 0) continue;
@@ -399,7 +402,10 @@ static PyObject *names_tuple(const char *const *names, Py_ssize_t n) {
             Py_DECREF(result);
             return NULL;
         }
-        PyTuple_SET_ITEM(result, i, name);
+        if (PyTuple_SetItem(result, i, name) < 0) { /* steals name, even on failure */
+            Py_DECREF(result);
+            return NULL;
+        }
     }
     return result;
 }

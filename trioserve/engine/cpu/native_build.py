@@ -66,6 +66,7 @@ __all__ = [
     "LOST",
     "SOURCE",
     "SOURCES",
+    "SUFFIX",
     "TO_GET_THEM",
     "Unavailable",
     "build_installed",
@@ -82,11 +83,12 @@ SOURCE = HERE / "kernels.c"
 #: that it includes), sorted by name: what every digest of "the sources" hashes.
 SOURCES = tuple(sorted([*HERE.glob("kernels*.c"), *HERE.glob("kernels*.h")], key=lambda p: p.name))
 _MODULE = "_trioserve_cpu"
-#: The file name's ABI tag (``.cpython-311-x86_64-linux-gnu.so``): setuptools
-#: names the installed extension with the same one.
-_SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
+#: The file name's ABI tag: the kernels use CPython's limited API (3.11's
+#: stable ABI), so one library serves every Python version from 3.11 on, and
+#: setuptools names the installed extension the same way (``py_limited_api``).
+SUFFIX = ".abi3.so"
 #: The extension built at install time, beside this file.
-INSTALLED = HERE / (_MODULE + _SUFFIX)
+INSTALLED = HERE / (_MODULE + SUFFIX)
 _FLAGS = (
     "-O3",
     "-shared",
@@ -231,7 +233,7 @@ def sources_digest(sources: tuple[Path, ...] = SOURCES) -> str:
 def _base() -> dict[str, Any]:
     """What the library's code depends on, the compiler aside: the sources,
     the flags and the Python ABI. Every record holds these."""
-    return {"sources": sources_digest(), "flags": list(_FLAGS), "abi": _SUFFIX}
+    return {"sources": sources_digest(), "flags": list(_FLAGS), "abi": SUFFIX}
 
 
 def _digest(*parts: str) -> str:
@@ -417,7 +419,7 @@ def _cached() -> Path:
         return found
     compiler = compiler_identity(cc)
     where = root / _cache_key(base, compiler)
-    library = where / (_MODULE + _SUFFIX)
+    library = where / (_MODULE + SUFFIX)
     if where.exists():
         _checked(where, library, base)
         logger.info("native CPU kernels: built into the cache at %s (by %s)", library, compiler)
@@ -456,7 +458,7 @@ def _indexed(root: Path, index: Path, base: dict[str, Any]) -> Path | None:
     where = root / name
     if where.parent != root or not where.is_dir():
         return None
-    library = where / (_MODULE + _SUFFIX)
+    library = where / (_MODULE + SUFFIX)
     _checked(where, library, base)
     logger.info(
         "native CPU kernels: built into the cache at %s (by %s; no compiler now)",
