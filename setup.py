@@ -22,6 +22,7 @@ import importlib.util
 import os
 import platform
 import sys
+import sysconfig
 from pathlib import Path
 from types import ModuleType
 
@@ -30,6 +31,8 @@ from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
 PACKAGE = Path("trioserve", "engine", "cpu")
+#: A free-threaded CPython (no stable ABI: the kernels are built for it alone).
+FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
 
 
 def _native_build() -> ModuleType:
@@ -113,11 +116,12 @@ setup(
             depends=sorted(str(p.relative_to(HERE)) for p in (HERE / PACKAGE).glob("kernels*.h")),
             optional=True,
             # CPython's stable ABI (kernels.c sets Py_LIMITED_API): one
-            # library for every Python version from 3.11 on.
-            py_limited_api=True,
+            # library for every Python version from 3.11 on. A free-threaded
+            # CPython has none: there the library is its own.
+            py_limited_api=not FREE_THREADED,
         )
     ],
     cmdclass={"build_ext": BuildKernels},
     # A wheel built here installs on any CPython from 3.11 on.
-    options={"bdist_wheel": {"py_limited_api": "cp311"}},
+    options={} if FREE_THREADED else {"bdist_wheel": {"py_limited_api": "cp311"}},
 )

@@ -227,3 +227,35 @@ def test_the_engines_of_several_models_advance_the_counters_each_by_its_own_chan
             size_bytes=0, capacity_bytes=1, hits=total, misses=0, evictions=0, source=source
         )
     assert hits() == 101 + 7
+
+
+def test_a_reloaded_model_counts_from_its_new_engines_zero() -> None:
+    """A model unloaded and loaded again has a new engine whose running
+    totals start at 0: every one of its hits counts, and its gauges left
+    the sums while it was gone."""
+    metrics = Metrics(process=False)
+    metrics.declare_models(["a", "b"])
+
+    def cache(model: str, hits: int, size: int) -> None:
+        metrics.prefix_cache(
+            size_bytes=size, capacity_bytes=1000, hits=hits, misses=0, evictions=0, source=model
+        )
+
+    cache("a", 1000, 300)
+    cache("b", 5, 200)
+    metrics.jobs(running=2, waiting=1, source="a")
+    metrics.jobs(running=1, waiting=0, source="b")
+    assert value(metrics, "trioserve_prefix_cache_lookups_total", result="hit") == 1005
+    assert value(metrics, "trioserve_prefix_cache_bytes") == 500
+    assert value(metrics, "trioserve_jobs_running") == 3
+    metrics.model_unloaded("a")
+    assert value(metrics, "trioserve_prefix_cache_bytes") == 200
+    assert value(metrics, "trioserve_jobs_running") == 1
+    assert value(metrics, "trioserve_model_jobs_running", model="a") == 0
+    assert value(metrics, "vllm:num_requests_running", model_name="a") == 0
+    cache("a", 40, 50)  # the reloaded engine's first step
+    assert value(metrics, "trioserve_prefix_cache_lookups_total", result="hit") == 1045
+    assert value(metrics, "trioserve_prefix_cache_bytes") == 250
+    # A model that was never declared gets no series of its own.
+    metrics.jobs(running=7, waiting=0, source="zzz")
+    assert ("trioserve_model_jobs_running", (("model", "zzz"),)) not in samples(metrics)

@@ -171,6 +171,8 @@ async def test_requests_tokens_and_jobs_are_counted_by_model(tmp_path: Path) -> 
             assert ("trioserve_model_jobs_running", (("model", model),)) in found
             assert ("vllm:num_requests_running", (("model_name", model),)) in found
             assert value(found, "trioserve_model_load_progress", model=model) == 0.0
+            assert value(found, "trioserve_model_status", model=model, status="unloaded") == 1
+            assert value(found, "trioserve_model_status", model=model, status="loaded") == 0
         for _ in range(2):
             assert (await complete(port, "a", "say:one two"))[0] == 200
         assert (await complete(port, "b", "say:x"))[0] == 200

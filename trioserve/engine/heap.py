@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
+from collections.abc import Callable
 
 __all__ = ["give_back_freed_memory"]
 
@@ -20,8 +22,21 @@ def give_back_freed_memory() -> None:
     ``gc.collect()`` here: a full collection holds the GIL for tens of
     milliseconds, stalling the models that serve meanwhile.
     """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, found once (``find_library`` runs a
+    subprocess), or None elsewhere."""
     name = ctypes.util.find_library("c")
     if name is None:
-        return
+        return None
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(name).malloc_trim(ctypes.c_size_t(0))
+        trim = ctypes.CDLL(name).malloc_trim
+        trim.argtypes = [ctypes.c_size_t]
+        trim.restype = ctypes.c_int
+        return trim
+    return None

@@ -438,8 +438,12 @@ class Metrics:
             self._picker.declare(model)
 
     def model_unloaded(self, model: str) -> None:
-        """``model``'s engine is gone: its gauges go to 0 and leave the sums."""
+        """``model``'s engine is gone: its gauges go to 0 and leave the sums,
+        and its engine's running totals are forgotten (a new engine counts
+        from 0)."""
         self._sums.forget(model)
+        for key in [key for key in self._engine_totals if key[0] == model]:
+            del self._engine_totals[key]
         if self._model_label(model) is not None:
             self.models.jobs(model, 0, 0)
             self.models.kv_cache(model, 0)

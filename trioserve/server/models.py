@@ -335,15 +335,20 @@ class Models:
         """Forever: publish each loading model's progress as it rises (``GET
         /models/sse``, the load-progress metric), in steps of a percent at
         least, every :data:`PROGRESS_INTERVAL` seconds."""
-        published: dict[str, float] = {}
+        # Per load (a new load of a model starts from 0 again).
+        published: dict[str, tuple[LoadProgress, float]] = {}
         while True:
             await trio.sleep(PROGRESS_INTERVAL)
             for slot in self.slots.values():
                 progress = slot.progress
                 if progress is None or slot.status != "loading":
                     published.pop(slot.id, None)
-                elif progress.fraction >= published.get(slot.id, 0.0) + 0.01:
-                    published[slot.id] = progress.fraction
+                    continue
+                last = published.get(slot.id)
+                if last is None or last[0] is not progress:
+                    last = (progress, 0.0)
+                if progress.fraction >= last[1] + 0.01:
+                    published[slot.id] = (progress, progress.fraction)
                     self._publish(slot)
 
     def load(self, name: str) -> ModelSlot:
@@ -571,7 +576,6 @@ async def _load_and_serve(models: Models, slot: ModelSlot, load: int, loaded: li
             engine,
             thread,
         ):
-            slot.progress = None
             return await _serve_engine(models, slot, load, loaded, engine, thread, started)
     finally:
         slot.progress = None
@@ -624,6 +628,7 @@ async def _serve_loaded(
     await nursery.start(served.scheduler.run)
     slot.served = served
     slot.last_used = trio.current_time()
+    slot.progress = None  # kept until now: the status shows it while loading
     if slot.status != "loaded":
         models._set(slot, "loaded")
     sleeping = await _until_unload(models, slot, served)

@@ -45,7 +45,7 @@ from .doors import ClientIdentity
 from .front_door import FrontDoor, serve_front_door
 from .http_types import AccessPolicy, HTTPLimits, Reject, RequestHead, Router, parse_networks
 from .model_routes import ModelRoutes
-from .models import Models
+from .models import STATUSES, Models
 from .responses_routes import ResponsesRoutes
 from .routes import OpenAIRoutes, OpsRoutes, Readiness
 from .served import ModelSettings, ServedModel
@@ -347,6 +347,8 @@ class Server:
             self.metrics.set_model(model=models.default_id, engine="several")
         if models.several:
             self.metrics.declare_models(models.slots)
+            for slot in models.slots.values():
+                self.metrics.models.status(slot.id, slot.status, STATUSES)
             context = SEVERAL_MODELS_CONTEXT
         self.max_new_tokens = min(config.max_new_tokens or context, context - 1)
         self.max_message_bytes = config.max_message_bytes or default_max_message_bytes(context)

@@ -18,8 +18,13 @@
 
 #define PY_SSIZE_T_CLEAN
 /* The stable ABI of CPython 3.11 and later: one library for every Python
-   version from the project's oldest on (its file is _trioserve_cpu.abi3.so). */
+   version from the project's oldest on (its file is _trioserve_cpu.abi3.so).
+   A free-threaded CPython has no stable ABI (its objects' headers differ):
+   there the library is built for that interpreter alone. */
+#include <pyconfig.h>
+#ifndef Py_GIL_DISABLED
 #define Py_LIMITED_API 0x030B0000
+#endif
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>

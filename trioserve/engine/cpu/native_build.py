@@ -62,6 +62,7 @@ from types import ModuleType
 from typing import Any
 
 __all__ = [
+    "FREE_THREADED",
     "INSTALLED",
     "LOST",
     "SOURCE",
@@ -83,10 +84,13 @@ SOURCE = HERE / "kernels.c"
 #: that it includes), sorted by name: what every digest of "the sources" hashes.
 SOURCES = tuple(sorted([*HERE.glob("kernels*.c"), *HERE.glob("kernels*.h")], key=lambda p: p.name))
 _MODULE = "_trioserve_cpu"
+#: Whether this CPython is a free-threaded build (it has no stable ABI).
+FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
 #: The file name's ABI tag: the kernels use CPython's limited API (3.11's
 #: stable ABI), so one library serves every Python version from 3.11 on, and
-#: setuptools names the installed extension the same way (``py_limited_api``).
-SUFFIX = ".abi3.so"
+#: setuptools names the installed extension the same way (``py_limited_api``);
+#: a free-threaded CPython's own (``.cpython-313t-x86_64-linux-gnu.so``).
+SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0] if FREE_THREADED else ".abi3.so"
 #: The extension built at install time, beside this file.
 INSTALLED = HERE / (_MODULE + SUFFIX)
 _FLAGS = (
