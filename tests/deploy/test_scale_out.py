@@ -36,6 +36,7 @@ import trio
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection
 from websockets.sync.client import connect as websocket_connect
+from websockets.sync.connection import Connection
 
 from tests.browser import chromium_or_skip, open_browser
 
@@ -100,7 +101,7 @@ class Cluster:
             max_size=None,
         )
 
-    def connect_on(self, stack: ExitStack) -> tuple[ClientConnection, Instance]:
+    def connect_on(self, stack: ExitStack) -> tuple[Connection, Instance]:
         """A WebSocket connection through nginx, closed with ``stack``, and the
         instance it reached (the one whose count of open WebSocket connections
         went up)."""
@@ -193,13 +194,13 @@ def _status(url: str, context: ssl.SSLContext | None = None) -> int:
         return 0
 
 
-def _receive(ws: ClientConnection) -> dict[str, Any]:
+def _receive(ws: Connection) -> dict[str, Any]:
     frame = json.loads(ws.recv(timeout=RECV_TIMEOUT))
     assert isinstance(frame, dict)
     return frame
 
 
-def _ask(ws: ClientConnection, request: dict[str, Any]) -> dict[str, Any]:
+def _ask(ws: Connection, request: dict[str, Any]) -> dict[str, Any]:
     """Send a request; its one reply (frames of other requests are not expected)."""
     ws.send(json.dumps(request))
     frame = _receive(ws)
@@ -234,7 +235,7 @@ class Generation:
     #: whether the final frame had already come when each arrived.
     others: list[tuple[dict[str, Any], bool]] = attrs.Factory(list)
 
-    def pump(self, ws: ClientConnection, until: Callable[[], bool]) -> None:
+    def pump(self, ws: Connection, until: Callable[[], bool]) -> None:
         while not until():
             frame = _receive(ws)
             if frame.get("request_id") != self.request_id:
@@ -246,11 +247,11 @@ class Generation:
                 assert self.final is None, f"a second terminal frame: {frame}"
                 self.final = frame
 
-    def run(self, ws: ClientConnection) -> None:
+    def run(self, ws: Connection) -> None:
         """Every frame until the terminal one."""
         self.pump(ws, lambda: self.final is not None)
 
-    def pump_chunks(self, ws: ClientConnection, more: int) -> None:
+    def pump_chunks(self, ws: Connection, more: int) -> None:
         wanted = len(self.chunks) + more
         self.pump(ws, lambda: len(self.chunks) >= wanted or self.final is not None)
         assert self.final is None, f"{self.request_id} ended early: {self.final}"
@@ -311,7 +312,7 @@ def _wait_steps(cluster: Cluster, index: int, steps: int) -> None:
 def test_websocket_connections_spread_over_both_instances(cluster: Cluster) -> None:
     cluster.wait_idle()
     placed: list[Instance] = []
-    connections: list[ClientConnection] = []
+    connections: list[Connection] = []
     with ExitStack() as stack:
         for _ in range(6):
             ws, instance = cluster.connect_on(stack)
@@ -818,7 +819,7 @@ def test_a_drained_instance_leaves_the_rotation_without_losing_a_request(
     # its fail_timeout has passed.
     b.start()
     b.wait_listening()
-    held: list[ClientConnection] = []
+    held: list[Connection] = []
     with ExitStack() as stack:
 
         def b_has_one() -> bool:
