@@ -665,9 +665,7 @@ async def test_requests_waiting_for_a_load_count_against_their_clients_limit(
 
             nursery.start_soon(ask)
             nursery.start_soon(ask)
-            await wait_until(
-                lambda: server.models.in_flight and sum(server.models.in_flight.values()) == 2
-            )
+            await wait_until(lambda: sum(server.models.in_flight.values()) == 2)
             status, body = await complete(port, "a")
             assert status == 429 and "already has 2 requests in flight" in body["error"]["message"]
             status, body = await http(
