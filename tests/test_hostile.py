@@ -601,7 +601,12 @@ def stop_string_setup(request: pytest.FixtureRequest) -> tuple[Any, str, float]:
 
 
 async def victim_beside(
-    engine: Any, prompt: str, window: float, benign: dict[str, Any], attack: dict[str, Any]
+    engine: Any,
+    prompt: str,
+    window: float,
+    benign: dict[str, Any],
+    attack: dict[str, Any],
+    before_window: float | None = None,
 ) -> tuple[float, float, float, list[dict[str, Any]]]:
     """A victim streams ``prompt`` (EOS banned) while another connection sends
     ``benign``, then ``attack`` (each stopped by its ``request_id``): the
@@ -617,9 +622,9 @@ async def victim_beside(
             )
             await victim.recv(within=120)
 
-            async def rate() -> float:
+            async def rate(seconds: float) -> float:
                 start, count = time.perf_counter(), 0
-                with trio.move_on_after(window):
+                with trio.move_on_after(seconds):
                     while True:
                         frame = await victim.recv(within=120)
                         assert frame["response_type"] == "chunk", frame
@@ -628,12 +633,12 @@ async def victim_beside(
 
             async with raw_client(listening.url) as other:
                 await other.send(benign)
-                before = await rate()
+                before = await rate(window if before_window is None else before_window)
                 await other.send({"action": "stop", "target": benign["request_id"]})
                 await other.until("stop", within=120)
                 probe.reset()
                 await other.send(attack)
-                during = await rate()
+                during = await rate(window)
                 stall = probe.longest()
                 await other.send({"action": "stop", "target": attack["request_id"]})
                 _, frames = await other.until("stop", within=300)
@@ -1152,7 +1157,10 @@ async def test_hostile_constraints_are_refused_or_bounded(
     attack = infer(
         STORY, 400, temperature=1000.0, top_k=0, top_p=1.0, seed=1, request_id="h", **{kind: value}
     )
-    before, during, stall, frames = await victim_beside(cpu_engine, STORY, window, benign, attack)
+    # The rate before the attack is only printed here: a second of it will do.
+    before, during, stall, frames = await victim_beside(
+        cpu_engine, STORY, window, benign, attack, before_window=1.0
+    )
     (reply,) = [f for f in frames if f.get("request_id") == "h"]
     print(
         f"{kind} {str(value)[:40]!r}: {reply['response_type']}, victim {before:.1f} ->"
