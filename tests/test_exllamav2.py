@@ -1904,10 +1904,11 @@ def _chat_spec(engine: Any, job_id: int, question: str, **fields: Any) -> Genera
 @pytest.mark.gpu
 async def test_gpu_models_load_and_unload_and_hand_the_gpu_memory_back() -> None:
     """Several models on one GPU (docs/models.md): two ids of the embedded
-    model under ``max_loaded=1``, switched five times by the requests that
-    name them (each switch unloads the other), their load progress reported
-    through ExLlamaV2's load callback; once both are unloaded, the GPU
-    memory allocated is back within 10 % of before the first load."""
+    model under ``max_loaded=1``, switched 20 times by the requests that name
+    them (each switch unloads the other: 20 load/unload cycles), their load
+    progress reported through ExLlamaV2's load callback; once both are
+    unloaded, the GPU memory allocated is back within 10 % of before the
+    first load."""
     _needs_exllamav2()
     from tests.test_models_registry import complete, until_status
     from tests.test_server_http import scrape, value
@@ -1928,7 +1929,7 @@ async def test_gpu_models_load_and_unload_and_hand_the_gpu_memory_back() -> None
         config = ServerConfig(host="127.0.0.1", port=0)
         listening = await nursery.start(serve, models, config)
         port = listening.port
-        for _ in range(5):
+        for _ in range(10):
             for name in ("x", "y"):
                 status, body = await complete(
                     port, name, "The capital of France is", temperature=0, max_tokens=4
