@@ -345,9 +345,8 @@ class Models:
                     published.pop(slot.id, None)
                     continue
                 last = published.get(slot.id)
-                if last is None or last[0] is not progress:
-                    last = (progress, 0.0)
-                if progress.fraction >= last[1] + 0.01:
+                floor = last[1] if last is not None and last[0] is progress else 0.0
+                if progress.fraction >= floor + 0.01:
                     published[slot.id] = (progress, progress.fraction)
                     self._publish(slot)
 
