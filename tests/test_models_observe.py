@@ -331,3 +331,27 @@ async def test_a_load_gives_way_only_while_another_model_has_work() -> None:
             await ws.send({"action": "stop", "request_id": 1})
         nursery.cancel_scope.cancel()
     assert asked == {"a": False, "b": False, "c": True}
+
+
+def test_the_observing_table_names_every_series_labelled_by_model() -> None:
+    """docs/models.md's "Observing" table against the registry: every
+    ``trioserve_model_*`` and ``vllm:`` family is in it, and it names none
+    that does not exist."""
+    import re
+
+    from trioserve.metrics import Metrics
+
+    text = (Path(__file__).parents[1] / "docs" / "models.md").read_text(encoding="utf-8")
+    section = text.split("## Observing", 1)[1].split("\n## ", 1)[0]
+    documented = {
+        name.removesuffix("_total")
+        for name in re.findall(r"`((?:trioserve_model_|vllm:)[a-z_:]+)(?:\{[^}]*\})?`", section)
+    }
+    metrics = Metrics(process=False)
+    metrics.declare_models(["m"])
+    families = {
+        family.name
+        for family in metrics.registry.collect()
+        if family.name.startswith(("trioserve_model_", "vllm:"))
+    }
+    assert documented == families
