@@ -290,7 +290,12 @@ async def test_the_odd_values_each_door_takes_are_served(cpu_engine: CpuEngine) 
             await post(
                 port,
                 MESSAGES,
-                body(MESSAGES, max_tokens=3, thinking={"type": "enabled", "budget_tokens": 8191}),
+                body(
+                    MESSAGES,
+                    max_tokens=3,
+                    temperature=0,
+                    thinking={"type": "enabled", "budget_tokens": 8191},
+                ),
             )
         )
         assert [block["type"] for block in doc["content"]] == ["thinking"], doc
@@ -559,7 +564,7 @@ async def test_a_stop_string_and_max_tokens_inside_the_thinking(cpu_engine: CpuE
         assert "".join(d.get("reasoning_content") or "" for d in deltas) == thought
         assert not "".join(d.get("content") or "" for d in deltas)
         # max_tokens inside the thinking: each door's reply is the thinking alone, cut.
-        doc = ok(await post(port, MESSAGES, body(MESSAGES, max_tokens=3)))
+        doc = ok(await post(port, MESSAGES, body(MESSAGES, max_tokens=3, temperature=0)))
         assert [b["type"] for b in doc["content"]] == ["thinking"], doc
         assert doc["stop_reason"] == "max_tokens"
         doc = ok(await post(port, RESPONSES, body(RESPONSES, max_output_tokens=6, temperature=0)))
