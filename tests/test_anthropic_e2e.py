@@ -90,7 +90,9 @@ async def test_the_sdk_creates_streams_and_counts(cpu_engine: CpuEngine) -> None
             (model,) = list(sdk.models.list())
             assert model.id == whole.model and model.type == "model"
             # max_tokens ends it as Anthropic says.
-            short = sdk.messages.create(model="m", max_tokens=3, messages=question)
+            short = sdk.messages.create(
+                model="m", max_tokens=3, messages=question, extra_body=GREEDY
+            )
             assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3
 
         await trio.to_thread.run_sync(flow)
@@ -304,7 +306,9 @@ async def test_errors_come_as_the_sdk_classes(cpu_engine: CpuEngine) -> None:
             with pytest.raises(anthropic.NotFoundError):
                 sdk.get("/v1/messages/nope", cast_to=object)
             # One request in flight is this client's limit: the second is a 429.
-            with sdk.messages.stream(model="m", max_tokens=200, messages=QUESTION) as stream:
+            with sdk.messages.stream(
+                model="m", max_tokens=200, messages=QUESTION, extra_body=GREEDY
+            ) as stream:
                 next(iter(stream))
                 with pytest.raises(anthropic.RateLimitError):
                     sdk.messages.create(model="m", max_tokens=4, messages=QUESTION)
@@ -315,7 +319,9 @@ async def test_errors_come_as_the_sdk_classes(cpu_engine: CpuEngine) -> None:
             bearer: Any = anthropic.Anthropic(
                 base_url=f"http://127.0.0.1:{port}", auth_token="s3cret", max_retries=0
             )
-            assert bearer.messages.create(model="m", max_tokens=2, messages=QUESTION).content
+            assert bearer.messages.create(
+                model="m", max_tokens=2, messages=QUESTION, extra_body=GREEDY
+            ).content
 
         await trio.to_thread.run_sync(flow)
 
@@ -368,6 +374,7 @@ async def test_a_stream_pings_while_a_long_prompt_is_read(
             {
                 "model": "m",
                 "max_tokens": 2,
+                "temperature": 0,
                 "stream": True,
                 "messages": [{"role": "user", "content": "The tide comes in. " * 150}],
             }
@@ -391,7 +398,7 @@ async def test_a_stream_pings_while_a_long_prompt_is_read(
 async def test_a_client_that_leaves_mid_stream_frees_its_slot(cpu_engine: CpuEngine) -> None:
     async with serving(cpu_engine) as (server, listening):
         body = json.dumps(
-            {"model": "m", "max_tokens": 2000, "stream": True, "messages": QUESTION}
+            {"model": "m", "max_tokens": 2000, "stream": True, "messages": QUESTION, **GREEDY}
         ).encode()
         sock = socket.create_connection(("127.0.0.1", listening.port))
         try:
@@ -411,7 +418,7 @@ async def test_a_client_that_leaves_mid_stream_frees_its_slot(cpu_engine: CpuEng
         # The server goes on serving.
         answer = await trio.to_thread.run_sync(
             lambda: client(listening.port).messages.create(
-                model="m", max_tokens=4, messages=QUESTION
+                model="m", max_tokens=4, messages=QUESTION, extra_body=GREEDY
             )
         )
         assert answer.usage.output_tokens == 4

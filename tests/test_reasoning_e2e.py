@@ -203,6 +203,7 @@ async def test_anthropics_thinking_budget_and_blocks(cpu_engine: CpuEngine) -> N
                 max_tokens=4,
                 messages=ask,
                 thinking={"type": "enabled", "budget_tokens": 10**30},
+                extra_body={"temperature": 0},
             )
             assert [block.type for block in huge.content] == ["thinking"]
             assert huge.stop_reason == "max_tokens"

@@ -118,7 +118,9 @@ async def test_the_sdk_creates_streams_continues_gets_and_deletes(cpu_engine: Cp
             with pytest.raises(openai.NotFoundError):
                 sdk.responses.retrieve(unstored.id)
             # max_output_tokens ends it incomplete, as OpenAI says.
-            short = sdk.responses.create(model="m", input=question, max_output_tokens=3)
+            short = sdk.responses.create(
+                model="m", input=question, max_output_tokens=3, temperature=0
+            )
             assert short.status == "incomplete" and short.usage.output_tokens == 3
             assert short.incomplete_details.reason == "max_output_tokens"
 
@@ -274,6 +276,7 @@ async def test_errors_come_as_the_sdk_classes(cpu_engine: CpuEngine) -> None:
                 model="m",
                 input="Hi",
                 max_output_tokens=2,
+                temperature=0,
                 tools=[
                     {
                         **ADD,
@@ -328,7 +331,11 @@ async def test_the_agents_sdk_runs_on_its_default_api(cpu_engine: CpuEngine) -> 
             )
             called = await agents.Runner.run(weather, "What is the weather in Paris?", max_turns=4)
             typed = agents.Agent(
-                name="typed", instructions="Answer in JSON.", model="smollm2", output_type=City
+                name="typed",
+                instructions="Answer in JSON.",
+                model="smollm2",
+                output_type=City,
+                model_settings=agents.ModelSettings(temperature=0),
             )
             answered = await agents.Runner.run(
                 typed, "Paris is in France. Give the city and country."
@@ -345,7 +352,9 @@ async def test_the_agents_sdk_runs_on_its_default_api(cpu_engine: CpuEngine) -> 
 
 async def test_a_client_that_leaves_mid_stream_frees_its_slot(cpu_engine: CpuEngine) -> None:
     async with serving(cpu_engine) as (server, listening):
-        body = json.dumps({"model": "m", "input": "Tell me a long story.", "stream": True}).encode()
+        body = json.dumps(
+            {"model": "m", "input": "Tell me a long story.", "stream": True, "temperature": 0}
+        ).encode()
         sock = socket.create_connection(("127.0.0.1", listening.port))
         try:
             sock.sendall(
@@ -365,7 +374,7 @@ async def test_a_client_that_leaves_mid_stream_frees_its_slot(cpu_engine: CpuEng
         assert len(server.responses_store) == 0
         answer = await trio.to_thread.run_sync(
             lambda: client(listening.port).responses.create(
-                model="m", input="Hi", max_output_tokens=4
+                model="m", input="Hi", max_output_tokens=4, temperature=0
             )
         )
         assert answer.usage.output_tokens == 4 and len(server.responses_store) == 1
