@@ -30,6 +30,12 @@
 #ifndef Q4_ROWS
 #define Q4_ROWS ROWS
 #endif
+/* Row blocks of the 4-bit matmul up to this many rows sum each output's
+   lanes 16 outputs at once (vf_reduce_add16: the same bits); larger ones
+   one output at a time. A path may choose its own. */
+#ifndef SUM16_ROWS
+#define SUM16_ROWS Q4_ROWS
+#endif
 #define OUTS 16 /* outputs per unit of parallel work */
 /* How far ahead of its reads a thread asks for the weights: one core keeps
    too few misses in flight for the memory's bandwidth on its own, and 4 KiB

@@ -136,7 +136,8 @@ static void quantize_row(const uint16_t *x, const shape *sh, int8_t *q, float *d
 static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, const uint16_t *d,
                                                            const uint16_t *m, const shape *sh,
                                                            const qrow *rows, const int nr,
-                                                           float *res) {
+                                                           vf (*sums)[OUTS], int64_t j,
+                                                           uint16_t *out, int64_t N) {
     vf acc[Q4_ROWS];
     for (int r = 0; r < nr; r++) acc[r] = vf_zero();
     for (int64_t b = 0; b < sh->wide; b++) {
@@ -173,7 +174,26 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, con
             acc[r] = vf_fmadd(m16, vf_load_first4(sx), acc[r]);
         }
     }
-    for (int r = 0; r < nr; r++) res[r] = vf_reduce_add(acc[r]);
+    if (nr <= SUM16_ROWS) {
+        /* summed across lanes by store_sums, 16 outputs at once */
+        for (int r = 0; r < nr; r++) sums[r][j] = acc[r];
+    } else {
+        for (int r = 0; r < nr; r++) out[r * N + j] = float_to_bf16(vf_reduce_add(acc[r]));
+    }
+}
+
+/* Rows r < nr of out (bfloat16, row stride N) from index 0 to count:
+   each output's lanes summed (sums[r][j], vf_reduce_add's tree: the same
+   bits whether 16 are summed at once or one at a time). */
+static inline void store_sums(vf (*sums)[OUTS], int64_t nr, int64_t count, uint16_t *out, int64_t N) {
+    if (nr > SUM16_ROWS) return; /* dot_rows stored them */
+    for (int64_t r = 0; r < nr; r++) {
+        if (count == OUTS) {
+            vf_store_bf16(out + r * N, vf_reduce_add16(sums[r]));
+        } else {
+            for (int64_t j = 0; j < count; j++) out[r * N + j] = float_to_bf16(vf_reduce_add(sums[r][j]));
+        }
+    }
 }
 
 static int q4_matmul(const uint16_t *x, const uint8_t *w, const uint16_t *d, const uint16_t *m,
@@ -205,14 +225,14 @@ static int q4_matmul(const uint16_t *x, const uint8_t *w, const uint16_t *d, con
         int64_t n0 = u * OUTS, n1 = n0 + OUTS < N ? n0 + OUTS : N;
         for (int64_t r0 = 0; r0 < M; r0 += Q4_ROWS) {
             int64_t nr = M - r0 < Q4_ROWS ? M - r0 : Q4_ROWS;
+            vf sums[Q4_ROWS][OUTS];
             for (int64_t n = n0; n < n1; n++) {
-                float res[Q4_ROWS] = {0};
                 const uint8_t *wn = w + n * wrow;
                 const uint16_t *dn = d + n * sh.groups, *mn = m + n * sh.groups;
                 /* nr past Q4_ROWS never comes: those cases only keep the
                    switch the same for every path's Q4_ROWS */
 #define DOT_ROWS(k) \
-    case k: dot_rows(wn, dn, mn, &sh, rows + r0, k <= Q4_ROWS ? k : Q4_ROWS, res); break
+    case k: dot_rows(wn, dn, mn, &sh, rows + r0, k <= Q4_ROWS ? k : Q4_ROWS, sums, n - n0, out + r0 * N + n0, N); break
                 switch (nr) {
                     DOT_ROWS(8);
                     DOT_ROWS(7);
@@ -221,11 +241,11 @@ static int q4_matmul(const uint16_t *x, const uint8_t *w, const uint16_t *d, con
                     DOT_ROWS(4);
                     DOT_ROWS(3);
                     DOT_ROWS(2);
-                default: dot_rows(wn, dn, mn, &sh, rows + r0, 1, res); break;
+                default: dot_rows(wn, dn, mn, &sh, rows + r0, 1, sums, n - n0, out + r0 * N + n0, N); break;
                 }
 #undef DOT_ROWS
-                for (int64_t r = 0; r < nr; r++) out[(r0 + r) * N + n] = float_to_bf16(res[r]);
             }
+            store_sums(sums, nr, n1 - n0, out + r0 * N + n0, N);
         }
     }
     free(rows);

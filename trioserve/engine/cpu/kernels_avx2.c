@@ -17,6 +17,11 @@
    (kernels_vec_avx2.h's wide_dots), 8 streams' decode step is one pass, not
    6 + 2 (when measured, 8 was faster than 6 at 1 to 64 rows). */
 #define Q4_ROWS 8
+/* One row's outputs summed 16 at once (kernels.h): measured on the AVX2 path
+   of a Zen 4 EPYC, two builds alternated in one process, one row's 4-bit
+   matmuls took 0.83 to 0.97 of the time (the same bits); from 4 rows on it
+   was 6 to 25 % slower, the 16 registers spilling the more. */
+#define SUM16_ROWS 1
 /* Weights prefetched with the non-temporal hint: a step streams 95 MB of
    them, and with the default hint they pushed out what the Python between
    the native calls touches (the logits' recheck then took 0.44 ms a step

@@ -10,6 +10,7 @@
 #if defined(__x86_64__)
 
 #define Q4_ROWS 8 /* kernels_avx2.c's */
+#define SUM16_ROWS 1 /* kernels_avx2.c's */
 #include "kernels.h"
 
 #if KERNELS_HAVE_AVX2_VNNI

@@ -13,6 +13,10 @@
 
 #include <math.h>
 
+/* Every row block's outputs summed 16 at once (kernels.h's SUM16_ROWS, by
+   default): measured on a Zen 4 EPYC, two builds alternated in one process,
+   the 4-bit matmuls took 0.87 to 1.0 of the time at 1 row and 0.89 to 1.0 at
+   8 (the same bits; the machine's neighbours moved the figure run to run). */
 #include "kernels.h"
 #include "kernels_vec_avx512.h"
 

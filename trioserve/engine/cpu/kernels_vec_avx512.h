@@ -45,6 +45,30 @@ static inline float vf_reduce_add(vf v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, _MM_SHUFFLE(1, 1, 1, 1))));
 }
 
+/* Lane j = vf_reduce_add(v[j]), bit for bit, for 16 vectors at once: the
+   same additions in the same tree (the 256-bit halves, the 128-bit quarters,
+   lanes 0 + 2 and 1 + 3, then 0 + 1), done across vectors by shuffles
+   (about 3 instructions a sum, not 9), then put in order. */
+static inline vf vf_reduce_add16(const vf *v) {
+    __m512 c[8], d[4], e[2];
+    for (int i = 0; i < 8; i++) /* [v[2i] hi + lo | v[2i+1] hi + lo] */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44));
+    for (int i = 0; i < 4; i++) /* quarter q: v[4i + q]'s 128-bit halves added */
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88));
+#define PD(x) _mm512_castps_pd(x)
+    for (int i = 0; i < 2; i++) /* quarter q: lanes 0 + 2, 1 + 3 of v[8i + q], v[8i + 4 + q] */
+        e[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(PD(d[2 * i]), PD(d[2 * i + 1]))),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(PD(d[2 * i]), PD(d[2 * i + 1]))));
+#undef PD
+    /* lane 4q + k: v[4k + q]'s sum */
+    __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(order, f);
+}
+
 /* The largest lane, in the same order as vf_reduce_add. */
 static inline float vf_reduce_max(vf v) {
     __m256 t = _mm256_max_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),

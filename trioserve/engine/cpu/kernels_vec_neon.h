@@ -135,6 +135,28 @@ static inline float vf_reduce_add(vf v) {
     float s1 = vgetq_lane_f32(s, 1) + vgetq_lane_f32(s, 3);
     return s0 + s1;
 }
+/* Lane j = vf_reduce_add(v[j]), bit for bit, for 16 vectors at once: each
+   vector's halves added as there, then lanes 0 + 2, 1 + 3 and 0 + 1 across
+   four vectors at a time by zips. */
+static inline vf vf_reduce_add16(const vf *v) {
+    vf out;
+    for (int g = 0; g < 4; g++) {
+        float32x4_t s[4];
+        for (int i = 0; i < 4; i++) {
+            const vf *x = &v[4 * g + i];
+            s[i] = vaddq_f32(vaddq_f32(x->v[3], x->v[1]), vaddq_f32(x->v[2], x->v[0]));
+        }
+#define F64(x) vreinterpretq_f64_f32(x)
+#define F32(x) vreinterpretq_f32_f64(x)
+        /* [a0 + a2, a1 + a3, b0 + b2, b1 + b3] */
+        float32x4_t ab = vaddq_f32(F32(vzip1q_f64(F64(s[0]), F64(s[1]))), F32(vzip2q_f64(F64(s[0]), F64(s[1]))));
+        float32x4_t cd = vaddq_f32(F32(vzip1q_f64(F64(s[2]), F64(s[3]))), F32(vzip2q_f64(F64(s[2]), F64(s[3]))));
+#undef F64
+#undef F32
+        out.v[g] = vaddq_f32(vuzp1q_f32(ab, cd), vuzp2q_f32(ab, cd));
+    }
+    return out;
+}
 static inline float max1(float a, float b) { return a > b ? a : b; }
 static inline float vf_reduce_max(vf v) {
     float32x4_t t_lo = max4(v.v[2], v.v[0]), t_hi = max4(v.v[3], v.v[1]);
