@@ -29,7 +29,9 @@
    in the same order, whatever M is, whichever other rows share its block
    (Q4_ROWS: kernels.h) and whichever thread computes it: rows are quantized alone, threads
    split the outputs (never K), and a block of fewer rows runs the same
-   per-row sequence. So a job's logits do not depend on its companions, nor
+   per-row sequence; the one exception, a block's outputs summed 16 at once
+   (SUM16_ROWS) or one at a time, adds the same numbers in the same tree
+   (vf_reduce_add16), so the bits are the same. So a job's logits do not depend on its companions, nor
    on whether its positions were computed in a prefill chunk or a decode step
    (trioserve.engine.cpu.llama relies on it; tests/test_native.py checks it). */
 
