@@ -163,3 +163,28 @@ def test_the_systemd_stop_timeout_is_longer_than_the_grace() -> None:
     found = re.search(r"^TimeoutStopSec=(\d+)s$", unit, flags=re.MULTILINE)
     assert found and f"the shipped unit gives {found.group(1)} s" in doc("docs/deployment.md")
     assert int(found.group(1)) > C.shutdown_grace
+
+
+def test_the_kernel_paths_sum_16_outputs_at_once_where_performance_md_says() -> None:
+    """docs/performance.md: AVX2 and NEON sum 16 outputs' lanes at once for
+    one row only, AVX-512 for every row block (kernels.h's default)."""
+    kernels = ROOT / "trioserve" / "engine" / "cpu"
+
+    def declared(name: str) -> str | None:
+        found = re.search(
+            r"^#define SUM16_ROWS (\S+)", (kernels / name).read_text("utf-8"), re.MULTILINE
+        )
+        return found.group(1) if found else None
+
+    for name in (
+        "kernels_avx2.c",
+        "kernels_avx2_vnni.c",
+        "kernels_neon.c",
+        "kernels_neon_dotprod.c",
+    ):
+        assert declared(name) == "1", name
+    assert declared("kernels_avx512.c") is None
+    assert re.search(
+        r"^#define SUM16_ROWS Q4_ROWS$", (kernels / "kernels.h").read_text("utf-8"), re.MULTILINE
+    )
+    assert "so AVX2 and NEON use it for one row only" in doc("docs/performance.md")
