@@ -120,22 +120,57 @@ def test_pack_and_unpack_round_trip_and_dequantize_reads_the_native_layout() -> 
 @given(
     seed=st.integers(0, 2**31),
     n=st.integers(1, 300),
-    k16=st.integers(1, 40),
+    k16=st.integers(1, 80),
     rows=st.integers(1, 11),
+    spread=st.floats(0.0, 8.0),
 )
 def test_int8_matmul_computes_its_formula_and_rows_do_not_depend_on_each_other(
-    seed: int, n: int, k16: int, rows: int
+    seed: int, n: int, k16: int, rows: int, spread: float
 ) -> None:
     g = torch.Generator().manual_seed(seed)
-    k = 16 * k16
+    k = 16 * k16  # up to 1,280: past one integer chunk of 512 inputs
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    q[0] = 127  # the largest sums the integers hold
     scale = (torch.rand(n, generator=g) * 0.01 + 1e-4).bfloat16()
-    x = torch.randn(rows, k, generator=g).bfloat16()
-    out = native.int8_mm(x, q, scale)
+    # Magnitudes over up to 8 octaves: the 16 bits are against the row's largest.
+    x = torch.randn(rows, k, generator=g) * 2.0 ** (torch.rand(rows, k, generator=g) * spread)
+    x = x.bfloat16()
+    x[0] = x[0].abs().max()  # every input at the largest magnitude
+    packed = native.pack_int8(q)
+    assert torch.equal(native.unpack_int8(packed, n), q)
+    out = native.int8_mm(x, packed, scale, torch.float32)
     ref = x.double() @ (q.double() * scale.double()[:, None]).T
-    assert bool(((out.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-5).all())
+    bound = x.double().abs().amax(1, keepdim=True) * native.INT8_INPUT_ERROR
+    bound = bound * (q.double().abs().sum(1) * scale.double())
+    assert bool(((out.double() - ref).abs() <= bound).all())
+    assert torch.equal(native.int8_mm(x, packed, scale), out.bfloat16())
     for r in range(rows):
-        assert torch.equal(native.int8_mm(x[r : r + 1], q, scale), out[r : r + 1])
+        alone = native.int8_mm(x[r : r + 1], packed, scale, torch.float32)
+        assert torch.equal(alone, out[r : r + 1])
+
+
+@needs_native
+def test_int8_matmul_gives_nan_for_a_row_that_is_not_finite_and_leaves_the_others() -> None:
+    g = torch.Generator().manual_seed(5)
+    q = native.pack_int8(torch.randint(-127, 128, (40, 64), generator=g, dtype=torch.int8))
+    scale = torch.full((40,), 0.01).bfloat16()
+    x = torch.randn(4, 64, generator=g).bfloat16()
+    clean = native.int8_mm(x, q, scale, torch.float32)
+    x[1, 7], x[2, 60] = float("inf"), float("nan")
+    out = native.int8_mm(x, q, scale, torch.float32)
+    assert bool(out[1:3].isnan().all())
+    assert torch.equal(out[0], clean[0]) and torch.equal(out[3], clean[3])
+
+
+@needs_native
+def test_the_8bit_layout_packs_16_outputs_a_block_and_pads_the_last() -> None:
+    q = torch.arange(-60, 60, dtype=torch.int8).view(20, 6)  # 20 outputs of 6 inputs
+    packed = native.pack_int8(q)
+    assert packed.shape == (2, 3, 32)
+    # Block 0, inputs (2, 3): output j's q[2] and q[3] at bytes 2j and 2j + 1.
+    assert packed[0, 1].tolist() == [int(v) for j in range(16) for v in q[j, 2:4]]
+    assert packed[1, 0, 8:].tolist() == [0] * 24  # outputs 20 to 31: zero rows
+    assert torch.equal(native.int8_row_sums(packed, 20), q.abs().sum(1))
 
 
 @needs_native
@@ -173,7 +208,7 @@ def test_the_kernels_refuse_shapes_they_cannot_run() -> None:
     with pytest.raises(ValueError, match="multiple of 32"):
         module.q4_mm(p, p, p, p, out.data_ptr(), 1, 4, 48, 1)  # K = 48
     with pytest.raises(ValueError, match="multiple of 16"):
-        module.int8_mm(p, p, p, out.data_ptr(), 1, 4, 40, 1)
+        module.int8_mm(p, p, p, out.data_ptr(), 1, 4, 40, 0, 1)
     with pytest.raises(ValueError):
         module.add_rms_norm(p, None, p, out.data_ptr(), 0, 16, 1e-5, 1)  # no rows
     with pytest.raises(ValueError, match="required buffer"):
@@ -199,7 +234,11 @@ def test_the_wrappers_check_what_they_pass_to_c() -> None:
     with pytest.raises(ValueError, match="y"):
         native.add_rms_norm(torch.zeros(2, 32), torch.zeros(1, 32), torch.ones(32), 1e-5)
     with pytest.raises(ValueError, match="scale"):
-        native.int8_mm(torch.zeros(1, 32), torch.zeros(4, 32, dtype=torch.int8), torch.ones(4))
+        native.int8_mm(torch.zeros(1, 32), torch.zeros(1, 16, 32, dtype=torch.int8), torch.ones(4))
+    with pytest.raises(ValueError, match="pack_int8"):  # [N, K] as it was before packing
+        native.int8_mm(
+            torch.zeros(1, 32), torch.zeros(4, 32, dtype=torch.int8), torch.ones(4).bfloat16()
+        )
     cache = torch.zeros(2, 2, 16, 32, dtype=torch.bfloat16)
     rope = (torch.zeros(16, 32), torch.zeros(16, 32))
     qkv = torch.zeros(2, 3 * 32, dtype=torch.bfloat16)
@@ -705,9 +744,12 @@ def _every_kernel(module: Any, seed: int) -> list[torch.Tensor]:
     outs.append(
         native._call(module, torch.randn(8, 576, generator=g).bfloat16(), data, scales, 3072)
     )
-    q8 = torch.randint(-127, 128, (100, 576), generator=g, dtype=torch.int8)
-    scale = (torch.rand(100, generator=g) * 0.01).bfloat16()
-    outs.append(native._int8(module, torch.randn(7, 576, generator=g).bfloat16(), q8, scale))
+    for n, k, rows in ((100, 576, 7), (37, 1040, 9)):
+        q8 = native.pack_int8(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8))
+        scale = (torch.rand(n, generator=g) * 0.01).bfloat16()
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        outs.append(native._int8(module, x, q8, scale, torch.float32))
+        outs.append(native._int8(module, x, q8, scale))
     x = torch.randn(19, 576, generator=g) * 5
     y = torch.randn(19, 576, generator=g).bfloat16()
     w = torch.rand(576, generator=g)

@@ -18,7 +18,7 @@ import torch
 
 from tests.direct import greedy_ids, mean_nll
 from tests.test_cpu_engine import PERPLEXITY_TEXT, chat
-from trioserve.engine.cpu import llama, quant
+from trioserve.engine.cpu import llama, native, quant
 from trioserve.engine.cpu.engine import CpuEngine
 from trioserve.engine.cpu.options import PROJECTIONS, CpuOptions
 from trioserve.engine.tokenizer import Tokenizer
@@ -31,13 +31,26 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def int8_model(vocab: int, width: int, seed: int) -> llama.LlamaWeights:
+#: The 8-bit projection's kernels: torch's, and trioserve's where it runs.
+KERNELS = [
+    pytest.param(False, id="torch"),
+    pytest.param(
+        True,
+        id="native",
+        marks=pytest.mark.skipif(native.kernel() is None, reason="no native kernels here"),
+    ),
+]
+
+
+def int8_model(
+    vocab: int, width: int, seed: int, native_kernel: bool = False
+) -> llama.LlamaWeights:
     """A bfloat16 lm_head of ``vocab`` rows, with an 8-bit projection of it."""
     g = torch.Generator().manual_seed(seed)
     # Rows of different sizes, as a real embedding has: each row's scale differs.
     head = (torch.randn(vocab, width, generator=g) * torch.rand(vocab, 1, generator=g)).bfloat16()
-    proj = quant.int8_weight(head.float(), lambda w: w)
-    assert isinstance(proj, quant.QuantizedWeight)
+    proj = quant.int8_weight(head.float(), lambda w: w, native_kernel=native_kernel)
+    assert isinstance(proj, quant.QuantizedWeight) and proj.native == native_kernel
     return llama.LlamaWeights(
         embed=head,
         layers=[],
@@ -45,18 +58,24 @@ def int8_model(vocab: int, width: int, seed: int) -> llama.LlamaWeights:
         lm_head=head,
         projection=proj,
         projection_error=llama.projection_error(proj),
+        projection_input_error=llama.projection_input_error(proj),
     )
 
 
-def test_8bit_logits_stay_within_their_bound_and_the_best_candidate_is_exact() -> None:
-    weights = int8_model(4096, 256, seed=1)
+@pytest.mark.parametrize("native_kernel", KERNELS)
+def test_8bit_logits_stay_within_their_bound_and_the_best_candidate_is_exact(
+    native_kernel: bool,
+) -> None:
+    weights = int8_model(4096, 256, seed=1, native_kernel=native_kernel)
     g = torch.Generator().manual_seed(2)
     hidden = (torch.randn(16, 256, generator=g) * 3).bfloat16()
     exact = hidden.float() @ weights.lm_head.float().T
     raw = quant.linear(hidden, weights.projection).float()  # type: ignore[arg-type]
-    bound = weights.projection_error * hidden.float().norm(dim=-1, keepdim=True)
-    # The bound is on the weights' rounding; the kernel's bfloat16 output adds
-    # half a bfloat16 step of the logit.
+    h = hidden.float()
+    bound = weights.projection_error * h.norm(dim=-1, keepdim=True)
+    bound = bound + weights.projection_input_error * h.abs().amax(dim=-1, keepdim=True)
+    # The bounds are on the weights' rounding and the kernel's 16-bit inputs;
+    # the bfloat16 output adds half a bfloat16 step of the logit.
     assert ((raw - exact).abs() <= bound + exact.abs() * 2.0**-8).all()
     assert (raw != exact).any()  # the projection is not exact: the bound is needed
     out = llama.logits(weights, hidden)
@@ -65,8 +84,9 @@ def test_8bit_logits_stay_within_their_bound_and_the_best_candidate_is_exact() -
     torch.testing.assert_close(out.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-4)
 
 
-def test_a_row_of_8bit_logits_does_not_depend_on_the_other_rows() -> None:
-    weights = int8_model(1024, 128, seed=3)
+@pytest.mark.parametrize("native_kernel", KERNELS)
+def test_a_row_of_8bit_logits_does_not_depend_on_the_other_rows(native_kernel: bool) -> None:
+    weights = int8_model(1024, 128, seed=3, native_kernel=native_kernel)
     hidden = torch.randn(8, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
     together = llama.logits(weights, hidden)
     for i in range(8):

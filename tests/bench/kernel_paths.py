@@ -48,10 +48,13 @@ def cases(module: ModuleType) -> dict[str, tuple[Callable[[], object], int]]:
         data, scales = native.pack(q, d, -8 * d)
         x = torch.randn(ROWS, k, generator=g).bfloat16()
         out[name] = (partial(native._call, module, x, data, scales, n), 30)
-    q8 = torch.randint(-127, 128, (49152, 576), generator=g, dtype=torch.int8)
+    q8 = native.pack_int8(torch.randint(-127, 128, (49152, 576), generator=g, dtype=torch.int8))
     scale = torch.rand(49152, generator=g).bfloat16()
     x8 = torch.randn(ROWS, 576, generator=g).bfloat16()
-    out["8-bit projection 49152 x 576"] = (partial(native._int8, module, x8, q8, scale), 1)
+    out["8-bit projection 49152 x 576"] = (
+        partial(native._int8, module, x8, q8, scale, torch.float32),
+        1,
+    )
     e, heads, kv_heads, length = 64, 9, 3, 1024
     rope = (torch.randn(length, e, generator=g), torch.randn(length, e, generator=g))
     cache = torch.randn(ROWS, 2 * kv_heads, length, e, generator=g).bfloat16()

@@ -100,16 +100,24 @@ int main(int argc, char **argv) {
     for (int s = 0; s < 4; s++)
         for (int r = 0; r < 3; r++) q4_case(k, shapes[s][0], shapes[s][1], rows[r]);
 
-    { /* the 8-bit projection */
-        int64_t N = 100, K = 576, M = 7;
-        int8_t *q = need((size_t)(N * K));
-        uint16_t *scale = need((size_t)N * 2), *x = need((size_t)(M * K) * 2), *out = need((size_t)(M * N) * 2);
-        for (int64_t i = 0; i < N * K; i++) q[i] = (int8_t)((int)(next() % 255) - 127);
+    /* the 8-bit matmul (pack_int8's blocks of 16 outputs: any bytes do), in
+       float32 and in bfloat16; K = 1040 runs past one integer chunk, and one
+       row there holds an infinity */
+    const int64_t i8[][3] = {{100, 576, 7}, {37, 1040, 9}};
+    for (int s = 0; s < 2; s++) {
+        int64_t N = i8[s][0], K = i8[s][1], M = i8[s][2], padded = (N + 15) / 16 * 16;
+        int8_t *q = need((size_t)(padded * K));
+        uint16_t *scale = need((size_t)N * 2), *x = need((size_t)(M * K) * 2);
+        float *out = need((size_t)(M * N) * 4);
+        uint16_t *out16 = need((size_t)(M * N) * 2);
+        for (int64_t i = 0; i < padded * K; i++) q[i] = (int8_t)((int)(next() % 255) - 127);
         for (int64_t i = 0; i < N; i++) scale[i] = bf(uniform() * 0.01f);
         for (int64_t i = 0; i < M * K; i++) x[i] = bf(normal());
-        if (k->int8_matmul(x, q, scale, out, M, N, K, 2)) exit(4);
-        emit(out, (size_t)(M * N) * 2);
-        free(q), free(scale), free(x), free(out);
+        if (s == 1) x[3 * K + 77] = bf(INFINITY);
+        if (k->int8_matmul(x, q, scale, out, 0, M, N, K, 2)) exit(4);
+        if (k->int8_matmul(x, q, scale, out16, 1, M, N, K, 2)) exit(4);
+        emit(out, (size_t)(M * N) * 4), emit(out16, (size_t)(M * N) * 2);
+        free(q), free(scale), free(x), free(out), free(out16);
     }
     { /* the residual add and norm, with and without the add */
         int64_t M = 19, D = 576;

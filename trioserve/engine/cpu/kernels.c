@@ -152,19 +152,20 @@ static int threads_ok(long long threads) {
 static PyObject *int8_mm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     void *ptr[4];
-    long long dims[4];
-    if (read_args(args, nargs, 8, 4, ptr, dims, "int8_mm(x, q, scale, out, M, N, K, threads)"))
+    long long dims[5];
+    if (read_args(args, nargs, 9, 4, ptr, dims,
+                  "int8_mm(x, q, scale, out, M, N, K, out_bf16, threads)"))
         return NULL;
-    if (dims[0] < 1 || dims[1] < 1 || dims[2] < 16 || dims[2] % 16 || dims[3] < 1) {
+    if (dims[0] < 1 || dims[1] < 1 || dims[2] < 16 || dims[2] % 16) {
         PyErr_SetString(PyExc_ValueError, "int8_mm: M, N >= 1, K a positive multiple of 16");
         return NULL;
     }
-    if (!threads_ok(dims[3])) return NULL;
+    if (!threads_ok(dims[4])) return NULL;
     if (!have_path()) return NULL;
     int status;
     Py_BEGIN_ALLOW_THREADS
     status = active->int8_matmul((const uint16_t *)ptr[0], (const int8_t *)ptr[1], (const uint16_t *)ptr[2],
-                         (uint16_t *)ptr[3], dims[0], dims[1], dims[2], (int)dims[3]);
+                                 ptr[3], dims[3] != 0, dims[0], dims[1], dims[2], (int)dims[4]);
     Py_END_ALLOW_THREADS
     if (status != 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -434,7 +435,8 @@ static PyMethodDef methods[] = {
     {"q4_mm", (PyCFunction)(void (*)(void))q4_mm, METH_FASTCALL,
      "q4_mm(x, w, d, m, out, M, N, K, threads): out = x @ W.T (addresses of contiguous buffers)"},
     {"int8_mm", (PyCFunction)(void (*)(void))int8_mm, METH_FASTCALL,
-     "int8_mm(x, q, scale, out, M, N, K, threads): out = x @ (q * scale).T"},
+     "int8_mm(x, q, scale, out, M, N, K, out_bf16, threads): out = x @ (q * scale).T, q in "
+     "blocks of 16 outputs (native.pack_int8)"},
     {"add_rms_norm", (PyCFunction)(void (*)(void))add_rms_norm, METH_FASTCALL,
      "add_rms_norm(x, y, w, out, M, D, eps, threads): x += y; out = rms_norm(x) * w"},
     {"attention", (PyCFunction)(void (*)(void))attention, METH_FASTCALL,

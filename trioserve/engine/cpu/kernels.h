@@ -23,8 +23,8 @@
 #define WIDE_BYTES 256 /* 16 groups x 16 bytes, as 4 loads of 64 */
 #define NARROW 4       /* groups of one narrow block (the tail) */
 #define NARROW_BYTES 64
-#define ROWS 6 /* rows of x sharing one pass over W (of 4, 6 and 8, the fastest \
-                  at 8 and 64 rows when measured) */
+#define ROWS 6 /* rows of x sharing one pass over the 4-bit W (of 4, 6 and 8, \
+                  the fastest at 8 and 64 rows when measured) */
 /* The same for the 4-bit matmul, at most 8; a path may choose its own
    (before including this file). */
 #ifndef Q4_ROWS
@@ -37,6 +37,12 @@
 #define SUM16_ROWS Q4_ROWS
 #endif
 #define OUTS 16 /* outputs per unit of parallel work */
+/* Rows of x sharing one pass over a block of the 8-bit matmul's weights, at
+   most 8: each holds an integer accumulator, so a path with few registers
+   chooses fewer (before including this file). */
+#ifndef I8_ROWS
+#define I8_ROWS 8
+#endif
 /* How far ahead of its reads a thread asks for the weights: one core keeps
    too few misses in flight for the memory's bandwidth on its own, and 4 KiB
    ahead was the distance that shortened a decode step's 4-bit matmuls most
@@ -144,8 +150,8 @@ typedef struct {
     const char *name;
     int (*q4_matmul)(const uint16_t *x, const uint8_t *w, const uint16_t *d, const uint16_t *m,
                      uint16_t *out, int64_t M, int64_t N, int64_t K, int threads);
-    int (*int8_matmul)(const uint16_t *x, const int8_t *q, const uint16_t *scale, uint16_t *out,
-                       int64_t M, int64_t N, int64_t K, int threads);
+    int (*int8_matmul)(const uint16_t *x, const int8_t *q, const uint16_t *scale, void *out,
+                       int out_bf16, int64_t M, int64_t N, int64_t K, int threads);
     void (*add_norm)(float *x, const uint16_t *y, const float *w, uint16_t *out, int64_t M,
                      int64_t D, float eps, int threads);
     int (*attention)(attn_args *a, int threads);

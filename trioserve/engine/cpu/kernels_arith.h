@@ -255,43 +255,134 @@ static int q4_matmul(const uint16_t *x, const uint8_t *w, const uint16_t *d, con
     return 0;
 }
 
-/* --- the 8-bit vocabulary projection ------------------------------------- */
+/* --- the 8-bit matmul (the vocabulary projection) ---------------------------- */
 
-/* out[M, N] (bfloat16) = x[M, K] (bfloat16) @ (q[N, K] int8 * scale[N]).T, in
-   float32 from the bfloat16 activations as they are (no 8-bit activations:
-   trioserve.engine.cpu.llama.logits bounds this projection's error by its
-   weights' rounding alone). K is a multiple of 16. A row's sums run in the
-   same order whatever M is. */
-static int int8_matmul(const uint16_t *x, const int8_t *q, const uint16_t *scale, uint16_t *out,
-                       int64_t M, int64_t N, int64_t K, int threads) {
-    float *xf = aligned_alloc(64, (size_t)(M * K) * sizeof(float) + 64);
-    if (!xf) return -1;
-    for (int64_t i = 0; i < M * K; i += 16) vf_store(xf + i, vf_bf16(x + i));
+/* out[M, N] = x[M, K] (bfloat16) @ (q[N, K] int8 * scale[N] bfloat16).T, float32
+   (or rounded to bfloat16), K a multiple of 16.
+
+   Each row of x is first written in 16 bits against its largest magnitude
+   (x16 = round(x * 32767 / amax), dx = amax / 32767: within dx / 2 of x, where
+   bfloat16 itself keeps 8 bits a value), and each output's sum is integer
+   work: pairs of 16-bit inputs times pairs of 8-bit weights, summed into one
+   int32 lane per output (vpdpwssd on AVX-512, pmaddwd on AVX2), exact; every
+   I8_CHUNK inputs the lanes are converted to float32 and added up, and the
+   sum times dx times the output's scale is the result.
+   trioserve.engine.cpu.llama.projection_bounds bounds what the 16 bits and
+   the conversions add to the weights' own rounding.
+
+   The weights' layout (trioserve.engine.cpu.native.pack_int8): blocks of 16
+   outputs (the last padded with zero rows); in a block, for each pair of
+   inputs (k, k + 1) in turn, 32 bytes: output j's q[k] and q[k + 1] at bytes
+   2j and 2j + 1. So one load and one multiply-add serve 16 outputs and two
+   inputs, with the row's two inputs broadcast, and no output is ever summed
+   across lanes. A row's arithmetic is the same whatever M is and whichever
+   rows share its pass (I8_ROWS), and every path's integers are the same, so
+   its bits are too. A row with a value that is not finite gives NaN. */
+#define I8_CHUNK 512 /* 256 pairs of at most 2 * 127 * 32767: below 2^31 */
+
+static void quantize16(const uint16_t *x, int64_t K, int16_t *q, float *dx) {
+    for (int64_t i = 0; i < K; i++) {
+        if ((x[i] & 0x7f80u) == 0x7f80u) { /* inf or NaN */
+            memset(q, 0, (size_t)K * sizeof(int16_t));
+            *dx = NAN;
+            return;
+        }
+    }
+    vf m = vf_zero();
+    for (int64_t i = 0; i < K; i += 16) m = vf_max(m, vf_abs(vf_bf16(x + i)));
+    float amax = vf_reduce_max(m);
+    float id = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    vf lim = vf_set1(32767.0f), vid = vf_set1(id);
+    for (int64_t i = 0; i < K; i += 16) {
+        vf v = vf_mul(vf_bf16(x + i), vid);
+        v = vf_max(vf_min(v, lim), vf_sub(vf_zero(), lim));
+        vi_store_i16(q + i, vi_round(v));
+    }
+    *dx = amax / 32767.0f;
+}
+
+/* acc[r] = the 16 outputs' sums (before the scales) of row r of x16 (row
+   stride K), w a block of 16 outputs; nr is a constant at each call site. */
+static inline __attribute__((always_inline)) void int8_block(const int8_t *w, const int16_t *x,
+                                                             int64_t K, const int nr, vf *acc) {
+    for (int r = 0; r < nr; r++) acc[r] = vf_zero();
+    for (int64_t c = 0; c < K; c += I8_CHUNK) {
+        int64_t end = c + I8_CHUNK < K ? c + I8_CHUNK : K;
+        vi s[I8_ROWS];
+        for (int r = 0; r < nr; r++) s[r] = vi_zero();
+        for (int64_t k = c; k < end; k += 2) {
+            if ((k & 3) == 0) __builtin_prefetch(w + k * 16 + PREFETCH, 0, WEIGHT_PREFETCH_LOCALITY);
+            vw wk = vw_load_i8(w + k * 16);
+            for (int r = 0; r < nr; r++) s[r] = vi_madd_i16(s[r], wk, x + r * K + k);
+        }
+        for (int r = 0; r < nr; r++) acc[r] = vf_add(acc[r], vf_from_vi(s[r]));
+    }
+}
+
+static int int8_matmul(const uint16_t *x, const int8_t *q, const uint16_t *scale, void *out,
+                       int out_bf16, int64_t M, int64_t N, int64_t K, int threads) {
+    int16_t *xq = aligned_alloc(64, ((size_t)(M * K) * sizeof(int16_t) + 63) / 64 * 64);
+    float *dx = malloc((size_t)M * sizeof(float));
+    if (!xq || !dx) {
+        free(xq);
+        free(dx);
+        return -1;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (M >= 8)
+    for (int64_t r = 0; r < M; r++) quantize16(x + r * K, K, xq + r * K, dx + r);
+    int64_t units = (N + OUTS - 1) / OUTS;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t u = 0; u < (N + OUTS - 1) / OUTS; u++) {
-        int64_t n0 = u * OUTS, n1 = n0 + OUTS < N ? n0 + OUTS : N;
-        for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
-            int64_t nr = M - r0 < ROWS ? M - r0 : ROWS;
-            for (int64_t n = n0; n < n1; n++) {
-                const int8_t *qn = q + n * K;
-                vf acc[ROWS];
-                for (int64_t r = 0; r < nr; r++) acc[r] = vf_zero();
-                for (int64_t k = 0; k < K; k += 16) {
-                    if ((k & 63) == 0)
-                        __builtin_prefetch(qn + k + PREFETCH, 0, WEIGHT_PREFETCH_LOCALITY);
-                    vf w = vf_i8(qn + k);
-                    for (int64_t r = 0; r < nr; r++)
-                        acc[r] = vf_fmadd(w, vf_load(xf + (r0 + r) * K + k), acc[r]);
+    for (int64_t u = 0; u < units; u++) {
+        int64_t n0 = u * OUTS, count = N - n0 < OUTS ? N - n0 : OUTS;
+        const int8_t *wu = q + u * OUTS * K;
+        uint16_t sb[OUTS] = {0};
+        memcpy(sb, scale + n0, (size_t)count * sizeof(uint16_t));
+        vf sc = vf_bf16(sb);
+        for (int64_t r0 = 0; r0 < M; r0 += I8_ROWS) {
+            int64_t nr = M - r0 < I8_ROWS ? M - r0 : I8_ROWS;
+            const int16_t *xr = xq + r0 * K;
+            vf acc[I8_ROWS];
+            /* nr past I8_ROWS never comes (as in q4_matmul) */
+#define I8_BLOCK(k) \
+    case k: int8_block(wu, xr, K, k <= I8_ROWS ? k : I8_ROWS, acc); break
+            switch (nr) {
+                I8_BLOCK(8);
+                I8_BLOCK(7);
+                I8_BLOCK(6);
+                I8_BLOCK(5);
+                I8_BLOCK(4);
+                I8_BLOCK(3);
+                I8_BLOCK(2);
+            default: int8_block(wu, xr, K, 1, acc); break;
+            }
+#undef I8_BLOCK
+            for (int64_t r = 0; r < nr; r++) {
+                vf v = vf_mul(acc[r], vf_mul(sc, vf_set1(dx[r0 + r])));
+                int64_t at = (r0 + r) * N + n0;
+                if (out_bf16) {
+                    uint16_t *o = (uint16_t *)out + at;
+                    if (count == OUTS) {
+                        vf_store_bf16(o, v);
+                    } else {
+                        uint16_t t[OUTS];
+                        vf_store_bf16(t, v);
+                        memcpy(o, t, (size_t)count * sizeof(uint16_t));
+                    }
+                } else {
+                    float *o = (float *)out + at;
+                    if (count == OUTS) {
+                        vf_store(o, v);
+                    } else {
+                        float t[OUTS];
+                        vf_store(t, v);
+                        memcpy(o, t, (size_t)count * sizeof(float));
+                    }
                 }
-                uint32_t su = (uint32_t)scale[n] << 16;
-                float sf;
-                memcpy(&sf, &su, 4);
-                for (int64_t r = 0; r < nr; r++)
-                    out[(r0 + r) * N + n] = float_to_bf16(vf_reduce_add(acc[r]) * sf);
             }
         }
     }
-    free(xf);
+    free(dx);
+    free(xq);
     return 0;
 }
 

@@ -11,6 +11,7 @@
 
 #define Q4_ROWS 8 /* kernels_avx2.c's */
 #define SUM16_ROWS 1 /* kernels_avx2.c's */
+#define I8_ROWS 6 /* kernels_avx2.c's */
 #include "kernels.h"
 
 #if KERNELS_HAVE_AVX2_VNNI

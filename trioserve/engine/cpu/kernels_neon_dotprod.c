@@ -16,6 +16,9 @@
 /* One row's outputs summed 16 at once, as on AVX2 (kernels_avx2.c: there
    more rows spilled registers); not timed on an ARM64 CPU. */
 #define SUM16_ROWS 1
+/* 4 rows a pass over the 8-bit matmul's weights: 16 accumulators of the 32
+   registers, with the weights' 4 and the products'; not timed on ARM64. */
+#define I8_ROWS 4
 #include "kernels.h"
 #define KERNELS_DOTPROD 1
 #include "kernels_vec_neon.h"

@@ -129,10 +129,6 @@ static inline vf vf_f16_first4(const uint16_t *p, int n) {
 static inline vf vf_load_first4(const float *p) {
     return VF2(_mm256_zextps128_ps256(_mm_loadu_ps(p)), _mm256_setzero_ps());
 }
-static inline vf vf_i8(const int8_t *p) {
-    return VF2(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))),
-               _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))));
-}
 
 static inline __m256i bf16_round8(__m256 v) {
     const __m256i half = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
@@ -214,6 +210,35 @@ static inline void vi_store_i8(int8_t *p, vi a) {
     _mm256_storeu_si256((__m256i *)t, a.lo);
     _mm256_storeu_si256((__m256i *)(t + 8), a.hi);
     for (int i = 0; i < 16; i++) p[i] = (int8_t)t[i];
+}
+static inline void vi_store_i16(int16_t *p, vi a) {
+    int32_t t[16];
+    _mm256_storeu_si256((__m256i *)t, a.lo);
+    _mm256_storeu_si256((__m256i *)(t + 8), a.hi);
+    for (int i = 0; i < 16; i++) p[i] = (int16_t)t[i];
+}
+
+/* The 8-bit matmul's weights (kernels_arith.h): 16 lanes of two int16, lane l
+   bytes 2l and 2l + 1 of 32. */
+typedef struct {
+    __m256i lo, hi;
+} vw;
+static inline vw vw_load_i8(const int8_t *p) {
+    return (vw){.lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)),
+                .hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)))};
+}
+/* acc + lane l's two weights times x[0], x[1] (int16), exact in int32:
+   AVX-VNNI's vpdpwssd, or madd and an add (the same integers). */
+static inline vi vi_madd_i16(vi acc, vw w, const int16_t *x) {
+    int32_t pair;
+    memcpy(&pair, x, 4);
+    __m256i b = _mm256_set1_epi32(pair);
+#if defined(KERNELS_AVX2_VNNI)
+    return VI2(_mm256_dpwssd_avx_epi32(acc.lo, w.lo, b), _mm256_dpwssd_avx_epi32(acc.hi, w.hi, b));
+#else
+    return VI2(_mm256_add_epi32(acc.lo, _mm256_madd_epi16(w.lo, b)),
+               _mm256_add_epi32(acc.hi, _mm256_madd_epi16(w.hi, b)));
+#endif
 }
 
 static inline vb vb_load(const uint8_t *p) {

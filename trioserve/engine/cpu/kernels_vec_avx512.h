@@ -101,9 +101,6 @@ static inline vf vf_f16_first4(const uint16_t *p, int n) {
     return _mm512_zextps128_ps512(f16_first4(p, n));
 }
 static inline vf vf_load_first4(const float *p) { return _mm512_zextps128_ps512(_mm_loadu_ps(p)); }
-static inline vf vf_i8(const int8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
 
 /* 16 float32 rounded to bfloat16 as float_to_bf16 does (NaN included). */
 static inline void vf_store_bf16(uint16_t *p, vf v) {
@@ -155,6 +152,23 @@ static inline int32_t vi_reduce_add(vi a) { return _mm512_reduce_add_epi32(a); }
 /* The low byte of each lane (the values fit in int8). */
 static inline void vi_store_i8(int8_t *p, vi a) {
     _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(a));
+}
+/* The low 16 bits of each lane (the values fit in int16). */
+static inline void vi_store_i16(int16_t *p, vi a) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(a));
+}
+
+/* The 8-bit matmul's weights (kernels_arith.h): 16 lanes of two int16, lane l
+   bytes 2l and 2l + 1 of 32. */
+typedef __m512i vw;
+static inline vw vw_load_i8(const int8_t *p) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+}
+/* acc + lane l's two weights times x[0], x[1] (int16), exact in int32. */
+static inline vi vi_madd_i16(vi acc, vw w, const int16_t *x) {
+    int32_t pair;
+    memcpy(&pair, x, 4);
+    return _mm512_dpwssd_epi32(acc, w, _mm512_set1_epi32(pair));
 }
 
 static inline vb vb_load(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }

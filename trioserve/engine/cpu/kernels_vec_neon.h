@@ -176,12 +176,6 @@ static inline vf vf_f16(const uint16_t *p) {
     EACH(r, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * i))));
     return r;
 }
-static inline vf vf_i8(const int8_t *p) {
-    int16x8_t lo = vmovl_s8(vld1_s8(p)), hi = vmovl_s8(vld1_s8(p + 8));
-    vf r = {{vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo))),
-             vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi)))}};
-    return r;
-}
 static inline uint16x4_t bf16_round4(float32x4_t v) {
     uint32x4_t u = vreinterpretq_u32_f32(v);
     uint32x4_t r = vshrq_n_u32(
@@ -282,6 +276,32 @@ static inline void vi_store_i8(int8_t *p, vi a) {
     int16x8_t lo = vcombine_s16(vmovn_s32(a.v[0]), vmovn_s32(a.v[1]));
     int16x8_t hi = vcombine_s16(vmovn_s32(a.v[2]), vmovn_s32(a.v[3]));
     vst1q_s8(p, vcombine_s8(vmovn_s16(lo), vmovn_s16(hi)));
+}
+static inline void vi_store_i16(int16_t *p, vi a) {
+    vst1q_s16(p, vcombine_s16(vmovn_s32(a.v[0]), vmovn_s32(a.v[1])));
+    vst1q_s16(p + 8, vcombine_s16(vmovn_s32(a.v[2]), vmovn_s32(a.v[3])));
+}
+
+/* The 8-bit matmul's weights (kernels_arith.h): 16 lanes of two int16, lane l
+   bytes 2l and 2l + 1 of 32 (v[i]: lanes 4i .. 4i + 3). */
+typedef struct {
+    int16x8_t v[4];
+} vw;
+static inline vw vw_load_i8(const int8_t *p) {
+    int8x16_t a = vld1q_s8(p), b = vld1q_s8(p + 16);
+    vw r = {{vmovl_s8(vget_low_s8(a)), vmovl_high_s8(a), vmovl_s8(vget_low_s8(b)), vmovl_high_s8(b)}};
+    return r;
+}
+/* acc + lane l's two weights times x[0], x[1] (int16), exact in int32: the
+   products widened, each lane's two added by a pairwise add. */
+static inline vi vi_madd_i16(vi acc, vw w, const int16_t *x) {
+    int32_t pair;
+    memcpy(&pair, x, 4);
+    int16x8_t b = vreinterpretq_s16_s32(vdupq_n_s32(pair));
+    vi r;
+    EACH(r, vaddq_s32(acc.v[i], vpaddq_s32(vmull_s16(vget_low_s16(w.v[i]), vget_low_s16(b)),
+                                           vmull_high_s16(w.v[i], b))));
+    return r;
 }
 
 static inline vb vb_load(const uint8_t *p) {

@@ -12,11 +12,11 @@ residual: kernels.c), so that its answers are torch's bfloat16 path's
 where 8 bits moved near-ties, and asks for the weights ahead of its reads
 (one core alone keeps too few misses in flight to use the memory's
 bandwidth; docs/performance.md has its timings). :func:`int8_mm` is the
-vocabulary projection's 8-bit weights times bfloat16 activations (no 8-bit
-activations there: its error bound is its weights'), with the same
-prefetching. :func:`add_rms_norm` adds a layer's output to the float32
-residual stream and normalises it in one pass per row, where torch runs a
-chain of about ten small operators.
+vocabulary projection's 8-bit weights times activations written in 16 bits
+(their error bound is a small part of the weights'), integers dotted 16
+outputs a multiply-add, with the same prefetching. :func:`add_rms_norm`
+adds a layer's output to the float32 residual stream and normalises it in
+one pass per row, where torch runs a chain of about ten small operators.
 :func:`attention` replaces rope's seven operators, the cache write and
 ``scaled_dot_product_attention`` (with its masks and length buckets, which
 kept torch's kernel batch-invariant) by one call: each row attends to
@@ -65,10 +65,12 @@ __all__ = [
     "cache_dir",
     "forward_layers",
     "int8_mm",
+    "int8_row_sums",
     "kernel",
     "layer_table",
     "max_group_heads",
     "pack",
+    "pack_int8",
     "path",
     "q4_mm",
     "quantize_rows",
@@ -76,6 +78,7 @@ __all__ = [
     "silu_mul",
     "unavailable_reason",
     "unpack",
+    "unpack_int8",
 ]
 
 logger = logging.getLogger(__name__)
@@ -136,10 +139,56 @@ def q4_mm(rows: Tensor, data: Tensor, scales: Tensor, out_features: int) -> Tens
     return _call(_module(), rows, data, scales, out_features)
 
 
-def int8_mm(rows: Tensor, q: Tensor, scale: Tensor) -> Tensor:
-    """rows [M, K] bfloat16 @ (q [N, K] int8 * scale [N] bfloat16).T -> [M, N]
-    bfloat16, summed in float32 from the bfloat16 rows as they are."""
-    return _int8(_module(), rows, q, scale)
+def int8_mm(rows: Tensor, q: Tensor, scale: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """rows [M, K] bfloat16 @ (Q [N, K] int8 * scale [N] bfloat16).T -> [M, N]
+    ``dtype`` (float32 or bfloat16), for Q in :func:`pack_int8`'s layout
+    (``q``); each row of ``rows`` is written in 16 bits against its largest
+    magnitude and the sums are integers (kernels_arith.h): within
+    :data:`INT8_INPUT_ERROR` times the row's largest magnitude times the
+    output's ``scale * sum(|Q|)`` of the float32 sums of ``rows`` as they
+    are."""
+    return _int8(_module(), rows, q, scale, dtype)
+
+
+#: A bound on what :func:`int8_mm` adds to a result from writing the row in
+#: 16 bits and converting its integers, per unit of the row's largest
+#: magnitude times the output's ``scale * sum(|Q|)``: half a step of 1 /
+#: 32767 for each input, then float32 roundings (the conversion of a chunk's
+#: integer sum, the additions and the scaling: a few parts in 2^24 of that
+#: sum, which is at most the same product).
+INT8_INPUT_ERROR = 0.5 / 32767 + 2.0**-20
+
+
+def pack_int8(q: Tensor) -> Tensor:
+    """q [N, K] int8 -> the 8-bit matmul's layout, [ceil(N / 16), K / 2, 32]
+    int8: blocks of 16 outputs (the last padded with zero rows), in a block
+    for each pair of inputs (k, k + 1) output j's q[k] and q[k + 1] at bytes
+    2j and 2j + 1 (kernels_arith.h says why)."""
+    n, k = q.shape
+    _need(q.dtype == torch.int8 and n >= 1 and k >= 2 and k % 2 == 0, "q: [N, K] int8, K even")
+    blocks = -(-n // 16)
+    padded = torch.zeros(blocks * 16, k, dtype=torch.int8)
+    padded[:n] = q
+    blocked = padded.view(blocks, 16, k // 2, 2).transpose(1, 2)
+    return blocked.reshape(blocks, k // 2, 32).contiguous()
+
+
+def unpack_int8(data: Tensor, n: int) -> Tensor:
+    """:func:`pack_int8`'s data -> q [N, K] int8."""
+    blocks, pairs, _ = data.shape
+    return data.view(blocks, pairs, 16, 2).transpose(1, 2).reshape(blocks * 16, pairs * 2)[:n]
+
+
+def int8_row_sums(data: Tensor, n: int) -> Tensor:
+    """sum(|q|) of each of the N outputs of :func:`pack_int8`'s data, [N] int64,
+    a block at a time (no int64 copy of the whole)."""
+    out = torch.empty(data.shape[0] * 16, dtype=torch.int64)
+    step = 256
+    for start in range(0, data.shape[0], step):
+        part = data[start : start + step].to(torch.int64).abs_()  # [b, K / 2, 32]
+        sums = part.view(part.shape[0], part.shape[1], 16, 2).sum(dim=(1, 3))
+        out[start * 16 : start * 16 + sums.numel()] = sums.reshape(-1)
+    return out[:n]
 
 
 def add_rms_norm(x: Tensor, y: Tensor | None, weight: Tensor, eps: float) -> Tensor:
@@ -389,14 +438,18 @@ def _probe(module: ModuleType) -> str | None:
             return f"the 4-bit matmul's results ({n} x {k})"
         if not _rows_agree(functools.partial(_q4_rows, module, data, scales, n), x, out):
             return f"the 4-bit matmul's batch invariance ({n} x {k})"
-        w8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-        s8 = (torch.rand(n, generator=g) * 0.01 + 0.001).to(torch.bfloat16)
-        out8 = _int8(module, x, w8, s8)
+        w8 = torch.randint(-127, 128, (n - 3, k), generator=g, dtype=torch.int8)
+        s8 = (torch.rand(n - 3, generator=g) * 0.01 + 0.001).to(torch.bfloat16)
+        packed = pack_int8(w8)
+        out8 = _int8(module, x, packed, s8, torch.float32)
         ref8 = x.double() @ (w8.double() * s8.double()[:, None]).T
-        if not bool(((out8.double() - ref8).abs() <= ref8.abs() / 256 + 1e-3).all()):
-            return f"the 8-bit matmul's results ({n} x {k})"
-        if not _rows_agree(functools.partial(_int8_rows, module, w8, s8), x, out8):
-            return f"the 8-bit matmul's batch invariance ({n} x {k})"
+        bound = _int8_bound(x, w8, s8)
+        if not bool(((out8.double() - ref8).abs() <= bound).all()):
+            return f"the 8-bit matmul's results ({n - 3} x {k})"
+        if not torch.equal(_int8(module, x, packed, s8), out8.bfloat16()):
+            return f"the 8-bit matmul's bfloat16 results ({n - 3} x {k})"
+        if not _rows_agree(functools.partial(_int8_rows, module, packed, s8), x, out8):
+            return f"the 8-bit matmul's batch invariance ({n - 3} x {k})"
     failed = _probe_attention(module) or _probe_silu(module)
     if failed:
         return failed
@@ -479,7 +532,14 @@ def _q4_rows(module: ModuleType, data: Tensor, scales: Tensor, n: int, x: Tensor
 
 
 def _int8_rows(module: ModuleType, q: Tensor, scale: Tensor, x: Tensor) -> Tensor:
-    return _int8(module, x, q, scale)
+    return _int8(module, x, q, scale, torch.float32)
+
+
+def _int8_bound(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """[M, N] float64: how far :func:`int8_mm` may be from the exact products
+    of ``x`` and ``q * scale`` ([N, K] int8, [N])."""
+    l1 = q.double().abs().sum(dim=1) * scale.double()  # [N]
+    return x.double().abs().amax(dim=1, keepdim=True) * l1 * INT8_INPUT_ERROR
 
 
 def _need(condition: bool, message: str) -> None:
@@ -492,20 +552,23 @@ def _bf16_matrix(x: Tensor, name: str) -> Tensor:
     return x.to(torch.bfloat16).contiguous()
 
 
-def _int8(module: ModuleType, x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+def _int8(
+    module: ModuleType, x: Tensor, q: Tensor, scale: Tensor, dtype: torch.dtype = torch.bfloat16
+) -> Tensor:
     x = _bf16_matrix(x, "rows")
     m, k = x.shape
-    n = q.shape[0] if q.dim() == 2 else 0
+    n = scale.shape[0] if scale.dim() == 1 else 0
     _need(
-        q.dtype == torch.int8 and q.shape == (n, k) and n >= 1 and q.is_contiguous(),
-        "q: [N, K] int8, contiguous",
+        scale.dtype == torch.bfloat16 and n >= 1 and scale.is_contiguous(),
+        "scale: [N] bfloat16, contiguous",
     )
     _need(k >= 16 and k % 16 == 0, "rows: K a positive multiple of 16")
     _need(
-        scale.dtype == torch.bfloat16 and scale.shape == (n,) and scale.is_contiguous(),
-        "scale: [N] bfloat16",
+        q.dtype == torch.int8 and q.shape == (-(-n // 16), k // 2, 32) and q.is_contiguous(),
+        "q: [ceil(N / 16), K / 2, 32] int8 (pack_int8's layout), contiguous",
     )
-    out = torch.empty(m, n, dtype=torch.bfloat16)
+    _need(dtype in (torch.float32, torch.bfloat16), "dtype: float32 or bfloat16")
+    out = torch.empty(m, n, dtype=dtype)
     module.int8_mm(
         x.data_ptr(),
         q.data_ptr(),
@@ -514,6 +577,7 @@ def _int8(module: ModuleType, x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
         m,
         n,
         k,
+        int(dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
     return out

@@ -63,7 +63,9 @@ class QuantizedWeight:
     activations quantized to 8 bits per group of 32 and integers dotted, as
     llama.cpp does; ``data`` [N, K / 2] uint8 and ``scales`` [2, N, K / 32]
     float16 (d, m) in :func:`trioserve.engine.cpu.native.pack`'s layout.
-    ``"int8"``: the same layout as torch's, bfloat16 activations.
+    ``"int8"``: ``data`` in :func:`trioserve.engine.cpu.native.pack_int8`'s
+    blocks of 16 rows, ``scales`` as torch's; the activations written in 16
+    bits per row and integers dotted.
     """
 
     kind: Literal["q4", "int8"]
@@ -221,14 +223,17 @@ def int8_weight(
         s = (rows.abs().amax(dim=1) / 127).clamp_(min=1e-30).to(torch.bfloat16)
         scale[start : start + _INT8_ROWS] = s
         q[start : start + _INT8_ROWS] = rows.div_(s.float()[:, None]).round_().clamp_(-127, 127)
-    return QuantizedWeight("int8", q, scale, n, k, native=native_kernel)
+    if native_kernel:
+        return QuantizedWeight("int8", native.pack_int8(q), scale, n, k, native=True)
+    return QuantizedWeight("int8", q, scale, n, k)
 
 
 def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """The [N, K] weights that ``w`` stands for, as the kernel computes them
     (in float32), in ``dtype``."""
     if w.kind == "int8":
-        return (w.data.float() * w.scales.float()[:, None]).to(dtype)
+        q = native.unpack_int8(w.data, w.out_features) if w.native else w.data
+        return (q.float() * w.scales.float()[:, None]).to(dtype)
     n, k = w.out_features, w.in_features
     if w.native:
         d, m = w.scales.float()[..., None]  # [N, K / group, 1] each
