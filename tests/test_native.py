@@ -163,6 +163,23 @@ def test_int8_matmul_gives_nan_for_a_row_that_is_not_finite_and_leaves_the_other
 
 
 @needs_native
+def test_int8_matmul_takes_rows_too_small_for_a_reciprocal_and_rows_of_zeros() -> None:
+    g = torch.Generator().manual_seed(6)
+    q = torch.randint(-127, 128, (24, 96), generator=g, dtype=torch.int8)
+    scale = torch.full((24,), 0.5).bfloat16()
+    x = torch.zeros(3, 96)
+    x[0] = torch.randn(96, generator=g) * 1e-38  # 32767 / its largest overflows float32
+    x[0, ::3] = 0
+    x[2] = torch.randn(96, generator=g)
+    x = x.bfloat16()
+    out = native.int8_mm(x, native.pack_int8(q), scale, torch.float32)
+    ref = x.double() @ (q.double() * 0.5).T
+    bound = x.double().abs().amax(1, keepdim=True) * native.INT8_INPUT_ERROR
+    assert bool(((out.double() - ref).abs() <= bound * q.double().abs().sum(1) * 0.5).all())
+    assert bool((out[1] == 0).all()) and bool((out[0] != 0).any())
+
+
+@needs_native
 def test_the_8bit_layout_packs_16_outputs_a_block_and_pads_the_last() -> None:
     q = torch.arange(-60, 60, dtype=torch.int8).view(20, 6)  # 20 outputs of 6 inputs
     packed = native.pack_int8(q)

@@ -261,12 +261,14 @@ static int q4_matmul(const uint16_t *x, const uint8_t *w, const uint16_t *d, con
    (or rounded to bfloat16), K a multiple of 16.
 
    Each row of x is first written in 16 bits against its largest magnitude
-   (x16 = round(x * 32767 / amax), dx = amax / 32767: within dx / 2 of x, where
-   bfloat16 itself keeps 8 bits a value), and each output's sum is integer
+   (x16 = round(x / amax * 32767): within amax / 65534 of x * 32767 / amax,
+   where bfloat16 itself keeps 8 bits a value), and each output's sum is integer
    work: pairs of 16-bit inputs times pairs of 8-bit weights, summed into one
    int32 lane per output (vpdpwssd on AVX-512, pmaddwd on AVX2), exact; every
-   I8_CHUNK inputs the lanes are converted to float32 and added up, and the
-   sum times dx times the output's scale is the result.
+   I8_CHUNK inputs the lanes are converted to float32 and added up, and
+   ((sum * the output's scale) * amax) times the float32 nearest 1 / 32767 is
+   the result (in that order: no intermediate is subnormal unless the result
+   is, even for a row whose 32767 / amax would overflow).
    trioserve.engine.cpu.llama.projection_bounds bounds what the 16 bits and
    the conversions add to the weights' own rounding.
 
@@ -280,25 +282,28 @@ static int q4_matmul(const uint16_t *x, const uint8_t *w, const uint16_t *d, con
    its bits are too. A row with a value that is not finite gives NaN. */
 #define I8_CHUNK 512 /* 256 pairs of at most 2 * 127 * 32767: below 2^31 */
 
-static void quantize16(const uint16_t *x, int64_t K, int16_t *q, float *dx) {
+/* Row x's 16-bit integers q and its largest magnitude *amax (NaN where a
+   value is not finite). */
+static void quantize16(const uint16_t *x, int64_t K, int16_t *q, float *amax_out) {
     for (int64_t i = 0; i < K; i++) {
         if ((x[i] & 0x7f80u) == 0x7f80u) { /* inf or NaN */
             memset(q, 0, (size_t)K * sizeof(int16_t));
-            *dx = NAN;
+            *amax_out = NAN;
             return;
         }
     }
     vf m = vf_zero();
     for (int64_t i = 0; i < K; i += 16) m = vf_max(m, vf_abs(vf_bf16(x + i)));
     float amax = vf_reduce_max(m);
-    float id = amax > 0.0f ? 32767.0f / amax : 0.0f;
-    vf lim = vf_set1(32767.0f), vid = vf_set1(id);
-    for (int64_t i = 0; i < K; i += 16) {
-        vf v = vf_mul(vf_bf16(x + i), vid);
-        v = vf_max(vf_min(v, lim), vf_sub(vf_zero(), lim));
-        vi_store_i16(q + i, vi_round(v));
+    *amax_out = amax;
+    if (amax == 0.0f) {
+        memset(q, 0, (size_t)K * sizeof(int16_t));
+        return;
     }
-    *dx = amax / 32767.0f;
+    /* x / amax is within [-1, 1] (no reciprocal to overflow on a tiny row) */
+    vf va = vf_set1(amax), steps = vf_set1(32767.0f);
+    for (int64_t i = 0; i < K; i += 16)
+        vi_store_i16(q + i, vi_round(vf_mul(vf_div(vf_bf16(x + i), va), steps)));
 }
 
 /* acc[r] = the 16 outputs' sums (before the scales) of row r of x16 (row
@@ -322,14 +327,15 @@ static inline __attribute__((always_inline)) void int8_block(const int8_t *w, co
 static int int8_matmul(const uint16_t *x, const int8_t *q, const uint16_t *scale, void *out,
                        int out_bf16, int64_t M, int64_t N, int64_t K, int threads) {
     int16_t *xq = aligned_alloc(64, ((size_t)(M * K) * sizeof(int16_t) + 63) / 64 * 64);
-    float *dx = malloc((size_t)M * sizeof(float));
-    if (!xq || !dx) {
+    float *amax = malloc((size_t)M * sizeof(float));
+    if (!xq || !amax) {
         free(xq);
-        free(dx);
+        free(amax);
         return -1;
     }
 #pragma omp parallel for schedule(static) num_threads(threads) if (M >= 8)
-    for (int64_t r = 0; r < M; r++) quantize16(x + r * K, K, xq + r * K, dx + r);
+    for (int64_t r = 0; r < M; r++) quantize16(x + r * K, K, xq + r * K, amax + r);
+    const vf step = vf_set1(1.0f / 32767.0f);
     int64_t units = (N + OUTS - 1) / OUTS;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t u = 0; u < units; u++) {
@@ -357,7 +363,7 @@ static int int8_matmul(const uint16_t *x, const int8_t *q, const uint16_t *scale
             }
 #undef I8_BLOCK
             for (int64_t r = 0; r < nr; r++) {
-                vf v = vf_mul(acc[r], vf_mul(sc, vf_set1(dx[r0 + r])));
+                vf v = vf_mul(vf_mul(vf_mul(acc[r], sc), vf_set1(amax[r0 + r])), step);
                 int64_t at = (r0 + r) * N + n0;
                 if (out_bf16) {
                     uint16_t *o = (uint16_t *)out + at;
@@ -381,7 +387,7 @@ static int int8_matmul(const uint16_t *x, const int8_t *q, const uint16_t *scale
             }
         }
     }
-    free(dx);
+    free(amax);
     free(xq);
     return 0;
 }

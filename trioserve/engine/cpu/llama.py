@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -562,10 +563,21 @@ def logits(weights: LlamaWeights, hidden: Tensor) -> Tensor:
         if weights.projection_input_error:
             bound = weights.projection_input_error * h.abs().amax(dim=-1, keepdim=True)
             margin = margin + 2 * bound
-    rows, cols = (out >= top - margin).nonzero(as_tuple=True)  # [N] each
+    rows, cols = _at_least(out, top - margin)  # [N] each
     exact = (hidden[rows].float() * weights.lm_head[cols].float()).sum(-1)  # [N]
     out[rows, cols] = exact
     return out
+
+
+def _at_least(x: Tensor, floor: Tensor) -> tuple[Tensor, Tensor]:
+    """The rows and columns where ``x`` [B, V] >= ``floor`` [B, 1], in order.
+    On the CPU by numpy's comparison and nonzero: torch's nonzero alone took
+    0.17 ms on [8, 49152] float32 on a Zen 4 EPYC (2 threads)."""
+    if x.device.type != "cpu":
+        found = (x >= floor).nonzero(as_tuple=True)
+        return found[0], found[1]
+    rows, cols = np.nonzero(x.numpy() >= floor.numpy())
+    return torch.from_numpy(rows).to(torch.int64), torch.from_numpy(cols).to(torch.int64)
 
 
 def exact_logits(weights: LlamaWeights, hidden: Tensor, ids: Tensor | None = None) -> Tensor:

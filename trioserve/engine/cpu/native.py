@@ -153,9 +153,10 @@ def int8_mm(rows: Tensor, q: Tensor, scale: Tensor, dtype: torch.dtype = torch.b
 #: A bound on what :func:`int8_mm` adds to a result from writing the row in
 #: 16 bits and converting its integers, per unit of the row's largest
 #: magnitude times the output's ``scale * sum(|Q|)``: half a step of 1 /
-#: 32767 for each input, then float32 roundings (the conversion of a chunk's
-#: integer sum, the additions and the scaling: a few parts in 2^24 of that
-#: sum, which is at most the same product).
+#: 32767 for each input (and the two float32 roundings before it rounds to an
+#: integer, a hundredth of a step), then float32 roundings (the conversion of
+#: a chunk's integer sum, the additions and the four products: a few parts in
+#: 2^24 of that sum, which is at most the same product).
 INT8_INPUT_ERROR = 0.5 / 32767 + 2.0**-20
 
 
