@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.direct import mean_nll
-from trioserve.engine.cpu import llama, native, native_build
+from trioserve.engine.cpu import int8_layout, llama, native, native_build
 from trioserve.engine.cpu.options import CpuOptions
 from trioserve.engine.cpu.quant import QuantizedWeight, dequantize, linear, q4_weight, quantize_q4
 from trioserve.errors import ConfigError
@@ -136,11 +136,11 @@ def test_int8_matmul_computes_its_formula_and_rows_do_not_depend_on_each_other(
     x = torch.randn(rows, k, generator=g) * 2.0 ** (torch.rand(rows, k, generator=g) * spread)
     x = x.bfloat16()
     x[0] = x[0].abs().max()  # every input at the largest magnitude
-    packed = native.pack_int8(q)
-    assert torch.equal(native.unpack_int8(packed, n), q)
+    packed = int8_layout.pack_int8(q)
+    assert torch.equal(int8_layout.unpack_int8(packed, n), q)
     out = native.int8_mm(x, packed, scale, torch.float32)
     ref = x.double() @ (q.double() * scale.double()[:, None]).T
-    bound = x.double().abs().amax(1, keepdim=True) * native.INT8_INPUT_ERROR
+    bound = x.double().abs().amax(1, keepdim=True) * int8_layout.input_error(k)
     bound = bound * (q.double().abs().sum(1) * scale.double())
     assert bool(((out.double() - ref).abs() <= bound).all())
     assert torch.equal(native.int8_mm(x, packed, scale), out.bfloat16())
@@ -152,7 +152,7 @@ def test_int8_matmul_computes_its_formula_and_rows_do_not_depend_on_each_other(
 @needs_native
 def test_int8_matmul_gives_nan_for_a_row_that_is_not_finite_and_leaves_the_others() -> None:
     g = torch.Generator().manual_seed(5)
-    q = native.pack_int8(torch.randint(-127, 128, (40, 64), generator=g, dtype=torch.int8))
+    q = int8_layout.pack_int8(torch.randint(-127, 128, (40, 64), generator=g, dtype=torch.int8))
     scale = torch.full((40,), 0.01).bfloat16()
     x = torch.randn(4, 64, generator=g).bfloat16()
     clean = native.int8_mm(x, q, scale, torch.float32)
@@ -172,22 +172,35 @@ def test_int8_matmul_takes_rows_too_small_for_a_reciprocal_and_rows_of_zeros() -
     x[0, ::3] = 0
     x[2] = torch.randn(96, generator=g)
     x = x.bfloat16()
-    out = native.int8_mm(x, native.pack_int8(q), scale, torch.float32)
+    out = native.int8_mm(x, int8_layout.pack_int8(q), scale, torch.float32)
     ref = x.double() @ (q.double() * 0.5).T
-    bound = x.double().abs().amax(1, keepdim=True) * native.INT8_INPUT_ERROR
+    bound = x.double().abs().amax(1, keepdim=True) * int8_layout.input_error(96)
     assert bool(((out.double() - ref).abs() <= bound * q.double().abs().sum(1) * 0.5).all())
     assert bool((out[1] == 0).all()) and bool((out[0] != 0).any())
 
 
 @needs_native
+def test_int8_matmul_is_finite_wherever_its_result_is() -> None:
+    q = torch.zeros(16, 32, dtype=torch.int8)
+    q[0, 0] = 127
+    x = torch.zeros(1, 32)
+    x[0, 0] = 1e30
+    x, scale = x.bfloat16(), torch.full((16,), 1e4).bfloat16()
+    out = native.int8_mm(x, int8_layout.pack_int8(q), scale, torch.float32)
+    exact = float(x[0, 0]) * 127 * float(scale[0])  # about 1.3e36, 32767 times it is not finite
+    assert math.isfinite(float(out[0, 0]))
+    assert abs(float(out[0, 0]) - exact) <= exact * int8_layout.input_error(32)
+
+
+@needs_native
 def test_the_8bit_layout_packs_16_outputs_a_block_and_pads_the_last() -> None:
     q = torch.arange(-60, 60, dtype=torch.int8).view(20, 6)  # 20 outputs of 6 inputs
-    packed = native.pack_int8(q)
+    packed = int8_layout.pack_int8(q)
     assert packed.shape == (2, 3, 32)
     # Block 0, inputs (2, 3): output j's q[2] and q[3] at bytes 2j and 2j + 1.
     assert packed[0, 1].tolist() == [int(v) for j in range(16) for v in q[j, 2:4]]
     assert packed[1, 0, 8:].tolist() == [0] * 24  # outputs 20 to 31: zero rows
-    assert torch.equal(native.int8_row_sums(packed, 20), q.abs().sum(1))
+    assert torch.equal(int8_layout.row_sums(packed, 20), q.abs().sum(1))
 
 
 @needs_native
@@ -762,7 +775,7 @@ def _every_kernel(module: Any, seed: int) -> list[torch.Tensor]:
         native._call(module, torch.randn(8, 576, generator=g).bfloat16(), data, scales, 3072)
     )
     for n, k, rows in ((100, 576, 7), (37, 1040, 9)):
-        q8 = native.pack_int8(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8))
+        q8 = int8_layout.pack_int8(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8))
         scale = (torch.rand(n, generator=g) * 0.01).bfloat16()
         x = torch.randn(rows, k, generator=g).bfloat16()
         outs.append(native._int8(module, x, q8, scale, torch.float32))

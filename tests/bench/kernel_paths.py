@@ -18,7 +18,7 @@ if not __package__:
 
 import torch
 
-from trioserve.engine.cpu import native
+from trioserve.engine.cpu import int8_layout, native
 
 ROWS = 8
 
@@ -48,7 +48,9 @@ def cases(module: ModuleType) -> dict[str, tuple[Callable[[], object], int]]:
         data, scales = native.pack(q, d, -8 * d)
         x = torch.randn(ROWS, k, generator=g).bfloat16()
         out[name] = (partial(native._call, module, x, data, scales, n), 30)
-    q8 = native.pack_int8(torch.randint(-127, 128, (49152, 576), generator=g, dtype=torch.int8))
+    q8 = int8_layout.pack_int8(
+        torch.randint(-127, 128, (49152, 576), generator=g, dtype=torch.int8)
+    )
     scale = torch.rand(49152, generator=g).bfloat16()
     x8 = torch.randn(ROWS, 576, generator=g).bfloat16()
     out["8-bit projection 49152 x 576"] = (

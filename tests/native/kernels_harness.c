@@ -114,8 +114,15 @@ int main(int argc, char **argv) {
         for (int64_t i = 0; i < N; i++) scale[i] = bf(uniform() * 0.01f);
         for (int64_t i = 0; i < M * K; i++) x[i] = bf(normal());
         if (s == 1) x[3 * K + 77] = bf(INFINITY);
-        if (s == 0) /* a row of tiny values: 32767 / its largest would overflow */
+        if (s == 0) {
+            /* a row of tiny values: 32767 / its largest would overflow */
             for (int64_t i = 0; i < K; i++) x[2 * K + i] = i % 3 ? bf(normal() * 1e-38f) : 0;
+            /* the largest integer sums: the first block's weights +-127, a
+               row all at +-its largest; and a row of exact half steps (amax / 2) */
+            for (int64_t i = 0; i < 16 * K; i++) q[i] = (int8_t)(i % 7 ? 127 : -127);
+            for (int64_t i = 0; i < K; i++) x[4 * K + i] = bf(i % 5 ? 1.5f : -1.5f);
+            for (int64_t i = 0; i < K; i++) x[5 * K + i] = bf(i % 2 ? 3.0f : (i % 4 ? 1.5f : -1.5f));
+        }
         if (k->int8_matmul(x, q, scale, out, 0, M, N, K, 2)) exit(4);
         if (k->int8_matmul(x, q, scale, out16, 1, M, N, K, 2)) exit(4);
         emit(out, (size_t)(M * N) * 4), emit(out16, (size_t)(M * N) * 2);

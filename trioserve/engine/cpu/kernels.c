@@ -436,7 +436,7 @@ static PyMethodDef methods[] = {
      "q4_mm(x, w, d, m, out, M, N, K, threads): out = x @ W.T (addresses of contiguous buffers)"},
     {"int8_mm", (PyCFunction)(void (*)(void))int8_mm, METH_FASTCALL,
      "int8_mm(x, q, scale, out, M, N, K, out_bf16, threads): out = x @ (q * scale).T, q in "
-     "blocks of 16 outputs (native.pack_int8)"},
+     "blocks of 16 outputs (int8_layout.pack_int8)"},
     {"add_rms_norm", (PyCFunction)(void (*)(void))add_rms_norm, METH_FASTCALL,
      "add_rms_norm(x, y, w, out, M, D, eps, threads): x += y; out = rms_norm(x) * w"},
     {"attention", (PyCFunction)(void (*)(void))attention, METH_FASTCALL,

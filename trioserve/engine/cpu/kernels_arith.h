@@ -261,18 +261,18 @@ static int q4_matmul(const uint16_t *x, const uint8_t *w, const uint16_t *d, con
    (or rounded to bfloat16), K a multiple of 16.
 
    Each row of x is first written in 16 bits against its largest magnitude
-   (x16 = round(x / amax * 32767): within amax / 65534 of x * 32767 / amax,
+   (x16 = round(x / amax * 32767): within half a step, amax / 65534, of x,
    where bfloat16 itself keeps 8 bits a value), and each output's sum is integer
    work: pairs of 16-bit inputs times pairs of 8-bit weights, summed into one
    int32 lane per output (vpdpwssd on AVX-512, pmaddwd on AVX2), exact; every
    I8_CHUNK inputs the lanes are converted to float32 and added up, and
-   ((sum * the output's scale) * amax) times the float32 nearest 1 / 32767 is
-   the result (in that order: no intermediate is subnormal unless the result
-   is, even for a row whose 32767 / amax would overflow).
-   trioserve.engine.cpu.llama.projection_bounds bounds what the 16 bits and
-   the conversions add to the weights' own rounding.
+   ((sum * the float32 nearest 1 / 32767) * the output's scale) * amax is the
+   result (in that order: nothing before the last product overflows or is
+   subnormal unless the result does or is, even for a row whose 32767 / amax
+   would overflow). trioserve.engine.cpu.int8_layout.input_error bounds what
+   the 16 bits and the roundings add to the weights' own error.
 
-   The weights' layout (trioserve.engine.cpu.native.pack_int8): blocks of 16
+   The weights' layout (trioserve.engine.cpu.int8_layout.pack_int8): blocks of 16
    outputs (the last padded with zero rows); in a block, for each pair of
    inputs (k, k + 1) in turn, 32 bytes: output j's q[k] and q[k + 1] at bytes
    2j and 2j + 1. So one load and one multiply-add serve 16 outputs and two
@@ -363,7 +363,7 @@ static int int8_matmul(const uint16_t *x, const int8_t *q, const uint16_t *scale
             }
 #undef I8_BLOCK
             for (int64_t r = 0; r < nr; r++) {
-                vf v = vf_mul(vf_mul(vf_mul(acc[r], sc), vf_set1(amax[r0 + r])), step);
+                vf v = vf_mul(vf_mul(vf_mul(acc[r], step), sc), vf_set1(amax[r0 + r]));
                 int64_t at = (r0 + r) * N + n0;
                 if (out_bf16) {
                     uint16_t *o = (uint16_t *)out + at;

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trioserve.engine.cpu import native
+from trioserve.engine.cpu import int8_layout, native
 from trioserve.engine.cpu.attention import (
     attention,
     native_attention,
@@ -242,6 +242,12 @@ class LlamaWeights:
     #: addresses, where all of them run on trioserve's kernels (else None).
     layer_table: Tensor | None = None
 
+    def __attrs_post_init__(self) -> None:
+        # The kernel's 16-bit inputs need their bound in the recheck's margin,
+        # however these weights were made.
+        if isinstance(self.projection, QuantizedWeight) and not self.projection_input_error:
+            self.projection_input_error = projection_input_error(self.projection)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
@@ -390,9 +396,6 @@ class LlamaWeights:
                 lm_head=lm_head,
                 projection=proj if proj is not lm_head else None,
                 projection_error=error,
-                projection_input_error=(
-                    projection_input_error(proj) if isinstance(proj, QuantizedWeight) else 0.0
-                ),
                 embed_mapped=mapped,
                 native_norm=native_kernels and config.hidden_size % 16 == 0,
                 layer_table=native.layer_table(layers) if native_kernels else None,
@@ -416,14 +419,14 @@ def projection_input_error(w: QuantizedWeight) -> float:
     bound on what writing the hidden state in 16 bits adds to a logit's
     error, per unit of the state's largest magnitude: each value is off by at
     most half a step, so a logit by at most that times its row's ``scale *
-    sum(|q|)`` (:data:`trioserve.engine.cpu.native.INT8_INPUT_ERROR`); a bound,
+    sum(|q|)`` (:func:`trioserve.engine.cpu.int8_layout.input_error`); a bound,
     not an estimate. On the embedded model's test text it was a 27th of
     :func:`projection_error`'s term (median over 88 positions; at most a
     19th), and a row's candidates went from 8.0 to 8.6 on average."""
     if not (w.native and w.kind == "int8"):
         return 0.0
-    sums = native.int8_row_sums(w.data, w.out_features).double() * w.scales.double()
-    return float(sums.max()) * native.INT8_INPUT_ERROR
+    sums = int8_layout.row_sums(w.data, w.out_features).double() * w.scales.double()
+    return float(sums.max()) * int8_layout.input_error(w.in_features)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -541,9 +544,11 @@ def logits(weights: LlamaWeights, hidden: Tensor) -> Tensor:
     two rounding steps of a row's maximum) is recomputed in float32: usually a
     handful of dot products, far cheaper than a float32 vocabulary projection,
     and the choices that matter become exact. An 8-bit projection widens the
-    margin by twice its weights' error bound (:func:`projection_error`), so
-    that the greedy choice is the bfloat16 path's (5 to 17 candidates a row
-    on the embedded model's test texts).
+    margin by twice its weights' error bound (:func:`projection_error`), and
+    on trioserve's kernel (float32 logits from activations in 16 bits) by
+    twice the bound on its inputs' (:func:`projection_input_error`), so that
+    the greedy choice is the bfloat16 path's (5 to 17 candidates a row on the
+    embedded model's test texts).
     """
     projection = weights.lm_head if weights.projection is None else weights.projection
     if isinstance(projection, QuantizedWeight) and projection.native and projection.kind == "int8":

@@ -56,6 +56,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from trioserve.engine.cpu.int8_layout import input_error, pack_int8
 from trioserve.engine.cpu.native_build import LOST, SOURCE, Unavailable, cache_dir, load
 
 __all__ = [
@@ -65,12 +66,10 @@ __all__ = [
     "cache_dir",
     "forward_layers",
     "int8_mm",
-    "int8_row_sums",
     "kernel",
     "layer_table",
     "max_group_heads",
     "pack",
-    "pack_int8",
     "path",
     "q4_mm",
     "quantize_rows",
@@ -78,7 +77,6 @@ __all__ = [
     "silu_mul",
     "unavailable_reason",
     "unpack",
-    "unpack_int8",
 ]
 
 logger = logging.getLogger(__name__)
@@ -141,55 +139,13 @@ def q4_mm(rows: Tensor, data: Tensor, scales: Tensor, out_features: int) -> Tens
 
 def int8_mm(rows: Tensor, q: Tensor, scale: Tensor, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """rows [M, K] bfloat16 @ (Q [N, K] int8 * scale [N] bfloat16).T -> [M, N]
-    ``dtype`` (float32 or bfloat16), for Q in :func:`pack_int8`'s layout
-    (``q``); each row of ``rows`` is written in 16 bits against its largest
-    magnitude and the sums are integers (kernels_arith.h): within
-    :data:`INT8_INPUT_ERROR` times the row's largest magnitude times the
-    output's ``scale * sum(|Q|)`` of the float32 sums of ``rows`` as they
-    are."""
+    ``dtype`` (float32 or bfloat16), for Q in
+    :func:`~trioserve.engine.cpu.int8_layout.pack_int8`'s layout (``q``);
+    each row of ``rows`` is written in 16 bits against its largest magnitude
+    and the sums are integers (kernels_arith.h): within
+    :func:`~trioserve.engine.cpu.int8_layout.input_error` of the products of
+    ``rows`` as they are."""
     return _int8(_module(), rows, q, scale, dtype)
-
-
-#: A bound on what :func:`int8_mm` adds to a result from writing the row in
-#: 16 bits and converting its integers, per unit of the row's largest
-#: magnitude times the output's ``scale * sum(|Q|)``: half a step of 1 /
-#: 32767 for each input (and the two float32 roundings before it rounds to an
-#: integer, a hundredth of a step), then float32 roundings (the conversion of
-#: a chunk's integer sum, the additions and the four products: a few parts in
-#: 2^24 of that sum, which is at most the same product).
-INT8_INPUT_ERROR = 0.5 / 32767 + 2.0**-20
-
-
-def pack_int8(q: Tensor) -> Tensor:
-    """q [N, K] int8 -> the 8-bit matmul's layout, [ceil(N / 16), K / 2, 32]
-    int8: blocks of 16 outputs (the last padded with zero rows), in a block
-    for each pair of inputs (k, k + 1) output j's q[k] and q[k + 1] at bytes
-    2j and 2j + 1 (kernels_arith.h says why)."""
-    n, k = q.shape
-    _need(q.dtype == torch.int8 and n >= 1 and k >= 2 and k % 2 == 0, "q: [N, K] int8, K even")
-    blocks = -(-n // 16)
-    padded = torch.zeros(blocks * 16, k, dtype=torch.int8)
-    padded[:n] = q
-    blocked = padded.view(blocks, 16, k // 2, 2).transpose(1, 2)
-    return blocked.reshape(blocks, k // 2, 32).contiguous()
-
-
-def unpack_int8(data: Tensor, n: int) -> Tensor:
-    """:func:`pack_int8`'s data -> q [N, K] int8."""
-    blocks, pairs, _ = data.shape
-    return data.view(blocks, pairs, 16, 2).transpose(1, 2).reshape(blocks * 16, pairs * 2)[:n]
-
-
-def int8_row_sums(data: Tensor, n: int) -> Tensor:
-    """sum(|q|) of each of the N outputs of :func:`pack_int8`'s data, [N] int64,
-    a block at a time (no int64 copy of the whole)."""
-    out = torch.empty(data.shape[0] * 16, dtype=torch.int64)
-    step = 256
-    for start in range(0, data.shape[0], step):
-        part = data[start : start + step].to(torch.int64).abs_()  # [b, K / 2, 32]
-        sums = part.view(part.shape[0], part.shape[1], 16, 2).sum(dim=(1, 3))
-        out[start * 16 : start * 16 + sums.numel()] = sums.reshape(-1)
-    return out[:n]
 
 
 def add_rms_norm(x: Tensor, y: Tensor | None, weight: Tensor, eps: float) -> Tensor:
@@ -540,7 +496,7 @@ def _int8_bound(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     """[M, N] float64: how far :func:`int8_mm` may be from the exact products
     of ``x`` and ``q * scale`` ([N, K] int8, [N])."""
     l1 = q.double().abs().sum(dim=1) * scale.double()  # [N]
-    return x.double().abs().amax(dim=1, keepdim=True) * l1 * INT8_INPUT_ERROR
+    return x.double().abs().amax(dim=1, keepdim=True) * l1 * input_error(x.shape[1])
 
 
 def _need(condition: bool, message: str) -> None:
@@ -566,7 +522,7 @@ def _int8(
     _need(k >= 16 and k % 16 == 0, "rows: K a positive multiple of 16")
     _need(
         q.dtype == torch.int8 and q.shape == (-(-n // 16), k // 2, 32) and q.is_contiguous(),
-        "q: [ceil(N / 16), K / 2, 32] int8 (pack_int8's layout), contiguous",
+        "q: [ceil(N / 16), K / 2, 32] int8 (int8_layout.pack_int8's), contiguous",
     )
     _need(dtype in (torch.float32, torch.bfloat16), "dtype: float32 or bfloat16")
     out = torch.empty(m, n, dtype=dtype)

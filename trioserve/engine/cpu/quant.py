@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from trioserve.engine.cpu import native
+from trioserve.engine.cpu.int8_layout import pack_int8, unpack_int8
 from trioserve.errors import ModelError
 
 __all__ = [
@@ -63,7 +64,7 @@ class QuantizedWeight:
     activations quantized to 8 bits per group of 32 and integers dotted, as
     llama.cpp does; ``data`` [N, K / 2] uint8 and ``scales`` [2, N, K / 32]
     float16 (d, m) in :func:`trioserve.engine.cpu.native.pack`'s layout.
-    ``"int8"``: ``data`` in :func:`trioserve.engine.cpu.native.pack_int8`'s
+    ``"int8"``: ``data`` in :func:`trioserve.engine.cpu.int8_layout.pack_int8`'s
     blocks of 16 rows, ``scales`` as torch's; the activations written in 16
     bits per row and integers dotted.
     """
@@ -201,7 +202,7 @@ def q4_weight(
 #: Rows quantized at a time by :func:`int8_weight`: its float32 temporaries
 #: stay a few MiB instead of several copies of the whole weight (a 49,152-row
 #: vocabulary projection would otherwise add ~450 MB to the load's peak).
-_INT8_ROWS = 2048
+_INT8_ROWS = 2048  # a multiple of 16: the native layout's blocks
 
 
 def int8_weight(
@@ -216,23 +217,31 @@ def int8_weight(
     native_kernel = native_kernel and k % 16 == 0
     if not native_kernel and not _int8_works(n, k):
         return pack(w.to(torch.bfloat16))
-    q = torch.empty(n, k, dtype=torch.int8, device=w.device)
+    # The native kernel's layout block by block (no second full-size copy).
+    q = (
+        torch.empty(-(-n // 16), k // 2, 32, dtype=torch.int8)
+        if native_kernel
+        else torch.empty(n, k, dtype=torch.int8, device=w.device)
+    )
     scale = torch.empty(n, dtype=torch.bfloat16, device=w.device)
     for start in range(0, n, _INT8_ROWS):
         rows = w[start : start + _INT8_ROWS].to(torch.float32, copy=True)
         s = (rows.abs().amax(dim=1) / 127).clamp_(min=1e-30).to(torch.bfloat16)
         scale[start : start + _INT8_ROWS] = s
-        q[start : start + _INT8_ROWS] = rows.div_(s.float()[:, None]).round_().clamp_(-127, 127)
-    if native_kernel:
-        return QuantizedWeight("int8", native.pack_int8(q), scale, n, k, native=True)
-    return QuantizedWeight("int8", q, scale, n, k)
+        block = rows.div_(s.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        if native_kernel:
+            packed = pack_int8(block)
+            q[start // 16 : start // 16 + packed.shape[0]] = packed
+        else:
+            q[start : start + _INT8_ROWS] = block
+    return QuantizedWeight("int8", q, scale, n, k, native=native_kernel)
 
 
 def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """The [N, K] weights that ``w`` stands for, as the kernel computes them
     (in float32), in ``dtype``."""
     if w.kind == "int8":
-        q = native.unpack_int8(w.data, w.out_features) if w.native else w.data
+        q = unpack_int8(w.data, w.out_features) if w.native else w.data
         return (q.float() * w.scales.float()[:, None]).to(dtype)
     n, k = w.out_features, w.in_features
     if w.native:
