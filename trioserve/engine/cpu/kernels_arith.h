@@ -365,23 +365,17 @@ static int int8_matmul(const uint16_t *x, const int8_t *q, const uint16_t *scale
             for (int64_t r = 0; r < nr; r++) {
                 vf v = vf_mul(vf_mul(vf_mul(acc[r], step), sc), vf_set1(amax[r0 + r]));
                 int64_t at = (r0 + r) * N + n0;
-                if (out_bf16) {
-                    uint16_t *o = (uint16_t *)out + at;
-                    if (count == OUTS) {
-                        vf_store_bf16(o, v);
-                    } else {
-                        uint16_t t[OUTS];
-                        vf_store_bf16(t, v);
-                        memcpy(o, t, (size_t)count * sizeof(uint16_t));
-                    }
-                } else {
-                    float *o = (float *)out + at;
-                    if (count == OUTS) {
-                        vf_store(o, v);
-                    } else {
-                        float t[OUTS];
-                        vf_store(t, v);
-                        memcpy(o, t, (size_t)count * sizeof(float));
+                uint16_t *o16 = (uint16_t *)out + at;
+                float *o32 = (float *)out + at;
+                if (count == OUTS) {
+                    if (out_bf16) vf_store_bf16(o16, v);
+                    else vf_store(o32, v);
+                } else { /* the last block's outputs (float_to_bf16: vf_store_bf16's rounding) */
+                    float t[OUTS];
+                    vf_store(t, v);
+                    for (int64_t j = 0; j < count; j++) {
+                        if (out_bf16) o16[j] = float_to_bf16(t[j]);
+                        else o32[j] = t[j];
                     }
                 }
             }
