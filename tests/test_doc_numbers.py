@@ -188,3 +188,27 @@ def test_the_kernel_paths_sum_16_outputs_at_once_where_performance_md_says() -> 
         r"^#define SUM16_ROWS Q4_ROWS$", (kernels / "kernels.h").read_text("utf-8"), re.MULTILINE
     )
     assert "so AVX2 and NEON use it for one row only" in doc("docs/performance.md")
+
+
+def test_the_8bit_projections_constants_are_what_performance_md_says() -> None:
+    """docs/performance.md, "The 8-bit projection in integers": the integer
+    sums go to float32 every 512 inputs (kernels_arith.h's I8_CHUNK, which
+    int8_layout.py's bound counts too), AVX2 takes 6 rows a pass, and the
+    recheck looks at blocks of 64 columns (llama.py's _BLOCK). Read from the
+    sources: this tier imports no torch."""
+    cpu = ROOT / "trioserve" / "engine" / "cpu"
+
+    def value(name: str, pattern: str) -> str:
+        found = re.search(pattern, (cpu / name).read_text("utf-8"), re.MULTILINE)
+        assert found, (name, pattern)
+        return found.group(1)
+
+    chunk = value("kernels_arith.h", r"^#define I8_CHUNK (\d+)")
+    assert value("int8_layout.py", r"^CHUNK = (\d+)$") == chunk
+    rows = value("kernels_avx2.c", r"^#define I8_ROWS (\d+)")
+    assert value("kernels_avx2_vnni.c", r"^#define I8_ROWS (\d+)") == rows
+    block = value("llama.py", r"^_BLOCK = (\d+)$")
+    text = " ".join(doc("docs/performance.md").split())
+    assert f"the integer sums go to float32 every {chunk} inputs" in text
+    assert f"avx2 ({rows} rows a pass)" in text
+    assert f"the maxima of blocks of {block} columns" in text
